@@ -1,0 +1,61 @@
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from titan_commopt import comm
+from titan_commopt.topology import R, S, Topology
+from tests.dist_utils import run_distributed
+
+
+def _mesh_and_ledger(rank, world_size):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "fsdp"))
+    topo = Topology.from_mesh(mesh, grad_scale=2.0)
+    ledger = comm.CommLedger()
+    # Which ranks share R / S: gather global ranks over each group.
+    r_members = [int(x) for x in comm.all_gather(torch.tensor([rank]), R, topo.replicate, ledger=ledger)[:, 0]]
+    s_members = [int(x) for x in comm.all_gather(torch.tensor([rank]), S, topo.shard, ledger=ledger)[:, 0]]
+    ledger.end_step()
+    # Sizes the ledger must report equal what was sent.
+    x = torch.full((10, 3), float(rank))
+    comm.all_reduce(x, R, topo.replicate, op="mean", ledger=ledger)
+    y = torch.ones(7, dtype=torch.bfloat16) * rank
+    gathered = comm.all_gather(y, S, topo.shard, ledger=ledger)
+    a, b = torch.full((4,), float(rank)), torch.full((2, 2), 10.0 * rank, dtype=torch.float64)
+    comm.all_reduce_fused([a, b], R, topo.replicate, op="mean", dtype=torch.bfloat16, ledger=ledger)
+    step = ledger.end_step()
+    return dict(
+        r=r_members, s=s_members, sizes=(topo.replicate_size, topo.shard_size, topo.tp_size),
+        replica=topo.replica_index, x=x, gathered=gathered, a=a, b=b, step=step,
+        totals=dict(ledger.totals), grad=topo.replica_grad(torch.ones(2)),
+    )
+
+
+def test_topology_2x2_and_ledger_counts():
+    out = run_distributed(_mesh_and_ledger, 4)
+    for rank, o in enumerate(out):
+        # mesh [[0,1],[2,3]]: dp_replicate is the outer dim, fsdp the inner one.
+        assert o["r"] == [rank % 2, rank % 2 + 2]
+        assert o["s"] == [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert o["sizes"] == (2, 2, 1)
+        assert o["replica"] == rank // 2
+        assert torch.equal(o["x"], torch.full((10, 3), (rank % 2 + rank % 2 + 2) / 2))
+        assert torch.equal(o["gathered"].float(), torch.tensor([[rank // 2 * 2.0] * 7, [rank // 2 * 2 + 1.0] * 7]))
+        assert torch.allclose(o["a"], torch.full((4,), float(rank % 2 + 1)))
+        assert o["b"].dtype == torch.float64
+        # ledger: x = 30 fp32 = 120 B all-reduced; fused = 8 bf16 = 16 B; gather 7 bf16 = 14 B sent, 14 recv.
+        assert o["step"]["R_sent"] == 120 + 16 and o["step"]["R_recv"] == 120 + 16
+        assert o["step"]["S_sent"] == 14 and o["step"]["S_recv"] == 14
+        assert o["step"]["R_calls"] == 2 and o["step"]["S_calls"] == 1
+        assert o["totals"]["R_sent"] == 136 + 8  # the first step's 1-element int64 gather
+        assert torch.equal(o["grad"], torch.full((2,), 2.0))
+
+
+def test_single_topology_is_noop():
+    topo = Topology.single()
+    ledger = comm.CommLedger()
+    x = torch.ones(3)
+    comm.all_reduce(x, R, topo.replicate, op="mean", ledger=ledger)
+    assert torch.equal(comm.all_gather(x, R, topo.replicate, ledger=ledger), x.unsqueeze(0))
+    assert ledger.end_step() == {}
+    assert (topo.replicate_size, topo.shard_size, topo.tp_size, topo.replica_index) == (1, 1, 1, 0)

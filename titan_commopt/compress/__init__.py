@@ -1,0 +1,1 @@
+"""Compression building blocks: DCT chunking, top-k, replicators, wire packing."""
