@@ -79,11 +79,13 @@ def build_optimizer(
 
 
 @torch.no_grad()
-def broadcast_parameters(params: list[nn.Parameter], topology: Topology) -> None:
+def broadcast_parameters(
+    params: list[nn.Parameter], topology: Topology, ledger: "comm.CommLedger | None" = None
+) -> None:
     """Make every replica start from replica 0's parameters (one R broadcast per tensor).
 
     Optimizers that own the R sync shard parameters over S only, so each replica initializes its
     own copy; nothing else guarantees the copies agree.
     """
     for p in params:
-        comm.broadcast(local(p.data), 0, R, topology.replicate)
+        comm.broadcast(local(p.data), 0, R, topology.replicate, ledger=ledger)

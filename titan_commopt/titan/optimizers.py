@@ -1,0 +1,224 @@
+"""torchtitan → titan_commopt: meshes to Topology, parameters to optimizers, FSDP2 bytes estimated.
+
+- :func:`parallelize` wraps a model's stock ``parallelize_fn``. For optimizers that own the
+  replicate (R) sync it hides ``dp_replicate`` from it, so FSDP2 shards over ``fsdp`` only and
+  HSDP's gradient all-reduce over R never happens (TORCHTITAN_NOTES.md §9: this, not
+  ``set_requires_all_reduce(False)``, is what works). On CPU it makes FSDP2 reduce with SUM (gloo).
+- :func:`build_optimizers` is the TrainSpec's ``build_optimizers_fn``. ``AdamW``/``Adam`` are
+  torchtitan's own optimizers, untouched (the baseline); any other name comes from the registry in
+  ``titan_commopt.optim`` with the options of its ``[commopt.<family>]`` table.
+- :class:`CommOptimizersContainer` closes the comm ledger's step after every optimizer step and adds
+  FSDP2's own collectives as labelled estimates, so every run has R and S figures.
+"""
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from titan_commopt import comm
+from titan_commopt.optim import broadcast_parameters, build_optimizer, family_of
+from titan_commopt.optim.common import BaseHParams
+from titan_commopt.options import validate
+from titan_commopt.topology import R, S, Topology
+
+from . import config
+from .cpu import force_sum_reduction, on_cpu
+
+NATIVE_OPTIMIZERS = ("AdamW", "Adam")  # torchtitan's own; HSDP syncs R for them
+
+
+def owns_replicate_sync(optimizer_name: str) -> bool:
+    return optimizer_name not in NATIVE_OPTIMIZERS
+
+
+class _ReplicateHidden:
+    """A view of ``ParallelDims`` in which ``dp_replicate`` does not exist, for ``parallelize_fn``."""
+
+    def __init__(self, parallel_dims: Any) -> None:
+        self._parallel_dims = parallel_dims
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._parallel_dims, name)
+
+    @property
+    def dp_replicate(self) -> int:
+        return 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return False
+
+
+def wrap_parallelize(stock: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    def parallelize(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Module:
+        dims = parallel_dims
+        if owns_replicate_sync(job_config.optimizer.name) and parallel_dims.dp_replicate_enabled:
+            dims = _ReplicateHidden(parallel_dims)
+        model = stock(model, dims, job_config)
+        if on_cpu():
+            force_sum_reduction(model)
+        return model
+
+    return parallelize
+
+
+def topology_of(parallel_dims: Any) -> Topology:
+    """The one place a torchtitan run's meshes become R/S/T (see ``Topology.from_parallel_dims``)."""
+    return Topology.from_parallel_dims(parallel_dims, sums_over_replicas=True)
+
+
+# ---- FSDP2's own traffic, estimated from parameter sizes ----------------------------------------
+@dataclass(frozen=True)
+class FsdpTraffic:
+    """Per-rank payload per step of the collectives FSDP2/HSDP issue themselves (estimates)."""
+
+    s_all_gather_sent: int = 0  # forward (+ backward re-gather) of the local parameter shards
+    s_all_gather_recv: int = 0
+    s_reduce_scatter: int = 0  # gradient reduce-scatter: (S-1)/S of the full gradient each way
+    r_all_reduce: int = 0  # HSDP/DDP gradient all-reduce of the local shard over R (native only)
+
+    def record(self, ledger: comm.CommLedger) -> None:
+        if self.s_all_gather_sent:
+            comm.record_estimate(S, "fsdp_all_gather", self.s_all_gather_sent, self.s_all_gather_recv, ledger=ledger)
+        if self.s_reduce_scatter:
+            comm.record_estimate(S, "fsdp_reduce_scatter", self.s_reduce_scatter, self.s_reduce_scatter, ledger=ledger)
+        if self.r_all_reduce:
+            comm.record_estimate(R, "hsdp_all_reduce", self.r_all_reduce, self.r_all_reduce, ledger=ledger)
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+
+
+def local_parameter_numel(model_parts: list[nn.Module]) -> int:
+    return sum(_local_numel(p) for m in model_parts for p in m.parameters() if p.requires_grad)
+
+
+def adamw_hsdp_r_bytes(model_parts: list[nn.Module], replicate_size: int, reduce_bytes: int = 4) -> int:
+    """R payload per rank per step of AdamW over HSDP/DDP: the all-reduce of the local fp32
+    gradient shard (what ``comm/R_ratio_vs_adamw_hsdp`` divides by)."""
+    return local_parameter_numel(model_parts) * reduce_bytes if replicate_size > 1 else 0
+
+
+def estimate_fsdp_traffic(
+    model_parts: list[nn.Module], topology: Topology, job_config: Any, native_r_sync: bool
+) -> FsdpTraffic:
+    numel = local_parameter_numel(model_parts)
+    shards = topology.shard_size
+    training = job_config.training
+    param_bytes = torch.empty((), dtype=getattr(torch, training.mixed_precision_param)).element_size()
+    reduce_bytes = torch.empty((), dtype=getattr(torch, training.mixed_precision_reduce)).element_size()
+    gathers = 1 if job_config.parallelism.fsdp_reshard_after_forward == "never" else 2
+    traffic = FsdpTraffic()
+    if shards > 1:
+        traffic = FsdpTraffic(
+            s_all_gather_sent=gathers * numel * param_bytes,
+            s_all_gather_recv=gathers * (shards - 1) * numel * param_bytes,
+            s_reduce_scatter=(shards - 1) * numel * reduce_bytes,
+        )
+    if native_r_sync and topology.replicate_size > 1:
+        traffic = FsdpTraffic(**{**traffic.__dict__, "r_all_reduce": numel * reduce_bytes})
+    return traffic
+
+
+# ---- the container ------------------------------------------------------------------------------
+@functools.cache
+def _container_cls() -> type:
+    from torchtitan.components.optimizer import OptimizersContainer
+
+    class _CommOptimizersContainer(OptimizersContainer):
+        """torchtitan's container around our optimizers; closes a ledger step per ``step()``."""
+
+        def __init__(
+            self,
+            model_parts: list[nn.Module],
+            optimizers: list[torch.optim.Optimizer],
+            *,
+            name: str,
+            topology: Topology,
+            fsdp_traffic: Optional[FsdpTraffic],
+            adamw_reference_r_bytes: int,
+        ) -> None:
+            self.model_parts = model_parts
+            self.optimizers = optimizers
+            self.name = name
+            self.topology = topology
+            self.fsdp_traffic = fsdp_traffic
+            self.adamw_reference_r_bytes = adamw_reference_r_bytes
+            self.ledger = comm.get_ledger()
+            self._validate_length(len(model_parts))
+            all_params = [p for m in model_parts for p in m.parameters() if p.requires_grad]
+            # Optimizer.__init__ gives the container hooks; lr lives in the wrapped optimizers.
+            torch.optim.Optimizer.__init__(self, all_params, {"lr": optimizers[0].defaults.get("lr", 0.0)})
+
+        def step(self, *args: Any, **kwargs: Any) -> None:
+            for optimizer in self.optimizers:
+                optimizer.step(*args, **kwargs)
+            if self.fsdp_traffic is not None:
+                self.fsdp_traffic.record(self.ledger)
+            self.ledger.end_step()
+
+    return _CommOptimizersContainer
+
+
+def hparams_of(optimizer_config: Any) -> BaseHParams:
+    return BaseHParams(
+        lr=optimizer_config.lr,
+        beta1=optimizer_config.beta1,
+        beta2=optimizer_config.beta2,
+        eps=optimizer_config.eps,
+        weight_decay=optimizer_config.weight_decay,
+    )
+
+
+def validate_commopt(job_config: Any) -> None:
+    """Check ``[optimizer] name`` and the ``[commopt]`` values; raises ``ConfigError`` (no collectives)."""
+    name = job_config.optimizer.name
+    section = config.commopt_of(job_config)
+    if owns_replicate_sync(name):
+        family_of(name)  # unknown names fail here, listing what exists
+    validate(section, "commopt")
+
+
+def build_optimizers(
+    model_parts: list[nn.Module], optimizer_config: Any, parallel_dims: Any, ft_manager: Any = None
+) -> Any:
+    """``build_optimizers_fn`` of our TrainSpecs."""
+    job_config = config.current()
+    name = optimizer_config.name
+    topology = topology_of(parallel_dims)
+    native = not owns_replicate_sync(name)
+    if native:
+        from torchtitan.components.optimizer import build_optimizers as stock_build
+
+        optimizers = list(stock_build(model_parts, optimizer_config, parallel_dims, ft_manager))
+    else:
+        validate_commopt(job_config)
+        family = family_of(name)
+        setup = comm.CommLedger()  # the initial broadcast is not a training step's traffic
+        optimizers = []
+        for model in model_parts:
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            broadcast_parameters([p for _, p in named], topology, ledger=setup)
+            optimizers.append(
+                build_optimizer(
+                    name, named, topology, hparams_of(optimizer_config), config.family_config(job_config, family)
+                )
+            )
+    commopt = config.commopt_of(job_config)
+    traffic = (
+        estimate_fsdp_traffic(model_parts, topology, job_config, native_r_sync=native)
+        if commopt.hsdp_estimates
+        else None
+    )
+    return _container_cls()(
+        model_parts,
+        optimizers,
+        name=name,
+        topology=topology,
+        fsdp_traffic=traffic,
+        adamw_reference_r_bytes=adamw_hsdp_r_bytes(model_parts, topology.replicate_size),
+    )

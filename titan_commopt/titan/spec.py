@@ -1,0 +1,74 @@
+"""TrainSpec registration: importing ``titan_commopt.titan`` registers these model names.
+
+- ``llama3_commopt``: torchtitan's llama3 with our ``build_optimizers_fn`` (``[optimizer] name`` picks
+  AdamW or any registered titan_commopt optimizer), our parallelize wrapper (R left to optimizers
+  that sync it themselves), the ``comm/*`` metrics, and the offline tokenizer.
+- ``llama3_reference``: torchtitan's stock llama3 spec, changed only where a CPU run or the offline
+  data needs it (tokenizer, extra flavors, SUM reduction on gloo): the baseline to compare against.
+
+Both know llama3's flavors plus small ones for CPU and two mid sizes for comm reports.
+"""
+
+import dataclasses
+
+from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
+
+from . import data
+from .cpu import force_sum_reduction, on_cpu
+from .metrics import build_metrics_processor
+from .optimizers import build_optimizers, wrap_parallelize
+
+COMMOPT_SPEC = "llama3_commopt"
+REFERENCE_SPEC = "llama3_reference"
+
+EXTRA_FLAVORS = {
+    # ~0.2M parameters: unit/integration tests.
+    "cpu_tiny": TransformerModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=data.VOCAB_SIZE, multiple_of=64),
+    # ~1.2M parameters: the quickstart and CPU benchmarks.
+    "cpu_small": TransformerModelArgs(dim=128, n_layers=4, n_heads=4, vocab_size=data.VOCAB_SIZE, multiple_of=64),
+    # ~110M: optimizer step overhead on CPU.
+    "100M": TransformerModelArgs(dim=768, n_layers=12, n_heads=12, vocab_size=32000, multiple_of=256),
+    # ~300M shape of the DeMo paper's OLMo-300M scale, for comm reports (meta device).
+    "300M": TransformerModelArgs(dim=1024, n_layers=16, n_heads=16, vocab_size=50304, multiple_of=256),
+}
+
+
+def _reference_parallelize(stock):
+    def parallelize(model, parallel_dims, job_config):
+        model = stock(model, parallel_dims, job_config)
+        if on_cpu():
+            force_sum_reduction(model)
+        return model
+
+    return parallelize
+
+
+def register() -> None:
+    from torchtitan.protocols import train_spec as registry
+
+    if COMMOPT_SPEC in registry._extra_train_specs:
+        return
+    data.register_datasets()
+    stock: TrainSpec = get_train_spec("llama3")
+    flavors = {**llama3_args, **EXTRA_FLAVORS}
+    register_train_spec(
+        COMMOPT_SPEC,
+        dataclasses.replace(
+            stock,
+            model_args=flavors,
+            parallelize_fn=wrap_parallelize(stock.parallelize_fn),
+            build_optimizers_fn=build_optimizers,
+            build_tokenizer_fn=data.build_tokenizer,
+            build_metrics_processor_fn=build_metrics_processor,
+        ),
+    )
+    register_train_spec(
+        REFERENCE_SPEC,
+        dataclasses.replace(
+            stock,
+            model_args=flavors,
+            parallelize_fn=_reference_parallelize(stock.parallelize_fn),
+            build_tokenizer_fn=data.build_tokenizer,
+        ),
+    )
