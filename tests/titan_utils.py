@@ -1,0 +1,48 @@
+"""Run ``titan_commopt.train`` under torchrun on CPU and read back what it logged."""
+
+import glob
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "train_configs" / "debug_cpu.toml"
+
+
+def run_train(tmp_path, nproc: int, *overrides: str, timeout: int = 600, check: bool = True):
+    """Launch a short run; returns (completed process, {tag: [(step, value), ...]} from TensorBoard)."""
+    dump = Path(tmp_path) / "out"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+        "-m", "titan_commopt.train", "--job.config_file", str(CONFIG),
+        "--job.dump_folder", str(dump), "--metrics.log_freq", "1", "--metrics.disable_color_printing",
+        *overrides,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"training failed (rc={proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+    return proc, read_scalars(dump)
+
+
+def read_scalars(dump: Path) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict = {}
+    for run in sorted(glob.glob(str(dump / "tb" / "*"))):
+        acc = EventAccumulator(run, size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return out
+
+
+def losses(scalars: dict) -> list[float]:
+    return [v for _, v in sorted(scalars["loss_metrics/global_avg_loss"])]
+
+
+LOSS_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s+R sent:")
