@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set up, then train the tiny llama3 on 2 CPU processes through torchtitan with FlexDeMo syncing the
+# two replicas (R = 2): prints loss and bytes sent; TensorBoard logs under outputs/quickstart/tb.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+OPTIMIZER="${OPTIMIZER:-FlexDeMo}"
+OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node=2 --local-ranks-filter 0 --role rank --tee 3 \
+  -m titan_commopt.train --job.config_file train_configs/debug_cpu.toml \
+  --parallelism.data_parallel_replicate_degree 2 --optimizer.name "$OPTIMIZER" \
+  --job.dump_folder outputs/quickstart "$@"
+echo "TensorBoard: .venv/bin/tensorboard --logdir outputs/quickstart/tb"

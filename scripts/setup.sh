@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv and install titan_commopt with its pinned stack. Idempotent.
+# torch==2.13.0 goes in first: on our CPU machines pip takes the local CPU wheel; an open-ended
+# "torch" requirement on a fresh venv would pull a multi-GB CUDA build instead.
+# GPU users: install your own CUDA/ROCm torch 2.13 into the venv first (or set TORCH_SPEC).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+VENV="${VENV:-.venv}"
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  "${PIP[@]}" install "${TORCH_SPEC:-torch==2.13.0}"
+fi
+"${PIP[@]}" install -e ".[dev,bench]" 2>&1 | grep -v "Location 'file://.*' is ignored" || true
+"$VENV/bin/python" -c "import titan_commopt.titan" >/dev/null  # torchtitan imports (needs triton on CPU)
+"$VENV/bin/python" -m titan_commopt.titan.data >/dev/null       # corpus + tokenizer, built once, cached
