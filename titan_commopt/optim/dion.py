@@ -1,0 +1,496 @@
+"""Dion: distributed orthonormalized updates (Ahn et al. 2025, ``papers/dion.txt``; ALGORITHMS.md §5).
+
+Per 2-D weight ``X ∈ R^{m×n}`` (``nn.Linear`` layout: m = out features = rows, n = in features):
+
+    B = M + G                  # G: this replica's mean gradient, never all-reduced over R
+    P = orth(B Q)              # B Q all-reduce-meaned over R *before* orthogonalization
+    R = Bᵀ P                   # all-reduce-meaned over R
+    M = B − (1 − μ) P Rᵀ       # error feedback: M keeps what the rank-r update missed
+    Q = colnorm(R)
+    X = X (1 − η λ) − η sqrt(m/n) P Qᵀ
+
+Distributed exactly as Algorithm 2 / Theorem 2.1 (the iterates equal the centralized ones):
+
+- R (``dp_replicate``): only P (local rows × r) and R (local columns × r) are averaged, one fused
+  collective each per step for all matrices: ``(m_loc + n_loc)·r`` elements per matrix instead of
+  ``m_loc·n_loc``. This "compressed" path is used only where it pays on the global shape,
+  ``(m + n)·r < m·n`` (the reference's rule; ``compress = "auto"``); otherwise — always at full rank —
+  the gradient itself is averaged over R (fused with the scalar parameters' gradients) and every
+  replica runs the same centralized update. ``r_bytes_per_step`` follows the same rule.
+- S/T (weight sharding, read from each DTensor's placements): a mesh dim that shards dim 0 (FSDP2's
+  ``Shard(0)``, also ``_StridedShard(0)`` under TP: the row order never matters) makes P row-local;
+  P is orthogonalized without gathering it by Cholesky-QR (r×r Gram all-reduce-sum, twice:
+  CholeskyQR2), falling back to a QR of P gathered over the row groups (m×r, never m×n) when the
+  Gram is not positive definite or P is ill-conditioned; ``R = Σ_i B_iᵀ P_i`` is an
+  all-reduce-sum. A mesh dim that shards dim 1 (TP's ``Shard(1)``, row-wise parallel layers) makes
+  Q column-sharded: ``P = Σ_j B_j Q_j`` is an all-reduce-sum and the column norms of R are summed
+  (r numbers). No rank ever materializes an m×n matrix. Mesh dims named ``tp`` are the T role
+  (``topology.tp``), every other sharding dim is S (``topology.shard``).
+- Q starts identical on every rank: drawn from the full (n, r) shape with a generator seeded by
+  (``seed``, FQN), then sliced to the local columns. It is kept as a DTensor (rows sharded like X's
+  columns, replicated elsewhere) so DCP checkpoints it correctly.
+
+Everything that is not a matrix of a transformer block goes to a scalar optimizer (AdamW or Lion),
+as the paper and microsoft/dion do: embeddings (``tok_embeddings``) and the output head (``output``)
+with weight decay 0 (the head with a smaller lr for Lion: ``1/sqrt(d_in)``), norms, biases and any
+non-2-D tensor with the base weight decay. Their gradients are averaged over R (FSDP2 does not, the
+adapter hides R from it), fused in one collective with the full-gradient matrices.
+
+Momenta (M, and the scalar optimizer's moments on the compressed path's siblings) differ across
+replicas on the compressed path — by design (decoupled momentum); checkpoints must keep them per
+replica. Gradient scale: ``topology.replica_grad`` (see topology.py).
+"""
+
+import logging
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from titan_commopt import comm
+from titan_commopt.options import option
+from titan_commopt.topology import R, S, T, Topology
+
+from .common import BaseHParams, NamedParams, local
+
+try:  # FSDP2 over TP shards an already row-sharded dim again: a strided row split
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - older torch
+    _StridedShard = ()  # type: ignore[assignment]
+
+__all__ = ["Config", "PRESETS", "Dion", "build", "r_bytes_per_step", "route", "dion_rank", "initial_q"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Config:
+    """``[commopt.dion]``."""
+
+    rank: int = option(0, "Rank r of every Dion matrix update; 0 = use rank_fraction.", ge=0)
+    rank_fraction: float = option(
+        0.25, "r = ceil(rank_fraction · min(m, n)) when rank = 0 (1.0 = full rank).", gt=0.0, le=1.0
+    )
+    mu: float = option(0.95, "Momentum decay μ of the error-feedback momentum.", ge=0.0, lt=1.0)
+    orthogonalize: str = option(
+        "cholesky_qr",
+        "How P is orthonormalized: cholesky_qr (CholeskyQR2 with an r×r Gram all-reduce over the "
+        "row shards; falls back to qr when ill-conditioned) or qr (Householder QR; P is gathered "
+        "over row shards, m×r).",
+        choices=("qr", "cholesky_qr"),
+    )
+    compress: str = option(
+        "auto",
+        "Replicate (R) sync of Dion matrices: auto = all-reduce P and R ((m+n)·r) only where "
+        "(m+n)·r < m·n, else the full gradient; always / never force one path.",
+        choices=("auto", "always", "never"),
+    )
+    scalar_optimizer: str = option(
+        "adamw", "Optimizer of embeddings, output head, norms, biases.", choices=("adamw", "lion")
+    )
+    scalar_lr_scale: float = option(1.0, "lr of the scalar optimizer = [optimizer] lr × this.", gt=0.0)
+    head_lr_scale: float = option(
+        0.0,
+        "Extra lr factor of the output head; 0 = auto: 1/sqrt(d_in) with Lion (microsoft/dion), "
+        "1 with AdamW.",
+        ge=0.0,
+    )
+    embed_names: str = option(
+        "tok_embeddings,embed_tokens,wte", "Comma-separated module names routed as embeddings."
+    )
+    head_names: str = option("output,lm_head", "Comma-separated module names routed as the output head.")
+    colnorm_eps: float = option(1e-8, "ε added to the column norms of R (as microsoft/dion).", ge=0.0)
+    seed: int = option(0, "Seed of the initial Q (identical on every rank).", ge=0)
+
+
+PRESETS: dict[str, dict[str, Any]] = {"Dion": {}}
+
+
+# ---- routing and shapes (shared by build and r_bytes_per_step) --------------------------------------
+_WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module"}
+
+
+def _names(csv: str) -> set[str]:
+    return {s.strip() for s in csv.split(",") if s.strip()}
+
+
+def route(fqn: str, ndim: int, cfg: Config) -> str:
+    """``"dion"``, ``"embed"``, ``"head"`` or ``"scalar"`` for a parameter, by FQN and rank.
+
+    Embedding and head are found by module name (any dotted component), because by shape they are
+    indistinguishable from block matrices.
+    """
+    parts = [p for p in fqn.split(".")[:-1] if p not in _WRAPPERS]
+    if _names(cfg.head_names).intersection(parts):
+        return "head"
+    if _names(cfg.embed_names).intersection(parts):
+        return "embed"
+    return "dion" if ndim == 2 else "scalar"
+
+
+def dion_rank(m: int, n: int, cfg: Config) -> int:
+    r = cfg.rank if cfg.rank > 0 else math.ceil(cfg.rank_fraction * min(m, n))
+    return max(1, min(r, m, n))
+
+
+def compressed(m: int, n: int, r: int, cfg: Config) -> bool:
+    """Whether the R sync sends P and R instead of the gradient (decided on the global shape)."""
+    if cfg.compress != "auto":
+        return cfg.compress == "always"
+    return (m + n) * r < m * n
+
+
+def initial_q(fqn: str, n: int, r: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The full (n, r) initial right factor: the same on every rank for the same (seed, fqn)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
+    return torch.randn(n, r, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def r_bytes_per_step(
+    named_shapes: Sequence[tuple], cfg: Config, replicate_size: int, element_size: int = 4
+) -> dict[str, int]:
+    """Analytic R payload per rank per step (all-reduce: sent = received).
+
+    ``named_shapes``: ``(fqn, local_shape)`` or ``(fqn, local_shape, global_shape)``. ``local_shape``
+    is this rank's shard (FSDP2/TP local tensor); ``global_shape`` (default: the local one, i.e. an
+    unsharded parameter) sets the rank r and the compressed-or-not decision. A compressed Dion
+    matrix costs ``(m_loc + n_loc)·r`` elements, an uncompressed one and every scalar-optimizer
+    parameter ``numel(local)``. ``element_size``: bytes per element on the wire (the parameter dtype).
+    """
+    if replicate_size <= 1:
+        return {"sent": 0, "recv": 0}
+    total = 0
+    for entry in named_shapes:
+        fqn, local_shape = entry[0], tuple(entry[1])
+        global_shape = tuple(entry[2]) if len(entry) > 2 else local_shape
+        if route(fqn, len(global_shape), cfg) == "dion":
+            m, n = global_shape
+            r = dion_rank(m, n, cfg)
+            if compressed(m, n, r, cfg):
+                total += (local_shape[0] + local_shape[1]) * r
+                continue
+        total += math.prod(local_shape)
+    return {"sent": total * element_size, "recv": total * element_size}
+
+
+# ---- sharding layout of one matrix -----------------------------------------------------------------
+Groups = list[tuple[str, Any]]  # (role, process group) pairs to reduce over, in mesh-dim order
+
+
+@dataclass
+class _Layout:
+    fqn: str
+    m: int
+    n: int
+    r: int
+    compressed: bool
+    rows: Groups  # groups that shard X's rows (P is row-local over them)
+    cols: Groups  # groups that shard X's columns (Q is row-sharded over them)
+    col_offset: int  # first global column of the local shard
+    q_placements: Optional[tuple] = None
+
+
+def _group_for(mesh: Any, dim: int, name: str, topology: Topology) -> tuple[str, Any]:
+    role, candidate = (T, topology.tp) if name == "tp" else (S, topology.shard)
+    own = mesh.get_group(dim)
+    # Prefer the Topology's group (the roles' single source of truth) when it is the same set of ranks.
+    if candidate is not None and dist.get_process_group_ranks(candidate) == dist.get_process_group_ranks(own):
+        return role, candidate
+    return role, own
+
+
+def _layout(fqn: str, p: torch.Tensor, topology: Topology, cfg: Config) -> _Layout:
+    m, n = p.shape
+    r = dion_rank(m, n, cfg)
+    lay = _Layout(fqn, m, n, r, compressed(m, n, r, cfg), [], [], 0)
+    if not isinstance(p, DTensor):
+        return lay
+    mesh = p.device_mesh
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    q_placements = []
+    for i, pl in enumerate(p.placements):
+        q_placements.append(Shard(0) if isinstance(pl, Shard) and pl.dim == 1 else Replicate())
+        if pl.is_replicate() or mesh.size(i) == 1:
+            continue
+        if pl.is_partial():
+            raise ValueError(f"Dion: {fqn} has a Partial placement on mesh dim {names[i]!r}")
+        dim = pl.dim  # Shard and _StridedShard both carry it
+        if isinstance(pl, _StridedShard) and dim == 1:
+            raise NotImplementedError(
+                f"Dion: {fqn} is strided-sharded on its columns; shard FSDP on the dim TP does not "
+                "shard (as microsoft/dion requires)"
+            )
+        (lay.rows if dim == 0 else lay.cols).append(_group_for(mesh, i, names[i], topology))
+    if lay.cols:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(p.shape, mesh, p.placements)
+        lay.col_offset = int(offset[1])
+    lay.q_placements = tuple(q_placements)
+    return lay
+
+
+# ---- orthogonalization -----------------------------------------------------------------------------
+def _cholesky_qr(P: torch.Tensor, rows: Groups) -> Optional[torch.Tensor]:
+    """CholeskyQR2 of a row-distributed P: two passes of P ← P L⁻ᵀ with L Lᵀ = Σ_i P_iᵀ P_i.
+
+    Returns None (on every rank alike: the Gram is identical after the all-reduce) when the Gram is
+    not positive definite or P is too ill-conditioned for CholeskyQR2 to be accurate.
+    """
+    limit = 0.1 / math.sqrt(torch.finfo(P.dtype).eps)  # cond(P) ≲ u^(-1/2) keeps CQR2 accurate
+    for first in (True, False):
+        gram = P.T @ P
+        for role, group in rows:
+            comm.all_reduce(gram, role, group, op="sum")
+        L, info = torch.linalg.cholesky_ex(gram)
+        if int(info) != 0:
+            return None
+        d = L.diagonal()
+        # diag(L) ratio is a lower bound of cond(P): a cheap, rank-consistent ill-conditioning test.
+        if first and not bool(d.min() * limit > d.max()):
+            return None
+        P = torch.linalg.solve_triangular(L.T, P, upper=True, left=False)
+    return P
+
+
+def _gather_rows(P: torch.Tensor, rows: Groups) -> tuple[torch.Tensor, int]:
+    """All rows of P over the row groups (m×r; shards may be uneven), and where ours start."""
+    block, start = P, 0
+    for role, group in rows:
+        counts = comm.all_gather(torch.tensor([block.shape[0]], dtype=torch.int64), role, group)[:, 0]
+        cap = int(counts.max())
+        padded = torch.zeros(cap, block.shape[1], dtype=block.dtype, device=block.device)
+        padded[: block.shape[0]] = block
+        gathered = comm.all_gather(padded, role, group)
+        me = dist.get_rank(group)
+        start += int(counts[:me].sum())
+        block = torch.cat([gathered[i, : int(c)] for i, c in enumerate(counts.tolist())])
+    return block, start
+
+
+def _orthogonalize(P: torch.Tensor, rows: Groups, method: str) -> torch.Tensor:
+    if method == "cholesky_qr":
+        out = _cholesky_qr(P, rows)
+        if out is not None:
+            return out
+    if not rows:
+        return torch.linalg.qr(P).Q
+    full, start = _gather_rows(P, rows)
+    return torch.linalg.qr(full).Q[start : start + P.shape[0]].contiguous()
+
+
+# ---- the optimizer ---------------------------------------------------------------------------------
+class Dion(torch.optim.Optimizer):
+    """Dion for 2-D matrices (``algorithm = "dion"`` groups) plus AdamW/Lion for the rest.
+
+    Param groups carry ``algorithm`` (``dion``/``adamw``/``lion``), ``lr``, ``weight_decay`` and
+    ``mu`` / ``betas``, ``eps``. Pass ``(name, param)`` pairs so each matrix gets its own seeded Q.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        topology: Optional[Topology] = None,
+        *,
+        lr: float = 0.01,
+        mu: float = 0.95,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        rank: int = 0,
+        rank_fraction: float = 0.25,
+        orthogonalize: str = "cholesky_qr",
+        compress: str = "auto",
+        colnorm_eps: float = 1e-8,
+        seed: int = 0,
+    ) -> None:
+        defaults = dict(lr=lr, mu=mu, betas=betas, eps=eps, weight_decay=weight_decay, algorithm="dion")
+        super().__init__(params, defaults)
+        self.topology = topology or Topology.single()
+        self.cfg = Config(
+            rank=rank, rank_fraction=rank_fraction, orthogonalize=orthogonalize, compress=compress,
+            colnorm_eps=colnorm_eps, seed=seed,
+        )
+        self._layouts: dict[torch.Tensor, _Layout] = {}
+        for group in self.param_groups:
+            if group["algorithm"] not in ("dion", "adamw", "lion"):
+                raise ValueError(f"Dion: unknown algorithm {group['algorithm']!r}")
+            if group["algorithm"] != "dion":
+                continue
+            names = group.get("param_names") or [f"param{i}" for i in range(len(group["params"]))]
+            for name, p in zip(names, group["params"]):
+                if p.ndim != 2:
+                    raise ValueError(f"Dion: {name} has {p.ndim} dims; Dion takes 2-D matrices only")
+                self._layouts[p] = _layout(name, p, self.topology, self.cfg)
+
+    # -- state -------------------------------------------------------------------------------------
+    def _init_dion_state(self, p: torch.Tensor, lay: _Layout) -> dict[str, Any]:
+        state = self.state[p]
+        state["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        x = local(p)
+        q_full = initial_q(lay.fqn, lay.n, lay.r, self.cfg.seed, dtype=x.dtype)
+        q_local = q_full[lay.col_offset : lay.col_offset + x.shape[1]].to(x.device).contiguous()
+        if isinstance(p, DTensor):
+            state["Q"] = DTensor.from_local(
+                q_local, p.device_mesh, lay.q_placements, run_check=False,
+                shape=torch.Size((lay.n, lay.r)), stride=(lay.r, 1),
+            )
+        else:
+            state["Q"] = q_local
+        return state
+
+    def _init_scalar_state(self, p: torch.Tensor, algorithm: str) -> dict[str, Any]:
+        state = self.state[p]
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if algorithm == "adamw":
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _replica_grad(self, p: torch.Tensor, needs_copy: bool) -> torch.Tensor:
+        grad = p.grad
+        if isinstance(grad, DTensor) and isinstance(p, DTensor) and grad.placements != p.placements:
+            # e.g. a Partial TP gradient: bring it to the parameter's layout first (T traffic).
+            grad = grad.redistribute(p.device_mesh, p.placements)
+        raw = local(grad)
+        g = self.topology.replica_grad(raw)
+        # The fused R mean writes back in place; don't let it rewrite p.grad behind the caller.
+        return g.clone() if needs_copy and g is raw else g
+
+    # -- step --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        topo = self.topology
+        syncs_r = topo.replicate_size > 1
+        scalars: list[tuple[torch.Tensor, dict, torch.Tensor]] = []
+        matrices: list[tuple[torch.Tensor, dict, _Layout, torch.Tensor]] = []
+        full_sync: list[torch.Tensor] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if group["algorithm"] == "dion":
+                    lay = self._layouts[p]
+                    g = self._replica_grad(p, needs_copy=syncs_r and not lay.compressed)
+                    matrices.append((p, group, lay, g))
+                    if not lay.compressed:
+                        full_sync.append(g)
+                else:
+                    g = self._replica_grad(p, needs_copy=syncs_r)
+                    scalars.append((p, group, g))
+                    full_sync.append(g)
+
+        # One R collective for every gradient that is averaged whole (scalars, uncompressed matrices).
+        comm.all_reduce_fused(full_sync, R, topo.replicate, op="mean")
+        for p, group, g in scalars:
+            self._scalar_update(p, group, g)
+        if matrices:
+            self._dion_update(matrices)
+        return loss
+
+    def _scalar_update(self, p: torch.Tensor, group: dict, g: torch.Tensor) -> None:
+        state = self.state[p] or self._init_scalar_state(p, group["algorithm"])
+        lr, wd = group["lr"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        x, m = local(p), local(state["exp_avg"])
+        state["step"] += 1
+        x.mul_(1 - lr * wd)  # decoupled weight decay
+        if group["algorithm"] == "lion":
+            # Lion: x -= lr·sign(β1·m + (1−β1)·g); m ← β2·m + (1−β2)·g
+            x.add_(torch.sign(m.lerp(g, 1 - beta1)), alpha=-lr)
+            m.lerp_(g, 1 - beta2)
+            return
+        v = local(state["exp_avg_sq"])
+        step = float(state["step"])
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        bias1, bias2 = 1 - beta1**step, 1 - beta2**step
+        denom = (v.sqrt() / math.sqrt(bias2)).add_(group["eps"])
+        x.addcdiv_(m, denom, value=-lr / bias1)
+
+    def _dion_update(self, matrices: list) -> None:
+        topo = self.topology
+        work = []
+        for p, group, lay, g in matrices:
+            state = self.state[p] or self._init_dion_state(p, lay)
+            B = local(state["momentum"])
+            B.add_(g)  # B = M + G, kept in M's storage (M is rebuilt from B below)
+            Q = local(state["Q"])
+            work.append([p, group, lay, B, Q, B @ Q, None])  # P̂ = B̂ Q (local rows, partial over cols)
+
+        # E_DP[P̂]: (m_loc × r) per compressed matrix, one collective for all of them.
+        comm.all_reduce_fused([w[5] for w in work if w[2].compressed], R, topo.replicate, op="mean")
+        for w in work:
+            _, _, lay, B, _, P, _ = w
+            for role, group in lay.cols:
+                comm.all_reduce(P, role, group, op="sum")  # P = Σ_j B_j Q_j over column shards
+            P = _orthogonalize(P, lay.rows, self.cfg.orthogonalize)
+            Rm = B.T @ P  # R̂ = B̂ᵀ P (local columns, partial over row shards)
+            for role, group in lay.rows:
+                comm.all_reduce(Rm, role, group, op="sum")  # R = Σ_i B_iᵀ P_i
+            w[5], w[6] = P, Rm
+
+        # E_DP[R̂]: (n_loc × r) per compressed matrix, one collective.
+        comm.all_reduce_fused([w[6] for w in work if w[2].compressed], R, topo.replicate, op="mean")
+        for p, group, lay, B, Q, P, Rm in work:
+            lr, wd, mu = group["lr"], group["weight_decay"], group["mu"]
+            B.addmm_(P, Rm.T, alpha=-(1 - mu))  # M = B − (1−μ) P Rᵀ (error feedback)
+            sq = (Rm * Rm).sum(dim=0)
+            for role, group_ in lay.cols:
+                comm.all_reduce(sq, role, group_, op="sum")  # column norms over column shards: r numbers
+            norm = sq.sqrt()
+            # Q = colnorm(R); a column with R = 0 keeps its old direction instead of dying at 0.
+            Q.copy_(torch.where(norm > 0, Rm / (norm + self.cfg.colnorm_eps), Q))
+            x = local(p)
+            x.mul_(1 - lr * wd)  # decoupled weight decay
+            x.addmm_(P, Q.T, alpha=-lr * math.sqrt(lay.m / lay.n))  # X −= η sqrt(m/n) P Qᵀ
+
+
+# ---- registry entry point --------------------------------------------------------------------------
+def build(
+    name: str, named_params: NamedParams, topology: Topology, hparams: BaseHParams, cfg: Config
+) -> Dion:
+    """Route ``named_params`` (Dion / embedding / head / scalar) and build one :class:`Dion`."""
+    buckets: dict[str, list[tuple[str, nn.Parameter]]] = {"dion": [], "embed": [], "head": [], "scalar": []}
+    for fqn, p in named_params:
+        buckets[route(fqn, p.ndim, cfg)].append((fqn, p))
+    scalar_lr = hparams.lr * cfg.scalar_lr_scale
+    head_scale = cfg.head_lr_scale
+    if head_scale == 0.0:
+        d_in = next((p.shape[-1] for _, p in buckets["head"] if p.ndim == 2), 1)
+        head_scale = 1 / math.sqrt(d_in) if cfg.scalar_optimizer == "lion" else 1.0
+    algo = cfg.scalar_optimizer
+    groups = [
+        dict(params=buckets["dion"], algorithm="dion", lr=hparams.lr, weight_decay=hparams.weight_decay),
+        dict(params=buckets["scalar"], algorithm=algo, lr=scalar_lr, weight_decay=hparams.weight_decay),
+        dict(params=buckets["embed"], algorithm=algo, lr=scalar_lr, weight_decay=0.0),
+        dict(params=buckets["head"], algorithm=algo, lr=scalar_lr * head_scale, weight_decay=0.0),
+    ]
+    groups = [g for g in groups if g["params"]]
+    opt = Dion(
+        groups, topology, lr=hparams.lr, mu=cfg.mu, betas=(hparams.beta1, hparams.beta2), eps=hparams.eps,
+        weight_decay=hparams.weight_decay, rank=cfg.rank, rank_fraction=cfg.rank_fraction,
+        orthogonalize=cfg.orthogonalize, compress=cfg.compress, colnorm_eps=cfg.colnorm_eps, seed=cfg.seed,
+    )
+    opt.cfg = cfg  # routing options too, for r_bytes_per_step(..., opt.cfg, ...)
+    lines = [f"{name}: {topology.describe()}, scalar optimizer {algo}"]
+    for kind in ("dion", "embed", "head", "scalar"):
+        for fqn, p in buckets[kind]:
+            if kind == "dion":
+                lay = opt._layouts[p]
+                how = f"r={lay.r} {'P,R' if lay.compressed else 'full-grad'} R-sync"
+                how += f" rows/{len(lay.rows)} cols/{len(lay.cols)} shard groups"
+            else:
+                how = algo
+            lines.append(f"  {kind:6s} {fqn} {tuple(p.shape)} -> {how}")
+    logger.info("\n".join(lines))
+    return opt
