@@ -20,8 +20,9 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ __all__ = [
     "CommRecord",
     "CommLedger",
     "get_ledger",
+    "use_ledger",
     "all_reduce",
     "all_reduce_fused",
     "all_gather",
@@ -126,6 +128,18 @@ _LEDGER = CommLedger()
 def get_ledger() -> CommLedger:
     """The process-wide ledger: optimizers and the TensorBoard hook share it."""
     return _LEDGER
+
+
+@contextmanager
+def use_ledger(ledger: CommLedger) -> Iterator[CommLedger]:
+    """Send the records of everything inside the block to ``ledger`` instead of the process-wide one
+    (set-up and checkpoint traffic that is not a training step's)."""
+    global _LEDGER
+    previous, _LEDGER = _LEDGER, ledger
+    try:
+        yield ledger
+    finally:
+        _LEDGER = previous
 
 
 def _active(group: Optional[dist.ProcessGroup]) -> bool:

@@ -27,6 +27,15 @@ class CommonOptions:
         True, "Record FSDP2's own collectives (S all-gather/reduce-scatter, HSDP's R all-reduce) as "
         "estimated bytes from parameter sizes."
     )
+    on_nonfinite: str = option(
+        "skip", "A NaN/Inf gradient on any rank: every rank skips that optimizer step (skip), the job "
+        "stops with an error (stop), or nothing is checked (off).", choices=("skip", "stop", "off"),
+    )
+    check_replicas_every: int = option(
+        0, "Every N optimizer steps, compare a fingerprint of every parameter across replicas (R) and "
+        "fail naming the first that differs (only at steps where the optimizer keeps replicas equal). "
+        "0 = off.", ge=0,
+    )
 
 
 def _family_fields() -> list[tuple[str, type, Any]]:

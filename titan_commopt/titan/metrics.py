@@ -10,7 +10,8 @@ Each log step adds to the scalars torchtitan writes (same run, same ``tb/`` fold
   (the all-reduce of each rank's fp32 gradient shard every step); absent with one replica.
 
 ``R`` and ``S`` include FSDP2/HSDP's own collectives as estimates from parameter sizes;
-``comm/R_estimated_sent_bytes`` shows the estimated part separately.
+``comm/R_estimated_sent_bytes`` shows the estimated part separately. ``commopt/skipped_steps`` counts
+optimizer steps skipped by every rank together because some rank had a non-finite gradient.
 """
 
 from typing import Any, Optional
@@ -77,6 +78,7 @@ def build_metrics_processor(job_config: Any, parallel_dims: Any, model_args: Any
             scalars = comm_scalars(
                 ledger, self._since, steps, getattr(container, "adamw_reference_r_bytes", 0)
             )
+            scalars["commopt/skipped_steps"] = float(getattr(container, "skipped_steps", 0))
             self._since, self._steps_at_last_log = dict(ledger.totals), ledger.steps
             super().log(step, global_avg_loss, global_max_loss, grad_norm, {**(extra_metrics or {}), **scalars})
             ratio = scalars.get("comm/R_ratio_vs_adamw_hsdp")

@@ -1,0 +1,117 @@
+"""Replica-local state: per-replica checkpoint keys, non-finite step agreement, drift checks.
+
+Optimizers that own the R sync keep state that differs between replicas (decoupled momenta,
+parameters between syncs, error feedback). A checkpoint therefore stores that state once *per
+replica*, under keys prefixed ``replica<r>/``; each replica loads its own back. Everything keyed
+this way is a DTensor over the S (and T) mesh or a plain value, so DCP still reshards it when S
+changes. Resuming with a different number of replicas is refused (there is no right way to invent
+or drop a replica's momenta); the message says so.
+
+Parameters of optimizers whose replicas legitimately diverge between syncs (local-adaptive
+families: ``params_replica_local = True`` on the optimizer) are saved per replica too and restored
+after the model's own (replica-0) copy has been loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from titan_commopt import comm
+from titan_commopt.optim.common import local
+from titan_commopt.topology import R, Topology
+
+__all__ = [
+    "replica_prefix",
+    "add_replica_prefix",
+    "take_replica",
+    "fingerprint",
+    "check_replicas",
+    "ReplicaDriftError",
+    "any_nonfinite",
+]
+
+META_KEY = "commopt_meta"
+
+
+def replica_prefix(replica: int) -> str:
+    return f"replica{replica}/"
+
+
+def add_replica_prefix(state: dict[str, Any], replica: int) -> dict[str, Any]:
+    prefix = replica_prefix(replica)
+    return {prefix + k: v for k, v in state.items()}
+
+
+def take_replica(state: dict[str, Any], replica: int) -> dict[str, Any]:
+    prefix = replica_prefix(replica)
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def check_meta(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse a resume whose replica count or optimizer differs from the checkpoint's."""
+    for key in ("optimizer", "replicas"):
+        if key in saved and saved[key] != current[key]:
+            raise RuntimeError(
+                f"checkpoint was written with {key} = {saved[key]!r}, this run has {current[key]!r}: "
+                "replica-local optimizer state cannot be mapped onto a different number of replicas "
+                "or another optimizer. Resume with the same [optimizer] name and "
+                "data_parallel_replicate_degree (the shard degree may change: DCP reshards), or start "
+                "from the model weights only ([checkpoint] exclude_from_loading = [\"optimizer\"])."
+            )
+
+
+# ---- drift -----------------------------------------------------------------------------------
+class ReplicaDriftError(RuntimeError):
+    pass
+
+
+def fingerprint(t: torch.Tensor) -> int:
+    """An exact, cheap fingerprint of a tensor's bytes (wrap-around sum of its 32-bit words and of
+    the words times their position), so that any bit flip changes it."""
+    data = local(t).detach().contiguous().reshape(-1)
+    words = data.view(torch.uint8)
+    pad = (-words.numel()) % 4
+    if pad:
+        words = torch.cat([words, words.new_zeros(pad)])
+    ints = words.view(torch.int32).to(torch.int64)
+    position = torch.arange(1, ints.numel() + 1, dtype=torch.int64)
+    mask = (1 << 61) - 1
+    return int(((ints.sum() & mask) * 1_000_003 + ((ints * position).sum() & mask)) & mask)
+
+
+def check_replicas(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], topology: Topology, what: str = "parameter"
+) -> None:
+    """All replicas must hold bit-identical tensors: gather fingerprints over R and compare.
+
+    Raises :class:`ReplicaDriftError` naming the first tensor that differs and the replicas' values.
+    One all-gather of 8 bytes per tensor.
+    """
+    if topology.replicate_size == 1:
+        return
+    named = list(named_tensors)
+    if not named:
+        return
+    prints = torch.tensor([fingerprint(t) for _, t in named], dtype=torch.int64)
+    gathered = comm.all_gather(prints, R, topology.replicate)
+    for i, (name, _) in enumerate(named):
+        column = gathered[:, i]
+        if not bool((column == column[0]).all()):
+            raise ReplicaDriftError(
+                f"replicas disagree on {what} {name!r} (shard {topology.shard_rank}): fingerprints by "
+                f"replica {column.tolist()}; replicas must hold identical values here"
+            )
+
+
+# ---- non-finite gradients ---------------------------------------------------------------------
+def any_nonfinite(grads: Iterable[Optional[torch.Tensor]], group: Optional[dist.ProcessGroup] = None) -> bool:
+    """Whether any rank of ``group`` (default: all ranks) has a NaN/Inf gradient: one 4-byte
+    all-reduce(max), so that every rank takes the same decision."""
+    bad = any(g is not None and not bool(torch.isfinite(local(g)).all()) for g in grads)
+    flag = torch.tensor([1.0 if bad else 0.0])
+    if dist.is_available() and dist.is_initialized():
+        comm.all_reduce(flag, "world", group or dist.group.WORLD, op="max")
+    return bool(flag.item() > 0)
