@@ -1,0 +1,467 @@
+"""DES-LOC and MT-DAO: local adaptive optimizers with desynced state syncs, as one engine.
+
+Papers: ``des_loc.txt`` (DES-LOC, Algorithms 1/2) and ``mt_dao.txt`` (MT-DAO, Algorithms 1-3);
+ALGORITHMS.md §3-§4. Every replica (R) steps on its own gradient ``g`` (no gradient all-reduce over
+R); each state is averaged over R on its own period:
+
+    g   ← clip(g, ρ)                                   # coordinate-wise or global-norm clip
+    u_j ← β1_j·u_j + (1−β1_j)·g          j = 1..N      # N first momenta, u_j synced every K_j
+    v   ← β2·v + (1−β2)·g²                             # second moment, synced every Kv
+    Δ   ← [(1−Σω_j)·g + Σω_j·û_j] / (√v̂ + ε)           # quasi-hyperbolic combination
+    x   ← x·(1−η·λ) − η·Δ                              # decoupled weight decay λ
+    every Kx steps: x ← OuterOpt(mean_R(x))             # averaging, or Nesterov on x_anchor − mean_R(x)
+
+after update number ``n`` (1-based, ``state["step"]``) a state with period ``K`` is averaged when
+``n % K == 0``; every state due at ``n`` (all parameters, all kinds) goes in ONE fused all-reduce
+over R. Period 0 = never sync (Ku = Kv = 0 is FedAvg/DiLoCo with persistent local states).
+
+DES-LOC is N = 1, ω = 1 (plain Adam locally); MT-DAO the general case. Base algorithms:
+
+- ``adam``: as above; ``bias_correction`` divides u_j by 1−β1_j^n and v by 1−β2^n (the papers'
+  "local bias correction"), which makes one replica exactly torch's Adam/AdamW.
+- ``adopt`` (ADOPT, Taniguchi et al. 2024): the gradient is normalized by the *previous* second
+  moment before it enters the momenta, ĝ = g / max(√v_prev, ε) (clipped to ±(n−1)^¼ when
+  ``adopt_clip``), then Δ = (1−Σω)·ĝ + Σω_j·u_j needs no division, and v is updated last. The first
+  step only initializes v = g² (no parameter update). MT-DAO's Algorithm 2 text updates v before
+  normalizing; we follow ADOPT's order, which is what makes ADOPT converge for any β2. No bias
+  correction (ADOPT has none).
+- ``sgdm``: Δ = (1−Σω)·g + Σω_j·u_j with the EMA momenta above (MT-DAO Algorithm 3), no second
+  moment, no bias correction. With ω = 1 this is torch's ``SGD(momentum=β, dampening=0)`` at
+  lr η·(1−β) (torch's buffer is u/(1−β)).
+
+Where hyper-parameters come from: ``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay`` of this
+table win when set (≥ 0 / a non-empty list); a negative value / empty list takes torchtitan's
+``[optimizer]`` value (``hparams``). ``lr`` is only the initial value of ``param_groups[i]["lr"]``:
+the LR scheduler owns it afterwards and every step reads it from there.
+
+Sharding: all state lives on the local FSDP2/TP shard (``local(p)``); state tensors shaped like a
+parameter are DTensors with its placement (DCP), the per-parameter step counter is a plain scalar
+tensor in ``state`` (checkpointable). They are *per replica* state: between syncs u, v, x differ
+across replicas, so checkpoints must keep each replica's copy. The global-norm clip sums squared
+local norms over S and T (1 float each); nothing else leaves the replica except the R syncs.
+Gradient scale: ``topology.replica_grad`` (topology.py).
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from titan_commopt import comm
+from titan_commopt.options import ConfigError, option, resolve_auto_period, validate
+from titan_commopt.topology import R, S, T, Topology
+
+from .common import BaseHParams, NamedParams, local
+
+__all__ = [
+    "Config", "PRESETS", "LocalAdaptive", "build", "r_bytes_per_step", "resolve", "Resolved",
+    "comm_reduction",
+]
+
+SECTION = "commopt.local"
+
+
+@dataclass
+class Config:
+    """``[commopt.local]``: the DES-LOC / MT-DAO engine (also LocalAdam and DiLoCo presets)."""
+
+    base: str = option("adam", "Local base optimizer.", choices=("adam", "adopt", "sgdm"))
+    beta1: list = option(
+        [], "β1_j of the N first momenta; [] = one momentum per Ku entry with [optimizer] beta1 "
+        "(e.g. [0.9, 0.999] for two momenta).", kind=list,
+    )
+    Ku: list = option(
+        [32], "Sync period K_j of each first momentum (integer >= 1, 0 = never, or \"auto\" = "
+        "power of two nearest its half-life ln0.5/lnβ1_j). One entry per momentum.", kind=list,
+    )
+    omega: list = option(
+        [1.0], "Quasi-hyperbolic weights ω_j of the momenta (Σω <= 1; the current gradient gets "
+        "1 − Σω). One entry per momentum.", kind=list,
+    )
+    beta2: float = option(-1.0, "Second-moment decay β2; negative = [optimizer] beta2.", lt=1.0)
+    Kv: Union[int, str] = option(
+        32, "Sync period of the second moment (0 = never; \"auto\" = from β2's half-life).",
+        ge=0, auto=True, kind=int,
+    )
+    Kx: Union[int, str] = option(
+        32, "Parameter sync period (0 = never; \"auto\" = from the half-life of the fastest state, "
+        "min over β1_j and β2).", ge=0, auto=True, kind=int,
+    )
+    outer: str = option(
+        "average", "Outer optimizer at a Kx sync: average (x = mean_R x) or nesterov (Nesterov "
+        "momentum on the pseudo-gradient x_anchor − mean_R x, DiLoCo).", choices=("average", "nesterov"),
+    )
+    outer_lr: float = option(0.7, "Outer (Nesterov) learning rate.", gt=0.0)
+    outer_momentum: float = option(0.9, "Outer (Nesterov) momentum.", ge=0.0, lt=1.0)
+    clip: str = option(
+        "none", "Gradient clipping before the momenta: coordinate-wise to ±clip_threshold "
+        "(DES-LOC) or by the replica's global gradient norm (MT-DAO).",
+        choices=("none", "coordinate", "norm"),
+    )
+    clip_threshold: float = option(1.0, "Clipping radius ρ.", gt=0.0)
+    lr: float = option(-1.0, "Initial learning rate; negative = [optimizer] lr.")
+    eps: float = option(-1.0, "ε of the denominator; negative = [optimizer] eps.")
+    weight_decay: float = option(-1.0, "Decoupled weight decay λ; negative = [optimizer] weight_decay.")
+    bias_correction: bool = option(True, "Adam's bias correction of u_j and v (base = adam only).")
+    adopt_clip: bool = option(True, "ADOPT's clip of the normalized gradient to ±(step−1)^¼.")
+    transfer_dtype: str = option(
+        "fp32", "dtype of synced states on the wire (native = the state's own dtype).",
+        choices=("fp32", "bf16", "native"),
+    )
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # DES-LOC: Adam, parameters synced most often, states at multiples of Kx (Ku = 3Kx, Kv = 6Kx).
+    "DES-LOC": {"base": "adam", "Kx": 32, "Ku": [96], "Kv": 192, "clip": "coordinate"},
+    # MT-DAO as the paper runs it: N = 1 quasi-hyperbolic slow momentum on ADOPT, K = 32 for all.
+    "MT-DAO": {
+        "base": "adopt", "beta1": [0.999], "omega": [0.95], "beta2": 0.9999,
+        "Kx": 32, "Ku": [32], "Kv": 32, "clip": "norm", "clip_threshold": 1.0,
+    },
+    # Local Adam: everything synced together.
+    "LocalAdam": {"base": "adam", "Kx": 32, "Ku": [32], "Kv": 32},
+    # DiLoCo-style: states never synced (persistent local state), Nesterov outer step every Kx.
+    "DiLoCo": {"base": "adam", "Kx": 32, "Ku": [0], "Kv": 0, "outer": "nesterov"},
+}
+
+
+# ---- configuration → concrete numbers (shared by build and r_bytes_per_step) --------------------
+@dataclass(frozen=True)
+class Resolved:
+    base: str
+    betas1: tuple[float, ...]
+    omegas: tuple[float, ...]
+    periods_u: tuple[int, ...]
+    beta2: float
+    Kv: int
+    Kx: int
+    lr: float
+    eps: float
+    weight_decay: float
+
+
+def _period(value: Any, beta: float, key: str) -> int:
+    if value == "auto":
+        return resolve_auto_period(value, beta)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            f"[{SECTION}] {key} = {value!r}: allowed is an integer >= 0 (0 = never) or \"auto\""
+        )
+    return value
+
+
+def resolve(cfg: Config, hparams: Optional[BaseHParams] = None) -> Resolved:
+    """Validate ``cfg`` and fill in defaults from ``hparams`` (torchtitan's ``[optimizer]``)."""
+    validate(cfg, SECTION)
+    hp = hparams or BaseHParams()
+    ku, om = list(cfg.Ku), list(cfg.omega)
+    b1 = list(cfg.beta1) or [hp.beta1] * len(ku)
+    n = len(ku)
+    if n == 0:
+        raise ConfigError(f"[{SECTION}] Ku = []: allowed is one period per first momentum (N >= 1)")
+    for key, values in (("beta1", b1), ("omega", om)):
+        if len(values) != n:
+            raise ConfigError(
+                f"[{SECTION}] {key} = {values!r}: allowed is a list of {n} entries, one per Ku entry "
+                f"(Ku = {ku!r})"
+            )
+    for key, values in (("beta1", b1), ("omega", om)):
+        for v in values:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            ok = ok and (0.0 <= v < 1.0 if key == "beta1" else 0.0 <= v <= 1.0)
+            if not ok:
+                allowed = "numbers in [0, 1)" if key == "beta1" else "numbers in [0, 1]"
+                raise ConfigError(f"[{SECTION}] {key} = {values!r}: allowed is {allowed}")
+    if sum(om) > 1.0 + 1e-12:
+        raise ConfigError(f"[{SECTION}] omega = {om!r}: allowed is weights with sum <= 1")
+    beta2 = hp.beta2 if cfg.beta2 < 0 else cfg.beta2
+    if not 0.0 <= beta2 < 1.0:
+        raise ConfigError(f"[{SECTION}] beta2 = {beta2!r}: allowed is a number in [0, 1)")
+    periods_u = tuple(_period(k, b, f"Ku[{j}]") for j, (k, b) in enumerate(zip(ku, b1)))
+    kv = _period(cfg.Kv, beta2, "Kv")
+    fastest = min(b1 + ([beta2] if cfg.base != "sgdm" else []))
+    kx = _period(cfg.Kx, fastest, "Kx")
+    return Resolved(
+        base=cfg.base,
+        betas1=tuple(float(b) for b in b1),
+        omegas=tuple(float(w) for w in om),
+        periods_u=periods_u,
+        beta2=float(beta2),
+        Kv=kv if cfg.base != "sgdm" else 0,
+        Kx=kx,
+        lr=hp.lr if cfg.lr < 0 else cfg.lr,
+        eps=hp.eps if cfg.eps < 0 else cfg.eps,
+        weight_decay=hp.weight_decay if cfg.weight_decay < 0 else cfg.weight_decay,
+    )
+
+
+def _due(step: int, period: int) -> bool:
+    return period > 0 and step % period == 0
+
+
+def _replication(p: torch.Tensor) -> int:
+    """How many ranks of the parameter's mesh hold the same local values (Replicate dims)."""
+    if not isinstance(p, DTensor):
+        return 1
+    return math.prod(
+        p.device_mesh.size(i) for i, pl in enumerate(p.placements) if isinstance(pl, Replicate)
+    )
+
+
+class LocalAdaptive(torch.optim.Optimizer):
+    """One engine for DES-LOC (N = 1, ω = 1), MT-DAO (N momenta, quasi-hyperbolic), Local Adam
+    (Ku = Kv = Kx) and DiLoCo (Ku = Kv = 0, Nesterov outer). See the module docstring for the math.
+
+    ``betas1``/``omegas``/``beta2``/``eps``/``weight_decay``/``lr`` are per param group;
+    the periods, base algorithm, clipping and outer optimizer are global (syncs are fused over all
+    parameters, and the norm clip is over the whole replica gradient).
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        topology: Optional[Topology] = None,
+        *,
+        base: str = "adam",
+        lr: float = 1e-3,
+        betas1: Sequence[float] = (0.9,),
+        omegas: Sequence[float] = (1.0,),
+        periods_u: Sequence[int] = (32,),
+        beta2: float = 0.999,
+        Kv: int = 32,
+        Kx: int = 32,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        bias_correction: bool = True,
+        adopt_clip: bool = True,
+        clip: str = "none",
+        clip_threshold: float = 1.0,
+        outer: str = "average",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        transfer_dtype: Optional[torch.dtype] = torch.float32,
+        ledger: Optional["comm.CommLedger"] = None,
+    ) -> None:
+        if not (len(betas1) == len(omegas) == len(periods_u) >= 1):
+            raise ValueError("betas1, omegas and periods_u need one entry per first momentum")
+        if base not in ("adam", "adopt", "sgdm") or clip not in ("none", "coordinate", "norm"):
+            raise ValueError(f"bad base {base!r} or clip {clip!r}")
+        if outer not in ("average", "nesterov"):
+            raise ValueError(f"bad outer {outer!r}")
+        defaults = dict(
+            lr=lr, betas1=tuple(betas1), omegas=tuple(omegas), beta2=beta2, eps=eps,
+            weight_decay=weight_decay,
+        )
+        super().__init__(params, defaults)
+        self.topology = topology or Topology.single()
+        self.base = base
+        self.periods_u = tuple(int(k) for k in periods_u)
+        self.Kv = int(Kv) if base != "sgdm" else 0
+        self.Kx = int(Kx)
+        self.bias_correction = bias_correction
+        self.adopt_clip = adopt_clip
+        self.clip = clip
+        self.clip_threshold = clip_threshold
+        self.outer = outer
+        self.outer_lr = outer_lr
+        self.outer_momentum = outer_momentum
+        self.transfer_dtype = transfer_dtype
+        self.ledger = ledger
+
+    # ---- state -----------------------------------------------------------------------------------
+    @staticmethod
+    def _moment_key(j: int) -> str:
+        # j = 0 keeps torch Adam's name so an AdamW checkpoint's first moment maps onto it
+        return "exp_avg" if j == 0 else f"exp_avg_{j}"
+
+    def _init_state(self, p: torch.Tensor, n_moments: int) -> dict:
+        state = self.state[p]
+        if not state:
+            zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
+            state["step"] = torch.tensor(0.0)
+            for j in range(n_moments):
+                state[self._moment_key(j)] = zeros()
+            if self.base != "sgdm":
+                state["exp_avg_sq"] = zeros()
+            if self.outer == "nesterov" and self.Kx > 0:
+                # x at the last sync: the outer step's pseudo-gradient is anchor − mean_R(x)
+                state["outer_anchor"] = p.detach().clone()
+                state["outer_buf"] = zeros()
+        return state
+
+    # ---- step ------------------------------------------------------------------------------------
+    def _clip_scale(self, grads: list[torch.Tensor], params: list[torch.Tensor]) -> float:
+        """min(1, ρ/‖g‖) with ‖g‖ the replica's whole-model gradient norm (shards summed over S, T)."""
+        sq = torch.zeros((), dtype=torch.float64)
+        for g, p in zip(grads, params):
+            sq += g.double().pow(2).sum() / _replication(p)
+        comm.all_reduce(sq, S, self.topology.shard, op="sum", ledger=self.ledger)
+        comm.all_reduce(sq, T, self.topology.tp, op="sum", ledger=self.ledger)
+        norm = float(sq.sqrt())
+        return min(1.0, self.clip_threshold / (norm + 1e-12))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        work: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                work.append((group, p, self.topology.replica_grad(local(p.grad))))
+
+        if self.clip == "coordinate":
+            work = [(grp, p, g.clamp(-self.clip_threshold, self.clip_threshold)) for grp, p, g in work]
+        elif self.clip == "norm":
+            scale = self._clip_scale([g for _, _, g in work], [p for _, p, _ in work])
+            if scale < 1.0:
+                work = [(grp, p, g * scale) for grp, p, g in work]
+
+        due_states: list[torch.Tensor] = []  # averaged over R: the one fused collective
+        due_params: list[tuple[torch.Tensor, dict]] = []  # (local x, state) needing the outer step
+        for group, p, g in work:
+            state = self._init_state(p, len(group["betas1"]))
+            state["step"] += 1
+            n = int(state["step"].item())
+            self._update(group, p, g, state, n)
+            for j, period in enumerate(self.periods_u):
+                if _due(n, period):
+                    due_states.append(local(state[self._moment_key(j)]))
+            if _due(n, self.Kv):
+                due_states.append(local(state["exp_avg_sq"]))
+            if _due(n, self.Kx):
+                x = local(p)
+                due_states.append(x)
+                due_params.append((x, state))
+
+        if due_states and self.topology.replicate_size > 1:
+            comm.all_reduce_fused(
+                due_states, R, self.topology.replicate, op="mean", dtype=self.transfer_dtype,
+                ledger=self.ledger,
+            )
+        if self.outer == "nesterov":
+            for x, state in due_params:
+                self._nesterov(x, state)
+        return loss
+
+    def _update(self, group: dict, p: torch.Tensor, g: torch.Tensor, state: dict, n: int) -> None:
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        betas1, omegas, beta2 = group["betas1"], group["omegas"], group["beta2"]
+        x = local(p)
+        g = g.to(x.dtype)
+        moments = [local(state[self._moment_key(j)]) for j in range(len(betas1))]
+
+        if self.base == "adopt":
+            v = local(state["exp_avg_sq"])
+            if n == 1:
+                v.addcmul_(g, g)  # ADOPT: the first step only initializes v = g²
+                return
+            gn = g / v.sqrt().clamp_(min=eps)  # normalized by the *previous* v
+            if self.adopt_clip:
+                c = (n - 1) ** 0.25
+                gn.clamp_(-c, c)
+            for u, b in zip(moments, betas1):
+                u.lerp_(gn, 1 - b)  # u_j ← β1_j u_j + (1−β1_j) ĝ
+            delta = gn * (1 - sum(omegas))  # Δ = (1−Σω) ĝ + Σ ω_j u_j
+            for u, w in zip(moments, omegas):
+                delta.add_(u, alpha=w)
+            x.mul_(1 - lr * wd)
+            x.add_(delta, alpha=-lr)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v last (ADOPT's order)
+            return
+
+        for u, b in zip(moments, betas1):
+            u.lerp_(g, 1 - b)  # u_j ← β1_j u_j + (1−β1_j) g
+        x.mul_(1 - lr * wd)  # decoupled weight decay, as torch AdamW (before the update)
+
+        if self.base == "sgdm":
+            delta = g * (1 - sum(omegas))  # Δ = (1−Σω) g + Σ ω_j u_j
+            for u, w in zip(moments, omegas):
+                delta.add_(u, alpha=w)
+            x.add_(delta, alpha=-lr)
+            return
+
+        v = local(state["exp_avg_sq"])
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v ← β2 v + (1−β2) g²
+        bc2 = 1 - beta2**n if self.bias_correction else 1.0
+        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)  # √v̂ + ε, the same rounding as torch AdamW
+        if len(moments) == 1 and omegas[0] == 1.0:
+            bc1 = 1 - betas1[0] ** n if self.bias_correction else 1.0
+            x.addcdiv_(moments[0], denom, value=-lr / bc1)  # plain Adam: torch's exact expression
+            return
+        num = g * (1 - sum(omegas))  # (1−Σω) g + Σ ω_j û_j
+        for u, b, w in zip(moments, betas1, omegas):
+            bc1 = 1 - b**n if self.bias_correction else 1.0
+            num.add_(u, alpha=w / bc1)
+        x.addcdiv_(num, denom, value=-lr)
+
+    def _nesterov(self, x: torch.Tensor, state: dict) -> None:
+        """DiLoCo outer step; ``x`` already holds mean_R(x)."""
+        anchor, buf = local(state["outer_anchor"]), local(state["outer_buf"])
+        mu = self.outer_momentum
+        delta = anchor - x  # pseudo-gradient Δ = x_anchor − mean_R(x)
+        buf.mul_(mu).add_(delta)  # b ← μ b + Δ
+        x.copy_(anchor).sub_(delta.add_(buf, alpha=mu), alpha=self.outer_lr)  # x ← anchor − η(Δ + μ b)
+        anchor.copy_(x)
+
+
+# ---- registry contract ----------------------------------------------------------------------------
+def build(
+    name: str, named_params: NamedParams, topology: Topology, hparams: BaseHParams, cfg: Config
+) -> LocalAdaptive:
+    r = resolve(cfg, hparams)
+    params = [p for _, p in named_params if p.requires_grad]
+    return LocalAdaptive(
+        [{"params": params}],
+        topology,
+        base=r.base,
+        lr=r.lr,
+        betas1=r.betas1,
+        omegas=r.omegas,
+        periods_u=r.periods_u,
+        beta2=r.beta2,
+        Kv=r.Kv,
+        Kx=r.Kx,
+        eps=r.eps,
+        weight_decay=r.weight_decay,
+        bias_correction=cfg.bias_correction,
+        adopt_clip=cfg.adopt_clip,
+        clip=cfg.clip,
+        clip_threshold=cfg.clip_threshold,
+        outer=cfg.outer,
+        outer_lr=cfg.outer_lr,
+        outer_momentum=cfg.outer_momentum,
+        transfer_dtype=None if cfg.transfer_dtype == "native" else comm.DTYPES[cfg.transfer_dtype],
+    )
+
+
+def comm_reduction(r: Resolved) -> float:
+    """Synced elements per parameter per step, 1/Kx + Σ 1/K_j + 1/Kv (0 for never-synced states)."""
+    inv = lambda k: 1.0 / k if k > 0 else 0.0  # noqa: E731
+    return inv(r.Kx) + sum(inv(k) for k in r.periods_u) + inv(r.Kv)
+
+
+def r_bytes_per_step(
+    named_shapes: Sequence[tuple[str, Sequence[int]]], cfg: Config, replicate_size: int,
+    hparams: Optional[BaseHParams] = None, state_bytes: int = 4,
+) -> dict[str, float]:
+    """Average R payload per rank per step: d·(1/Kx + Σ_j 1/K_j + 1/Kv)·bytes (all-reduce: sent = recv).
+
+    ``named_shapes``: (fqn, *local shard* shape) of every trainable parameter, d = Σ numel — the
+    state tensors synced are the local shards. ``bytes`` is the transfer dtype's element size
+    (``state_bytes`` for ``native``). "auto" periods resolve with ``hparams`` (default
+    ``BaseHParams()``) where the table leaves betas to ``[optimizer]``.
+    """
+    if replicate_size <= 1:
+        return {"sent": 0.0, "recv": 0.0}
+    r = resolve(cfg, hparams)
+    d = sum(math.prod(shape) for _, shape in named_shapes)
+    size = state_bytes if cfg.transfer_dtype == "native" else comm.DTYPES[cfg.transfer_dtype].itemsize
+    per_step = d * comm_reduction(r) * size
+    return {"sent": per_step, "recv": per_step}
