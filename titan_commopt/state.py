@@ -4,8 +4,8 @@ Optimizers that own the R sync keep state that differs between replicas (decoupl
 parameters between syncs, error feedback). A checkpoint therefore stores that state once *per
 replica*, under keys prefixed ``replica<r>/``; each replica loads its own back. Everything keyed
 this way is a DTensor over the S (and T) mesh or a plain value, so DCP still reshards it when S
-changes. Resuming with a different number of replicas is refused (there is no right way to invent
-or drop a replica's momenta); the message says so.
+changes. Resuming with a different number of replicas is refused before loading (there is no
+right way to invent or drop a replica's momenta): ``titan_commopt.titan.checkpoint``.
 
 Parameters of optimizers whose replicas legitimately diverge between syncs (local-adaptive
 families: ``params_replica_local = True`` on the optimizer) are saved per replica too and restored
@@ -33,9 +33,6 @@ __all__ = [
     "any_nonfinite",
 ]
 
-META_KEY = "commopt_meta"
-
-
 def replica_prefix(replica: int) -> str:
     return f"replica{replica}/"
 
@@ -48,19 +45,6 @@ def add_replica_prefix(state: dict[str, Any], replica: int) -> dict[str, Any]:
 def take_replica(state: dict[str, Any], replica: int) -> dict[str, Any]:
     prefix = replica_prefix(replica)
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-
-
-def check_meta(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Refuse a resume whose replica count or optimizer differs from the checkpoint's."""
-    for key in ("optimizer", "replicas"):
-        if key in saved and saved[key] != current[key]:
-            raise RuntimeError(
-                f"checkpoint was written with {key} = {saved[key]!r}, this run has {current[key]!r}: "
-                "replica-local optimizer state cannot be mapped onto a different number of replicas "
-                "or another optimizer. Resume with the same [optimizer] name and "
-                "data_parallel_replicate_degree (the shard degree may change: DCP reshards), or start "
-                "from the model weights only ([checkpoint] exclude_from_loading = [\"optimizer\"])."
-            )
 
 
 # ---- drift -----------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from titan_commopt.options import validate
 from titan_commopt.topology import R, S, Topology
 
 from . import config
+from .checkpoint import check_resume
 from .cpu import force_sum_reduction, on_cpu
 
 NATIVE_OPTIMIZERS = ("AdamW", "Adam")  # torchtitan's own; HSDP syncs R for them
@@ -216,9 +217,6 @@ def _container_cls() -> type:
             super().zero_grad(*args, **kwargs)
 
         # ---- checkpoints ----
-        def _meta(self) -> dict[str, Any]:
-            return {"optimizer": self.name, "replicas": self.topology.replicate_size}
-
         def _params_replica_local(self) -> bool:
             return any(getattr(o, "params_replica_local", False) for o in self.optimizers)
 
@@ -231,16 +229,13 @@ def _container_cls() -> type:
                 flat.update({f"param.{n}": p.data for n, p in self._named_params()})
             flat["skipped_steps"] = self.skipped_steps
             flat["steps_taken"] = self.steps_taken
-            out = replica_state.add_replica_prefix(flat, self.topology.replica_index)
-            out[replica_state.META_KEY] = self._meta()
-            return out
+            return replica_state.add_replica_prefix(flat, self.topology.replica_index)
 
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
             if not self.owns_replicate_sync:
                 with comm.use_ledger(comm.CommLedger()):
                     super().load_state_dict(state_dict)
                 return
-            replica_state.check_meta(state_dict.get(replica_state.META_KEY, {}), self._meta())
             mine = replica_state.take_replica(state_dict, self.topology.replica_index)
             self.skipped_steps = int(mine.pop("skipped_steps", 0))
             self.steps_taken = int(mine.pop("steps_taken", 0))
@@ -285,6 +280,7 @@ def build_optimizers(
     name = optimizer_config.name
     topology = topology_of(parallel_dims)
     native = not owns_replicate_sync(name)
+    check_resume(job_config, not native, topology.replicate_size)
     if native:
         from torchtitan.components.optimizer import build_optimizers as stock_build
 
