@@ -241,14 +241,16 @@ def _two_replicas(rank, world):
     opt = la.LocalAdaptive(ps, topo, lr=1e-2, betas1=(0.9,), periods_u=(20,), beta2=0.99, Kv=50, Kx=4,
                            weight_decay=0.1, ledger=ledger)
     data = _grads(5, shapes, 100, replicas=world)
-    hashes, calls = [], []
+    hashes, calls, in_sync = [], [], [opt.replicas_in_sync()]
     for step in data:
         for i, p in enumerate(ps):
             p.grad = step[rank][i].float()
         opt.step()
         hashes.append("".join(_hash(p) for p in ps))
+        in_sync.append(opt.replicas_in_sync())
         calls.append(ledger.end_step().get("R_calls", 0))
     out["hashes"], out["calls"], out["bytes"] = hashes, calls, ledger.totals["R_sent"]
+    out["in_sync"], out["replica_local"] = in_sync, opt.params_replica_local
     out["d"] = sum(p.numel() for p in ps)
     # bf16 transfer halves the bytes of the same schedule
     ledger2 = comm.CommLedger()
@@ -273,8 +275,10 @@ def test_two_replicas_sgdm_dp_hashes_and_ledger():
     for n in range(1, 101):
         same = res[0]["hashes"][n - 1] == res[1]["hashes"][n - 1]
         assert same == (n % 4 == 0), n
+        assert res[0]["in_sync"][n] == same  # the adapter's drift check runs exactly then
         # one fused collective per sync step, none otherwise
         assert res[0]["calls"][n - 1] == (1 if n % 4 == 0 or n % 20 == 0 or n % 50 == 0 else 0)
+    assert res[0]["in_sync"][0] and res[0]["replica_local"]
     expected = d * (100 / 4 + 100 / 20 + 100 / 50) * 4
     assert res[0]["bytes"] == res[1]["bytes"] == expected
     assert res[0]["bytes_bf16"] == expected / 2

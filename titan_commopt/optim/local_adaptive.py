@@ -68,15 +68,15 @@ class Config:
     """``[commopt.local]``: the DES-LOC / MT-DAO engine (also LocalAdam and DiLoCo presets)."""
 
     base: str = option("adam", "Local base optimizer.", choices=("adam", "adopt", "sgdm"))
-    beta1: list = option(
+    beta1: list[float] = option(
         [], "β1_j of the N first momenta; [] = one momentum per Ku entry with [optimizer] beta1 "
         "(e.g. [0.9, 0.999] for two momenta).", kind=list,
     )
-    Ku: list = option(
+    Ku: list[Union[int, str]] = option(
         [32], "Sync period K_j of each first momentum (integer >= 1, 0 = never, or \"auto\" = "
         "power of two nearest its half-life ln0.5/lnβ1_j). One entry per momentum.", kind=list,
     )
-    omega: list = option(
+    omega: list[float] = option(
         [1.0], "Quasi-hyperbolic weights ω_j of the momenta (Σω <= 1; the current gradient gets "
         "1 − Σω). One entry per momentum.", kind=list,
     )
@@ -269,6 +269,19 @@ class LocalAdaptive(torch.optim.Optimizer):
         self.outer_momentum = outer_momentum
         self.transfer_dtype = transfer_dtype
         self.ledger = ledger
+
+    # ---- hooks the torchtitan adapter reads (titan/optimizers.py, state.py) ------------------------
+    @property
+    def params_replica_local(self) -> bool:
+        """Parameters differ across replicas between Kx syncs: checkpoints keep them per replica."""
+        return self.Kx != 1
+
+    def replicas_in_sync(self) -> bool:
+        """Whether every replica holds the same parameters now (right after a Kx sync, or before
+        the first step: the adapter broadcasts replica 0's parameters). Read from the checkpointed
+        step counters, so it stays right after a resume."""
+        steps = {int(s["step"]) for s in self.state.values() if "step" in s}
+        return not steps or (self.Kx > 0 and all(n % self.Kx == 0 for n in steps))
 
     # ---- state -----------------------------------------------------------------------------------
     @staticmethod
