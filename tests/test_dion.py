@@ -70,6 +70,21 @@ def test_matches_dense_equations(shape, rank, method):
     assert not torch.equal(p.detach(), X0)
 
 
+def test_zero_gradient_step_keeps_everything():
+    """DCP's ``_init_optim_state`` steps once with zero gradients and lr 0 to create state: that must
+    leave X, M and Q as they were (P = 0 is not orthonormalizable; Q keeps its columns)."""
+    torch.manual_seed(6)
+    X0 = torch.randn(9, 7, dtype=torch.float64)
+    p, v = nn.Parameter(X0.clone()), nn.Parameter(torch.ones(7, dtype=torch.float64))
+    opt = dion.Dion([dict(params=[("w", p)], algorithm="dion"), dict(params=[("v", v)], algorithm="adamw")],
+                    lr=0.0, rank=3, weight_decay=0.1)
+    p.grad, v.grad = torch.zeros_like(p), torch.zeros_like(v)
+    opt.step()
+    assert torch.equal(p.detach(), X0) and torch.equal(v.detach(), torch.ones(7, dtype=torch.float64))
+    assert torch.equal(opt.state[p]["Q"], dion.initial_q("w", 7, 3, 0, torch.float64))
+    assert not opt.state[p]["momentum"].any()
+
+
 def test_scalar_optimizers_match_references():
     torch.manual_seed(2)
     X0 = torch.randn(5, 3, dtype=torch.float64)
@@ -360,7 +375,7 @@ def _four_ranks(rank, world):
     # FSDP rows × TP columns on a 2-D mesh (uneven shards: 11 rows, 9 columns).
     st = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
     topo = Topology.from_mesh(st)
-    for shape, kw in [((11, 9), dict(rank=3)), ((12, 10), dict(rank=10, orthogonalize="qr"))]:
+    for shape, kw in [((11, 9), dict(rank=3, orthogonalize="qr")), ((12, 10), dict(rank=10))]:
         g = grads(0, 1)
         g.shape = shape
         out[f"fsdp_tp/{shape}"] = _matrix_case(st, topo, [Shard(0), Shard(1)], shape, g, kw)

@@ -317,12 +317,14 @@ class Dion(torch.optim.Optimizer):
             colnorm_eps=colnorm_eps, seed=seed,
         )
         self._layouts: dict[torch.Tensor, _Layout] = {}
+        index = 0  # unnamed params are named by their position over all groups (distinct Q seeds)
         for group in self.param_groups:
             if group["algorithm"] not in ("dion", "adamw", "lion"):
                 raise ValueError(f"Dion: unknown algorithm {group['algorithm']!r}")
+            names = group.get("param_names") or [f"param{index + i}" for i in range(len(group["params"]))]
+            index += len(group["params"])
             if group["algorithm"] != "dion":
                 continue
-            names = group.get("param_names") or [f"param{i}" for i in range(len(group["params"]))]
             for name, p in zip(names, group["params"]):
                 if p.ndim != 2:
                     raise ValueError(f"Dion: {name} has {p.ndim} dims; Dion takes 2-D matrices only")
