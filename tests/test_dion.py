@@ -420,3 +420,42 @@ def test_distributed_hsdp_and_tp_equal_single_process():
     assert r0["dp_tp/rows"]["expected"] == 8 * (6 + 10) * 3
     assert r0["dp_tp/cols_full"]["expected"] == 8 * 12 * 5
     assert r0["hsdp/low"]["expected"] > 0
+
+
+# ---- real tensor parallelism: torchtitan's layouts (colwise → rows over tp, FSDP on top) ----------------
+def _tp_fsdp(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
+    topo = Topology.from_mesh(mesh)
+    out = {}
+    for name, kw in CONFIGS.items():
+        cfg = dion.Config(**kw)
+        model = make_toy()
+        for layer in model.layers:
+            # w1 column-wise (rows over tp), w2 and wo row-wise (columns over tp), as torchtitan's FFN/attention
+            parallelize_module(layer, mesh["tp"], {
+                "w1": ColwiseParallel(), "w2": RowwiseParallel(),
+                "wo": RowwiseParallel(input_layouts=Replicate()),
+            })
+        _fsdp(model, mesh["fsdp"])
+        placements = {n: tuple((type(pl).__name__, getattr(pl, "dim", None)) for pl in p.placements)
+                      for n, p in model.named_parameters()}
+        opt = dion.build("Dion", list(model.named_parameters()), topo, HP, cfg)
+        layouts = {lay.fqn: (len(lay.rows), len(lay.cols)) for lay in opt._layouts.values()}
+        train(model, opt, part=(mesh.get_local_rank("fsdp"), 2))
+        out[name] = dict(diff=compare(model, reference(cfg)), r_bytes=[0.0], expected=0,
+                         placements=placements, layouts=layouts)
+    return out
+
+
+def test_distributed_fsdp_over_tensor_parallel_equals_single_process():
+    results = run_distributed(_tp_fsdp, 4)
+    _check(results)
+    r = results[0]["low"]
+    # colwise w1: FSDP re-shards TP's rows (strided); row-wise w2: rows over fsdp, columns over tp
+    assert r["layouts"]["layers.0.w1.weight"] == (2, 0) and r["layouts"]["layers.0.w2.weight"] == (1, 1)
+    assert r["placements"]["layers.0.w2.weight"] == (("Shard", 0), ("Shard", 1))
+    assert r["placements"]["layers.0.w1.weight"] == (("_StridedShard", 0), ("Shard", 0))
