@@ -22,10 +22,11 @@ Distributed exactly as Algorithm 2 / Theorem 2.1 (the iterates equal the central
   P is orthogonalized without gathering it by Cholesky-QR (r×r Gram all-reduce-sum, twice:
   CholeskyQR2), falling back to a QR of P gathered over the row groups (m×r, never m×n) when the
   Gram is not positive definite or P is ill-conditioned; ``R = Σ_i B_iᵀ P_i`` is an
-  all-reduce-sum. A mesh dim that shards dim 1 (TP's ``Shard(1)``, row-wise parallel layers) makes
-  Q column-sharded: ``P = Σ_j B_j Q_j`` is an all-reduce-sum and the column norms of R are summed
-  (r numbers). No rank ever materializes an m×n matrix. Mesh dims named ``tp`` are the T role
-  (``topology.tp``), every other sharding dim is S (``topology.shard``).
+  all-reduce-sum. A mesh dim that shards dim 1 (TP's ``Shard(1)``, row-wise parallel layers)
+  makes Q column-sharded: ``P = Σ_j B_j Q_j`` is an all-reduce-sum and the column norms of R are
+  summed (r numbers). No rank ever materializes an m×n matrix. Mesh dims named ``tp`` are the T
+  role (``topology.tp``), every other sharding dim is S (``topology.shard``). Each S/T reduction is
+  one fused collective for all matrices sharing the same groups.
 - Q starts identical on every rank: drawn from the full (n, r) shape with a generator seeded by
   (``seed``, FQN), then sliced to the local columns. It is kept as a DTensor (rows sharded like X's
   columns, replicated elsewhere) so DCP checkpoints it correctly.
@@ -236,26 +237,51 @@ def _layout(fqn: str, p: torch.Tensor, topology: Topology, cfg: Config) -> _Layo
 
 
 # ---- orthogonalization -----------------------------------------------------------------------------
-def _cholesky_qr(P: torch.Tensor, rows: Groups) -> Optional[torch.Tensor]:
-    """CholeskyQR2 of a row-distributed P: two passes of P ← P L⁻ᵀ with L Lᵀ = Σ_i P_iᵀ P_i.
+def _key(groups: Groups) -> tuple:
+    return tuple((role, id(group)) for role, group in groups)
 
-    Returns None (on every rank alike: the Gram is identical after the all-reduce) when the Gram is
-    not positive definite or P is too ill-conditioned for CholeskyQR2 to be accurate.
+
+def _sum_over(tensors: Sequence[torch.Tensor], groups_of: Sequence[Groups]) -> None:
+    """In-place all-reduce-sum of each tensor over its groups: one fused collective per group for
+    all tensors that share the same groups (every rank holds the same matrices in the same order,
+    so buckets and their order agree across the ranks of a group)."""
+    buckets: dict[tuple, tuple[Groups, list[torch.Tensor]]] = {}
+    for t, groups in zip(tensors, groups_of):
+        if groups:
+            buckets.setdefault(_key(groups), (groups, []))[1].append(t)
+    for groups, members in buckets.values():
+        for role, group in groups:
+            comm.all_reduce_fused(members, role, group, op="sum")
+
+
+def _cholesky_qr_many(Ps: list[torch.Tensor], rows: list[Groups]) -> list[Optional[torch.Tensor]]:
+    """CholeskyQR2 of row-distributed P's: two passes of P ← P L⁻ᵀ with L Lᵀ = Σ_i P_iᵀ P_i.
+
+    An entry is None (on every rank alike: the Gram is identical after the all-reduce) where the
+    Gram is not positive definite or P is too ill-conditioned for CholeskyQR2 to be accurate.
     """
-    limit = 0.1 / math.sqrt(torch.finfo(P.dtype).eps)  # cond(P) ≲ u^(-1/2) keeps CQR2 accurate
+    out: list[Optional[torch.Tensor]] = list(Ps)
+    todo = list(range(len(Ps)))
     for first in (True, False):
-        gram = P.T @ P
-        for role, group in rows:
-            comm.all_reduce(gram, role, group, op="sum")
-        L, info = torch.linalg.cholesky_ex(gram)
-        if int(info) != 0:
-            return None
-        d = L.diagonal()
-        # diag(L) ratio is a lower bound of cond(P): a cheap, rank-consistent ill-conditioning test.
-        if first and not bool(d.min() * limit > d.max()):
-            return None
-        P = torch.linalg.solve_triangular(L.T, P, upper=True, left=False)
-    return P
+        grams = [out[i].T @ out[i] for i in todo]  # type: ignore[union-attr]
+        _sum_over(grams, [rows[i] for i in todo])  # r×r per matrix over the row shards
+        keep = []
+        for i, gram in zip(todo, grams):
+            L, info = torch.linalg.cholesky_ex(gram)
+            d = L.diagonal()
+            limit = 0.1 / math.sqrt(torch.finfo(gram.dtype).eps)  # CQR2 is accurate for cond(P) ≲ u^(-1/2)
+            # diag(L)'s spread is a lower bound of cond(P): a cheap, rank-consistent test.
+            if int(info) != 0 or (first and not bool(d.min() * limit > d.max())):
+                out[i] = None
+                continue
+            out[i] = torch.linalg.solve_triangular(L.T, out[i], upper=True, left=False)
+            keep.append(i)
+        todo = keep
+    return out
+
+
+def _cholesky_qr(P: torch.Tensor, rows: Groups) -> Optional[torch.Tensor]:
+    return _cholesky_qr_many([P], [rows])[0]
 
 
 def _gather_rows(P: torch.Tensor, rows: Groups) -> tuple[torch.Tensor, int]:
@@ -273,15 +299,22 @@ def _gather_rows(P: torch.Tensor, rows: Groups) -> tuple[torch.Tensor, int]:
     return block, start
 
 
-def _orthogonalize(P: torch.Tensor, rows: Groups, method: str) -> torch.Tensor:
-    if method == "cholesky_qr":
-        out = _cholesky_qr(P, rows)
-        if out is not None:
-            return out
+def _qr(P: torch.Tensor, rows: Groups) -> torch.Tensor:
     if not rows:
         return torch.linalg.qr(P).Q
     full, start = _gather_rows(P, rows)
     return torch.linalg.qr(full).Q[start : start + P.shape[0]].contiguous()
+
+
+def _orthogonalize_many(Ps: list[torch.Tensor], rows: list[Groups], method: str) -> list[torch.Tensor]:
+    out = _cholesky_qr_many(Ps, rows) if method == "cholesky_qr" else [None] * len(Ps)
+    # A P whose second Cholesky failed is partly orthogonalized: same column space, so its QR factor
+    # is still P's (up to column signs, which Dion's update does not see).
+    return [o if o is not None else _qr(P, r) for o, P, r in zip(out, Ps, rows)]
+
+
+def _orthogonalize(P: torch.Tensor, rows: Groups, method: str) -> torch.Tensor:
+    return _orthogonalize_many([P], [rows], method)[0]
 
 
 # ---- the optimizer ---------------------------------------------------------------------------------
@@ -421,34 +454,29 @@ class Dion(torch.optim.Optimizer):
 
     def _dion_update(self, matrices: list) -> None:
         topo = self.topology
-        work = []
+        Bs, Qs, Ps = [], [], []
         for p, group, lay, g in matrices:
             state = self.state[p] or self._init_dion_state(p, lay)
             B = local(state["momentum"])
             B.add_(g)  # B = M + G, kept in M's storage (M is rebuilt from B below)
             Q = local(state["Q"])
-            work.append([p, group, lay, B, Q, B @ Q, None])  # P̂ = B̂ Q (local rows, partial over cols)
-
+            Bs.append(B)
+            Qs.append(Q)
+            Ps.append(B @ Q)  # P̂ = B̂ Q: local rows, partial over column shards
+        lays = [lay for _, _, lay, _ in matrices]
         # E_DP[P̂]: (m_loc × r) per compressed matrix, one collective for all of them.
-        comm.all_reduce_fused([w[5] for w in work if w[2].compressed], R, topo.replicate, op="mean")
-        for w in work:
-            _, _, lay, B, _, P, _ = w
-            for role, group in lay.cols:
-                comm.all_reduce(P, role, group, op="sum")  # P = Σ_j B_j Q_j over column shards
-            P = _orthogonalize(P, lay.rows, self.cfg.orthogonalize)
-            Rm = B.T @ P  # R̂ = B̂ᵀ P (local columns, partial over row shards)
-            for role, group in lay.rows:
-                comm.all_reduce(Rm, role, group, op="sum")  # R = Σ_i B_iᵀ P_i
-            w[5], w[6] = P, Rm
-
+        comm.all_reduce_fused([P for P, lay in zip(Ps, lays) if lay.compressed], R, topo.replicate, op="mean")
+        _sum_over(Ps, [lay.cols for lay in lays])  # P = Σ_j B_j Q_j over column shards
+        Ps = _orthogonalize_many(Ps, [lay.rows for lay in lays], self.cfg.orthogonalize)
+        Rs = [B.T @ P for B, P in zip(Bs, Ps)]  # R̂ = B̂ᵀ P: local columns, partial over row shards
+        _sum_over(Rs, [lay.rows for lay in lays])  # R = Σ_i B_iᵀ P_i
         # E_DP[R̂]: (n_loc × r) per compressed matrix, one collective.
-        comm.all_reduce_fused([w[6] for w in work if w[2].compressed], R, topo.replicate, op="mean")
-        for p, group, lay, B, Q, P, Rm in work:
+        comm.all_reduce_fused([Rm for Rm, lay in zip(Rs, lays) if lay.compressed], R, topo.replicate, op="mean")
+        sqs = [(Rm * Rm).sum(dim=0) for Rm in Rs]
+        _sum_over(sqs, [lay.cols for lay in lays])  # squared column norms over column shards: r numbers
+        for (p, group, lay, _), B, Q, P, Rm, sq in zip(matrices, Bs, Qs, Ps, Rs, sqs):
             lr, wd, mu = group["lr"], group["weight_decay"], group["mu"]
             B.addmm_(P, Rm.T, alpha=-(1 - mu))  # M = B − (1−μ) P Rᵀ (error feedback)
-            sq = (Rm * Rm).sum(dim=0)
-            for role, group_ in lay.cols:
-                comm.all_reduce(sq, role, group_, op="sum")  # column norms over column shards: r numbers
             norm = sq.sqrt()
             # Q = colnorm(R); a column with R = 0 keeps its old direction instead of dying at 0.
             Q.copy_(torch.where(norm > 0, Rm / (norm + self.cfg.colnorm_eps), Q))
