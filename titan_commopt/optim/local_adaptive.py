@@ -307,7 +307,8 @@ class LocalAdaptive(torch.optim.Optimizer):
     # ---- step ------------------------------------------------------------------------------------
     def _clip_scale(self, grads: list[torch.Tensor], params: list[torch.Tensor]) -> float:
         """min(1, ρ/‖g‖) with ‖g‖ the replica's whole-model gradient norm (shards summed over S, T)."""
-        sq = torch.zeros((), dtype=torch.float64)
+        device = grads[0].device if grads else torch.device("cpu")
+        sq = torch.zeros((), dtype=torch.float64, device=device)  # on the grads' device (NCCL)
         for g, p in zip(grads, params):
             sq += g.double().pow(2).sum() / _replication(p)
         comm.all_reduce(sq, S, self.topology.shard, op="sum", ledger=self.ledger)
