@@ -192,7 +192,7 @@ def loss_of(model, tokens, targets):
 
 def train(model, opt, part=None, ledger=None):
     """STEPS steps; ``part = (index, count)`` takes this data-parallel rank's slice of the batch."""
-    r_bytes = []
+    r_bytes, s_bytes = [], []
     for step in range(STEPS):
         tokens, targets = batch(step)
         if part is not None:
@@ -202,8 +202,10 @@ def train(model, opt, part=None, ledger=None):
         opt.step()
         opt.zero_grad()
         if ledger is not None:
-            r_bytes.append(ledger.end_step().get("R_sent", 0.0))
-    return r_bytes
+            summary = ledger.end_step()
+            r_bytes.append(summary.get("R_sent", 0.0))
+            s_bytes.append(summary.get("S_sent", 0.0))
+    return r_bytes, s_bytes
 
 
 def reference(cfg):
@@ -305,9 +307,9 @@ def _toy_run(mesh, topo, shard_mesh, dp_index, dp_count, cfg_kwargs):
     opt = dion.build("Dion", list(model.named_parameters()), topo, HP, cfg)
     ledger = comm.get_ledger()
     ledger.reset()
-    r_bytes = train(model, opt, part=(dp_index, dp_count), ledger=ledger)
+    r_bytes, s_bytes = train(model, opt, part=(dp_index, dp_count), ledger=ledger)
     expected = dion.r_bytes_per_step(local_shapes(model), cfg, topo.replicate_size, element_size=8)["sent"]
-    return dict(diff=compare(model, reference(cfg)), r_bytes=r_bytes, expected=expected)
+    return dict(diff=compare(model, reference(cfg)), r_bytes=r_bytes, expected=expected, s_bytes=s_bytes)
 
 
 def _two_ranks(rank, world):
@@ -406,6 +408,11 @@ def test_distributed_dp_and_fsdp_equal_single_process():
     _check(results)
     r = results[0]
     assert r["dp/low"]["expected"] > 0 and r["fsdp/low"]["expected"] == 0  # no R without replicas
+    # S traffic of row-sharded Cholesky-QR Dion: two r×r Grams + the n×r R sum per matrix, nothing m×n
+    cfg = dion.Config(**CONFIGS["low"])
+    mats = [tuple(v.shape) for k, v in make_toy().named_parameters() if dion.route(k, v.ndim, cfg) == "dion"]
+    per_step = sum(2 * dion.dion_rank(m, n, cfg) ** 2 + n * dion.dion_rank(m, n, cfg) for m, n in mats)
+    assert r["fsdp/low"]["s_bytes"] == [8 * per_step] * STEPS and r["dp/low"]["s_bytes"] == [0.0] * STEPS
     # the compressed path sends less than the full gradients of the same model
     assert r["dp/low"]["expected"] < r["dp/full_qr"]["expected"]
 
