@@ -309,7 +309,9 @@ def _toy_run(mesh, topo, shard_mesh, dp_index, dp_count, cfg_kwargs):
     ledger.reset()
     r_bytes, s_bytes = train(model, opt, part=(dp_index, dp_count), ledger=ledger)
     expected = dion.r_bytes_per_step(local_shapes(model), cfg, topo.replicate_size, element_size=8)["sent"]
-    return dict(diff=compare(model, reference(cfg)), r_bytes=r_bytes, expected=expected, s_bytes=s_bytes)
+    shards = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
+    return dict(diff=compare(model, reference(cfg)), r_bytes=r_bytes, expected=expected, s_bytes=s_bytes,
+                shards=shards)
 
 
 def _two_ranks(rank, world):
@@ -421,6 +423,12 @@ def test_distributed_hsdp_and_tp_equal_single_process():
     results = run_distributed(_four_ranks, 4)
     _check(results)
     r0 = results[0]
+    # Replicas stay bit-identical (ranks 0/2 and 1/3 hold the same shard on different replicas),
+    # although their momenta differ by design on the compressed path.
+    for a, b in ((0, 2), (1, 3)):
+        for case in ("hsdp/low", "hsdp/full_qr"):
+            sa, sb = results[a][case]["shards"], results[b][case]["shards"]
+            assert all(torch.equal(sa[k], sb[k]) for k in sa), (a, b, case)
     assert r0["fsdp_tp/(11, 9)"]["local"] == (6, 5) and results[3]["fsdp_tp/(11, 9)"]["local"] == (5, 4)
     # compressed R payload: (m_loc + n_loc)·r doubles; full rank: the local gradient
     assert r0["dp_tp/cols"]["expected"] == 8 * (12 + 5) * 3
