@@ -407,3 +407,41 @@ def test_hsdp_2x2_equals_single_process_simulation():
             assert o["R_sent"] == o["d_local"] * per_d * 8
         # mid-period the two replicas really differ (so the comparison per replica means something)
         assert any(not torch.allclose(ref[0][k], ref[1][k]) for k in ref[0])
+
+
+# ---- norm clip over a TP mesh: sharded and replicated parameters counted once ----------------------
+def _tp_norm_clip(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    topo = Topology.from_mesh(mesh)  # T = the 2 ranks, no R, no S
+    shapes, places = [(4, 3), (5,), (2, 6)], [[Shard(0)], [Replicate()], [Shard(1)]]
+    init = [torch.randn(s, dtype=F64, generator=torch.Generator().manual_seed(20 + i)) for i, s in enumerate(shapes)]
+    ps = [nn.Parameter(distribute_tensor(t.clone(), mesh, pl)) for t, pl in zip(init, places)]
+    kw = dict(lr=0.1, betas1=(0.9,), beta2=0.99, clip="norm", clip_threshold=0.5, periods_u=(1,), Kv=1, Kx=1,
+              weight_decay=0.1)
+    opt = la.LocalAdaptive(ps, topo, **kw)
+    data = _grads(7, shapes, 6)
+    for (grads,) in data:
+        for p, g, pl in zip(ps, grads, places):
+            p.grad = distribute_tensor(g.clone(), mesh, pl)
+        opt.step()
+    return [p.full_tensor() for p in ps], sum(float(g.norm() ** 2) for g in data[0][0]) ** 0.5
+
+
+def test_norm_clip_over_tp_shards_equals_single_process():
+    res = run_distributed(_tp_norm_clip, 2)
+    shapes = [(4, 3), (5,), (2, 6)]
+    init = [torch.randn(s, dtype=F64, generator=torch.Generator().manual_seed(20 + i)) for i, s in enumerate(shapes)]
+    ps = [t.clone().requires_grad_() for t in init]
+    opt = la.LocalAdaptive(ps, lr=0.1, betas1=(0.9,), beta2=0.99, clip="norm", clip_threshold=0.5, periods_u=(1,),
+                           Kv=1, Kx=1, weight_decay=0.1)
+    for (grads,) in _grads(7, shapes, 6):
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        opt.step()
+    assert res[0][1] > 0.5  # the clip is active
+    for full, _ in res:
+        for a, b in zip(full, ps):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-12, atol=1e-14)
