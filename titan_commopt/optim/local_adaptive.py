@@ -39,7 +39,22 @@ parameter are DTensors with its placement (DCP), the per-parameter step counter 
 tensor in ``state`` (checkpointable). They are *per replica* state: between syncs u, v, x differ
 across replicas, so checkpoints must keep each replica's copy. The global-norm clip sums squared
 local norms over S and T (1 float each); nothing else leaves the replica except the R syncs.
-Gradient scale: ``topology.replica_grad`` (topology.py).
+Gradient scale: ``topology.replica_grad`` (topology.py). The adapter reads two hooks:
+``params_replica_local`` (parameters differ across replicas between syncs: Kx ≠ 1) and
+``replicas_in_sync()`` (true right after a Kx sync: when its drift check may run).
+
+Outer optimizer ``nesterov`` (DiLoCo): with ``a`` = x at the previous sync (``outer_anchor``) and
+``b`` = ``outer_buf``: Δ = a − mean_R(x); b ← μ·b + Δ; x ← a − η_out·(Δ + μ·b); a ← x. With one
+replica it still runs (DiLoCo with one worker is not plain Adam).
+
+Presets (``PRESETS``): ``DES-LOC`` (Adam, Kx=32, Ku=96=3Kx, Kv=192=6Kx, coordinate clip),
+``MT-DAO`` (ADOPT, β1=0.999, ω=0.95, β2=0.9999, K=32 for all, norm clip 1), ``LocalAdam``
+(Kx=Ku=Kv=32), ``DiLoCo`` (Kx=32, Ku=Kv=0, Nesterov outer lr 0.7, μ 0.9).
+
+``resolve(cfg, hparams)`` does every check of the table (list lengths included) without any
+collective; ``build`` calls it. The fused sync concatenates every due state into one buffer (up to
+3× the local parameter shard at a step where x, u and v are all due): that is the price of one
+collective per step.
 """
 
 import math
