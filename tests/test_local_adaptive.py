@@ -445,3 +445,18 @@ def test_norm_clip_over_tp_shards_equals_single_process():
     for full, _ in res:
         for a, b in zip(full, ps):
             torch.testing.assert_close(a, b.detach(), rtol=1e-12, atol=1e-14)
+
+
+def test_state_is_eager_so_dcp_does_not_run_a_dummy_step():
+    """torch DCP's _init_optim_state steps an optimizer with empty state once (zero grads, lr 0):
+    that would shift the sync schedule and put v = 0 into ADOPT. The state exists from the start."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    p = torch.ones(3, dtype=F64, requires_grad=True)
+    opt = la.LocalAdaptive([p], base="adopt", periods_u=(2,), Kv=2, Kx=2)
+    assert opt.replicas_in_sync()
+    _init_optim_state(opt)
+    assert int(opt.state[p]["step"]) == 0 and p.grad is None
+    p.grad = torch.full((3,), 2.0, dtype=F64)
+    opt.step()
+    torch.testing.assert_close(opt.state[p]["exp_avg_sq"], torch.full((3,), 4.0, dtype=F64))  # ADOPT: v = g²

@@ -284,6 +284,12 @@ class LocalAdaptive(torch.optim.Optimizer):
         self.outer_momentum = outer_momentum
         self.transfer_dtype = transfer_dtype
         self.ledger = ledger
+        # Eager state: DCP's _init_optim_state would otherwise run a dummy zero-grad step (lr 0) on
+        # an empty state, advancing the step counter (the sync schedule) and seeding ADOPT's v with 0.
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._init_state(p, len(group["betas1"]))
 
     # ---- hooks the torchtitan adapter reads (titan/optimizers.py, state.py) ------------------------
     @property
