@@ -107,6 +107,11 @@ def test_cholesky_qr_falls_back_when_ill_conditioned():
     good = U * torch.tensor([1.0, 2, 3, 4, 5, 6], dtype=torch.float64)
     bad = U * torch.tensor([1.0, 1, 1, 1, 1, 1e-9], dtype=torch.float64)  # cond 1e9 > limit (~7e6)
     assert dion._cholesky_qr(good, []) is not None and dion._cholesky_qr(bad, []) is None
+    # float32 P with cond 1e4 (beyond fp32 CholeskyQR2's ~4e3): the float64 Gram still handles it
+    mid = (U * torch.logspace(0, 4, 6, dtype=torch.float64)).float()
+    out32 = dion._cholesky_qr(mid, [])
+    assert out32 is not None and out32.dtype == torch.float32
+    torch.testing.assert_close(out32.T @ out32, torch.eye(6), rtol=0, atol=1e-5)
     for P in (good, bad):
         out = dion._orthogonalize(P.clone(), [], "cholesky_qr")
         torch.testing.assert_close(out.T @ out, torch.eye(6, dtype=torch.float64), rtol=0, atol=1e-10)

@@ -19,8 +19,8 @@ Distributed exactly as Algorithm 2 / Theorem 2.1 (the iterates equal the central
   replica runs the same centralized update. ``r_bytes_per_step`` follows the same rule.
 - S/T (weight sharding, read from each DTensor's placements): a mesh dim that shards dim 0 (FSDP2's
   ``Shard(0)``, also ``_StridedShard(0)`` under TP: the row order never matters) makes P row-local;
-  P is orthogonalized without gathering it by Cholesky-QR (r×r Gram all-reduce-sum, twice:
-  CholeskyQR2), falling back to a QR of P gathered over the row groups (m×r, never m×n) when the
+  P is orthogonalized without gathering it by Cholesky-QR in float64 (r×r Gram all-reduce-sum,
+  twice: CholeskyQR2), falling back to a QR of P gathered over the row groups (m×r, never m×n) when the
   Gram is not positive definite or P is ill-conditioned; ``R = Σ_i B_iᵀ P_i`` is an
   all-reduce-sum. A mesh dim that shards dim 1 (TP's ``Shard(1)``, row-wise parallel layers)
   makes Q column-sharded: ``P = Σ_j B_j Q_j`` is an all-reduce-sum and the column norms of R are
@@ -260,7 +260,8 @@ def _cholesky_qr_many(Ps: list[torch.Tensor], rows: list[Groups]) -> list[Option
     An entry is None (on every rank alike: the Gram is identical after the all-reduce) where the
     Gram is not positive definite or P is too ill-conditioned for CholeskyQR2 to be accurate.
     """
-    out: list[Optional[torch.Tensor]] = list(Ps)
+    # In float64: the Gram squares cond(P), and r×r / m×r work is cheap next to the m×n×r products.
+    out: list[Optional[torch.Tensor]] = [P.to(torch.float64) for P in Ps]
     todo = list(range(len(Ps)))
     for first in (True, False):
         grams = [out[i].T @ out[i] for i in todo]  # type: ignore[union-attr]
@@ -277,7 +278,7 @@ def _cholesky_qr_many(Ps: list[torch.Tensor], rows: list[Groups]) -> list[Option
             out[i] = torch.linalg.solve_triangular(L.T, out[i], upper=True, left=False)
             keep.append(i)
         todo = keep
-    return out
+    return [None if o is None else o.to(P.dtype) for o, P in zip(out, Ps)]
 
 
 def _cholesky_qr(P: torch.Tensor, rows: Groups) -> Optional[torch.Tensor]:
