@@ -138,8 +138,9 @@ def check_keys(given: Mapping[str, Any], cls: type, section: str) -> list[str]:
     out: list[str] = []
     for key, value in given.items():
         if key not in known:
-            close = difflib.get_close_matches(key, list(known), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            by_lower = {k.lower(): k for k in known}
+            close = difflib.get_close_matches(key.lower(), list(by_lower), n=1)
+            hint = f"; did you mean {by_lower[close[0]]!r}?" if close else ""
             out.append(
                 f"[{section}] unknown key {key!r}{hint} (known: {', '.join(sorted(known))})"
             )

@@ -8,7 +8,9 @@ Each family module (``demo``, ``local_adaptive``, ``dion``) exposes:
 - ``build(name, named_params, topology, hparams, cfg) -> torch.optim.Optimizer``;
 - ``r_bytes_per_step(named_shapes, cfg, replicate_size) -> dict`` — the analytic R payload per
   rank per step (``{"sent": bytes, "recv": bytes}``, averaged over a sync period where periodic),
-  the formula the ledger is tested against and the comm report prints.
+  the formula the ledger is tested against and the comm report prints;
+- optionally ``check(cfg, hparams)``: cross-field rules of its options (raises ``ConfigError``),
+  run by the config validation before any process group exists.
 
 A preset supplies defaults: a key the user set to a value other than the family default wins.
 """
@@ -27,7 +29,7 @@ from titan_commopt.topology import R, Topology
 
 from .common import BaseHParams, NamedParams, local
 
-__all__ = ["FAMILIES", "family_of", "available_names", "apply_preset", "build_optimizer", "broadcast_parameters"]
+__all__ = ["FAMILIES", "family_module", "family_of", "available_names", "apply_preset", "build_optimizer", "broadcast_parameters"]
 
 # family key (also the [commopt.<key>] table name) → module
 FAMILIES: dict[str, str] = {
@@ -37,12 +39,12 @@ FAMILIES: dict[str, str] = {
 }
 
 
-def _module(family: str) -> ModuleType:
+def family_module(family: str) -> ModuleType:
     return importlib.import_module(FAMILIES[family])
 
 
 def _names() -> dict[str, str]:
-    return {name: family for family in FAMILIES for name in _module(family).PRESETS}
+    return {name: family for family in FAMILIES for name in family_module(family).PRESETS}
 
 
 def available_names() -> list[str]:
@@ -61,7 +63,7 @@ def family_of(name: str) -> str:
 
 def apply_preset(name: str, cfg: Any) -> Any:
     """Fill in the preset of ``name`` wherever ``cfg`` still holds the family default."""
-    module = _module(family_of(name))
+    module = family_module(family_of(name))
     defaults = module.Config()
     changes = {
         key: value
@@ -74,7 +76,7 @@ def apply_preset(name: str, cfg: Any) -> Any:
 def build_optimizer(
     name: str, named_params: NamedParams, topology: Topology, hparams: BaseHParams, family_cfg: Any
 ) -> torch.optim.Optimizer:
-    module = _module(family_of(name))
+    module = family_module(family_of(name))
     return module.build(name, named_params, topology, hparams, apply_preset(name, family_cfg))
 
 

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from titan_commopt import comm
-from titan_commopt.optim import broadcast_parameters, build_optimizer, family_of
+from titan_commopt.optim import apply_preset, broadcast_parameters, build_optimizer, family_module, family_of
 from titan_commopt.optim.common import BaseHParams
-from titan_commopt.options import validate
+from titan_commopt.options import ConfigError, problems as option_problems
 from titan_commopt.topology import R, S, Topology
 
 from . import config
@@ -263,13 +263,46 @@ def hparams_of(optimizer_config: Any) -> BaseHParams:
     )
 
 
+# Settings of torchtitan that the optimizers owning R have not been built or tested for: refused
+# rather than silently wrong. (key path, the value that is refused, why)
+_UNSUPPORTED_WITH_OWN_R_SYNC = (
+    ("optimizer.early_step_in_backward", True, "the optimizer must step once per step, after backward"),
+    ("parallelism.pipeline_parallel_degree", lambda v: v > 1, "pipeline parallelism is not supported yet"),
+    ("parallelism.expert_parallel_degree", lambda v: v > 1, "expert parallelism is not supported yet"),
+    ("training.enable_cpu_offload", True, "FSDP CPU offload is not supported yet"),
+    ("fault_tolerance.enable", True, "torchft replicas would bypass the optimizer's own R sync"),
+)
+
+
+def _lookup(job_config: Any, path: str) -> Any:
+    value = job_config
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def validate_commopt(job_config: Any) -> None:
-    """Check ``[optimizer] name`` and the ``[commopt]`` values; raises ``ConfigError`` (no collectives)."""
+    """Check ``[optimizer] name``, every ``[commopt]`` value, the chosen family's cross-field rules
+    and combinations with torchtitan settings. Raises ``ConfigError``, one line per problem; touches
+    no process group."""
     name = job_config.optimizer.name
     section = config.commopt_of(job_config)
+    problems = option_problems(section, "commopt")
     if owns_replicate_sync(name):
-        family_of(name)  # unknown names fail here, listing what exists
-    validate(section, "commopt")
+        family = family_of(name)  # unknown names fail here, listing what exists
+        for path, refused, why in _UNSUPPORTED_WITH_OWN_R_SYNC:
+            value = _lookup(job_config, path)
+            if (refused(value) if callable(refused) else value == refused):
+                section_name, key = path.rsplit(".", 1)
+                problems.append(f"[{section_name}] {key} = {value!r} with [optimizer] name = {name!r}: {why}")
+        check = getattr(family_module(family), "check", None)
+        if check is not None and not problems:
+            try:
+                check(apply_preset(name, config.family_config(job_config, family)), hparams_of(job_config.optimizer))
+            except ConfigError as error:
+                problems.append(str(error))
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def build_optimizers(
