@@ -181,7 +181,7 @@ def test_presets_and_config_errors():
         (la.Config(clip="global"), "clip"),
     ]:
         with pytest.raises(ConfigError) as e:
-            la.resolve(bad, hp)
+            la.check(bad, hp)  # the pre-flight hook: before any process group exists
         msg = str(e.value)
         assert "\n" not in msg and f"[commopt.local] {key}" in msg, msg
 

@@ -52,7 +52,7 @@ Presets (``PRESETS``): ``DES-LOC`` (Adam, Kx=32, Ku=96=3Kx, Kv=192=6Kx, coordina
 (Kx=Ku=Kv=32), ``DiLoCo`` (Kx=32, Ku=Kv=0, Nesterov outer lr 0.7, μ 0.9).
 
 ``resolve(cfg, hparams)`` does every check of the table (list lengths included) without any
-collective; ``build`` calls it. The fused sync concatenates every due state into one buffer (up to
+collective; ``build`` and the registry's pre-flight hook ``check(cfg, hparams)`` call it. The fused sync concatenates every due state into one buffer (up to
 3× the local parameter shard at a step where x, u and v are all due): that is the price of one
 collective per step.
 """
@@ -71,7 +71,7 @@ from titan_commopt.topology import R, S, T, Topology
 from .common import BaseHParams, NamedParams, local
 
 __all__ = [
-    "Config", "PRESETS", "LocalAdaptive", "build", "r_bytes_per_step", "resolve", "Resolved",
+    "Config", "PRESETS", "LocalAdaptive", "build", "check", "r_bytes_per_step", "resolve", "Resolved",
     "comm_reduction",
 ]
 
@@ -210,6 +210,11 @@ def resolve(cfg: Config, hparams: Optional[BaseHParams] = None) -> Resolved:
         eps=hp.eps if cfg.eps < 0 else cfg.eps,
         weight_decay=hp.weight_decay if cfg.weight_decay < 0 else cfg.weight_decay,
     )
+
+
+def check(cfg: Config, hparams: Optional[BaseHParams] = None) -> None:
+    """The registry's pre-flight hook: every rule of the table (list lengths, Σω, periods), no collectives."""
+    resolve(cfg, hparams)
 
 
 def _due(step: int, period: int) -> bool:
