@@ -19,10 +19,10 @@ Distributed exactly as Algorithm 2 / Theorem 2.1 (the iterates equal the central
   replica runs the same centralized update. ``r_bytes_per_step`` follows the same rule.
 - S/T (weight sharding, read from each DTensor's placements): a mesh dim that shards dim 0 (FSDP2's
   ``Shard(0)``, also ``_StridedShard(0)`` under TP: the row order never matters) makes P row-local;
-  P is orthogonalized without gathering it by Cholesky-QR in float64 (r×r Gram all-reduce-sum,
-  twice: CholeskyQR2), falling back to a QR of P gathered over the row groups (m×r, never m×n) when the
-  Gram is not positive definite or P is ill-conditioned; ``R = Σ_i B_iᵀ P_i`` is an
-  all-reduce-sum. A mesh dim that shards dim 1 (TP's ``Shard(1)``, row-wise parallel layers)
+  P is orthogonalized without gathering it by Cholesky-QR (r×r Gram all-reduce-sum, twice:
+  CholeskyQR2; retried in float64 where P's dtype is not enough), falling back to a QR of P
+  gathered over the row groups (m×r, never m×n) when the Gram is not positive definite or P is
+  ill-conditioned even so; ``R = Σ_i B_iᵀ P_i`` is an all-reduce-sum. A mesh dim that shards dim 1 (TP's ``Shard(1)``, row-wise parallel layers)
   makes Q column-sharded: ``P = Σ_j B_j Q_j`` is an all-reduce-sum and the column norms of R are
   summed (r numbers). No rank ever materializes an m×n matrix. Mesh dims named ``tp`` are the T
   role (``topology.tp``), every other sharding dim is S (``topology.shard``). Each S/T reduction is
@@ -254,14 +254,9 @@ def _sum_over(tensors: Sequence[torch.Tensor], groups_of: Sequence[Groups]) -> N
             comm.all_reduce_fused(members, role, group, op="sum")
 
 
-def _cholesky_qr_many(Ps: list[torch.Tensor], rows: list[Groups]) -> list[Optional[torch.Tensor]]:
-    """CholeskyQR2 of row-distributed P's: two passes of P ← P L⁻ᵀ with L Lᵀ = Σ_i P_iᵀ P_i.
-
-    An entry is None (on every rank alike: the Gram is identical after the all-reduce) where the
-    Gram is not positive definite or P is too ill-conditioned for CholeskyQR2 to be accurate.
-    """
-    # In float64: the Gram squares cond(P), and r×r / m×r work is cheap next to the m×n×r products.
-    out: list[Optional[torch.Tensor]] = [P.to(torch.float64) for P in Ps]
+def _cqr2(Ps: list[torch.Tensor], rows: list[Groups], dtype: torch.dtype) -> list[Optional[torch.Tensor]]:
+    out: list[Optional[torch.Tensor]] = [P.to(dtype) for P in Ps]
+    limit = 0.1 / math.sqrt(torch.finfo(dtype).eps)  # CholeskyQR2 is accurate for cond(P) ≲ u^(-1/2)
     todo = list(range(len(Ps)))
     for first in (True, False):
         grams = [out[i].T @ out[i] for i in todo]  # type: ignore[union-attr]
@@ -270,7 +265,6 @@ def _cholesky_qr_many(Ps: list[torch.Tensor], rows: list[Groups]) -> list[Option
         for i, gram in zip(todo, grams):
             L, info = torch.linalg.cholesky_ex(gram)
             d = L.diagonal()
-            limit = 0.1 / math.sqrt(torch.finfo(gram.dtype).eps)  # CQR2 is accurate for cond(P) ≲ u^(-1/2)
             # diag(L)'s spread is a lower bound of cond(P): a cheap, rank-consistent test.
             if int(info) != 0 or (first and not bool(d.min() * limit > d.max())):
                 out[i] = None
@@ -279,6 +273,24 @@ def _cholesky_qr_many(Ps: list[torch.Tensor], rows: list[Groups]) -> list[Option
             keep.append(i)
         todo = keep
     return [None if o is None else o.to(P.dtype) for o, P in zip(out, Ps)]
+
+
+def _cholesky_qr_many(Ps: list[torch.Tensor], rows: list[Groups]) -> list[Optional[torch.Tensor]]:
+    """CholeskyQR2 of row-distributed P's: two passes of P ← P L⁻ᵀ with L Lᵀ = Σ_i P_iᵀ P_i.
+
+    First in P's own dtype; the ones too ill-conditioned for it are retried in float64 (the Gram
+    squares cond(P)). An entry is None where even that fails — on every rank alike, since the Gram
+    is identical on all ranks after the all-reduce.
+    """
+    if not Ps:
+        return []
+    dtype = torch.promote_types(Ps[0].dtype, torch.float32)  # no Cholesky in bf16/fp16
+    out = _cqr2(Ps, rows, dtype)
+    retry = [i for i, o in enumerate(out) if o is None]
+    if retry and dtype != torch.float64:
+        for i, o in zip(retry, _cqr2([Ps[i] for i in retry], [rows[i] for i in retry], torch.float64)):
+            out[i] = o
+    return out
 
 
 def _cholesky_qr(P: torch.Tensor, rows: Groups) -> Optional[torch.Tensor]:
