@@ -41,7 +41,7 @@ BAD = [
     ("DES-LOC", "[commopt.local]\nclip = 'value'", [], ["clip = 'value'", "'coordinate'"]),
     ("DES-LOC", "[commopt.local]\nclip_threshold = 0.0", [], ["clip_threshold = 0.0", "> 0"]),
     ("DES-LOC", "[commopt.local]\ntransfer_dtype = 'int8'", [], ["transfer_dtype = 'int8'", "'bf16'"]),
-    ("MT-DAO", "[commopt.local]\nKu = [32, 64]", [], ["Ku = [32, 64]" , "omega"]),
+    ("MT-DAO", "[commopt.local]\nKu = [32, 64]", [], ["Ku = [32, 64]", "beta1 = [0.999]", "a list of 2 entries"]),
     ("MT-DAO", "[commopt.local]\nomega = [0.7, 0.6]\nKu = [8, 8]\nbeta1 = [0.9, 0.99]", [], ["omega = [0.7, 0.6]", "sum <= 1"]),
     ("DES-LOC", "[commopt.local]\nbeta1 = [1.5]", [], ["beta1 = [1.5]", "[0, 1)"]),
     ("DES-LOC", "[commopt.local]\nkx = 4", [], ["unknown key 'kx'", "did you mean 'Kx'"]),

@@ -226,7 +226,9 @@ def _container_cls() -> type:
             if not self.owns_replicate_sync:
                 return flat
             if self._params_replica_local():
-                flat.update({f"param.{n}": p.data for n, p in self._named_params()})
+                # A copy: on resume DCP loads into these tensors, and torchtitan then loads the
+                # model's (replica 0's) weights into the parameters themselves.
+                flat.update({f"param.{n}": p.detach().clone() for n, p in self._named_params()})
             flat["skipped_steps"] = self.skipped_steps
             flat["steps_taken"] = self.steps_taken
             return replica_state.add_replica_prefix(flat, self.topology.replica_index)
