@@ -53,13 +53,13 @@ def option(
     return field(default=default, metadata=meta)
 
 
-def _allowed(meta: Mapping[str, Any]) -> str:
+def allowed_text(meta: Mapping[str, Any]) -> str:
     parts = []
     kind = meta["kind"]
     if meta["choices"] is not None:
         parts.append("one of " + ", ".join(repr(c) for c in meta["choices"]))
     else:
-        name = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}.get(
+        name = {float: "a number", int: "an integer", bool: "true or false", str: "a string", list: "a list"}.get(
             kind, getattr(kind, "__name__", str(kind))
         )
         bounds = []
@@ -121,7 +121,7 @@ def problems(obj: Any, section: str) -> list[str]:
         if "kind" not in f.metadata:
             continue
         if not _check_value(value, f.metadata):
-            out.append(f"[{section}] {f.name} = {value!r}: allowed is {_allowed(f.metadata)}")
+            out.append(f"[{section}] {f.name} = {value!r}: allowed is {allowed_text(f.metadata)}")
     return out
 
 
