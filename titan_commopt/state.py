@@ -61,7 +61,7 @@ def fingerprint(t: torch.Tensor) -> int:
     if pad:
         words = torch.cat([words, words.new_zeros(pad)])
     ints = words.view(torch.int32).to(torch.int64)
-    position = torch.arange(1, ints.numel() + 1, dtype=torch.int64)
+    position = torch.arange(1, ints.numel() + 1, dtype=torch.int64, device=ints.device)
     mask = (1 << 61) - 1
     return int(((ints.sum() & mask) * 1_000_003 + ((ints * position).sum() & mask)) & mask)
 
@@ -79,7 +79,8 @@ def check_replicas(
     named = list(named_tensors)
     if not named:
         return
-    prints = torch.tensor([fingerprint(t) for _, t in named], dtype=torch.int64)
+    device = local(named[0][1]).device  # collectives run on the tensors' device (NCCL: the GPU)
+    prints = torch.tensor([fingerprint(t) for _, t in named], dtype=torch.int64, device=device)
     gathered = comm.all_gather(prints, R, topology.replicate)
     for i, (name, _) in enumerate(named):
         column = gathered[:, i]
@@ -94,8 +95,10 @@ def check_replicas(
 def any_nonfinite(grads: Iterable[Optional[torch.Tensor]], group: Optional[dist.ProcessGroup] = None) -> bool:
     """Whether any rank of ``group`` (default: all ranks) has a NaN/Inf gradient: one 4-byte
     all-reduce(max), so that every rank takes the same decision."""
-    bad = any(g is not None and not bool(torch.isfinite(local(g)).all()) for g in grads)
-    flag = torch.tensor([1.0 if bad else 0.0])
+    present = [local(g) for g in grads if g is not None]
+    bad = any(not bool(torch.isfinite(g).all()) for g in present)
+    device = present[0].device if present else torch.device("cpu")
+    flag = torch.tensor([1.0 if bad else 0.0], device=device)
     if dist.is_available() and dist.is_initialized():
         comm.all_reduce(flag, "world", group or dist.group.WORLD, op="max")
     return bool(flag.item() > 0)

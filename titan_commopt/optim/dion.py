@@ -301,7 +301,7 @@ def _gather_rows(P: torch.Tensor, rows: Groups) -> tuple[torch.Tensor, int]:
     """All rows of P over the row groups (m×r; shards may be uneven), and where ours start."""
     block, start = P, 0
     for role, group in rows:
-        counts = comm.all_gather(torch.tensor([block.shape[0]], dtype=torch.int64), role, group)[:, 0]
+        counts = comm.all_gather(torch.tensor([block.shape[0]], dtype=torch.int64, device=block.device), role, group)[:, 0]
         cap = int(counts.max())
         padded = torch.zeros(cap, block.shape[1], dtype=block.dtype, device=block.device)
         padded[: block.shape[0]] = block
