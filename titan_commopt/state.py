@@ -96,9 +96,11 @@ def any_nonfinite(grads: Iterable[Optional[torch.Tensor]], group: Optional[dist.
     """Whether any rank of ``group`` (default: all ranks) has a NaN/Inf gradient: one 4-byte
     all-reduce(max), so that every rank takes the same decision."""
     present = [local(g) for g in grads if g is not None]
-    bad = any(not bool(torch.isfinite(g).all()) for g in present)
     device = present[0].device if present else torch.device("cpu")
-    flag = torch.tensor([1.0 if bad else 0.0], device=device)
+    # One flag computed on the device (no host sync per tensor), one all-reduce, one .item().
+    flag = torch.zeros(1, device=device)
+    for g in present:
+        flag = torch.maximum(flag, (~torch.isfinite(g)).any().to(flag.dtype).reshape(1))
     if dist.is_available() and dist.is_initialized():
         comm.all_reduce(flag, "world", group or dist.group.WORLD, op="max")
     return bool(flag.item() > 0)
