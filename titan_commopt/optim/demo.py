@@ -1,0 +1,213 @@
+"""DeMo and FlexDeMo/DeToNATION (``papers/demo.txt``, ``papers/detonation_flexdemo.txt``; ALGORITHMS.md §1–2).
+
+Per parameter, on the local FSDP2 shard (S is reduce-scattered by FSDP2 as usual), on every replica:
+
+    m ← β·m + g                       # eq. 2, fp32, never synchronized (DeMo-SGD base)
+    q, wire ← Replicator.extract(m)   # DeMo: DCT-II chunks + top-k; Random / Striding / DiLoCo / Full
+    m ← m − λ·q                       # eq. 8 (λ = 1: original DeMo)
+    Q ← mean over R of the replicas' q   # eq. 5–6: one all-gather of every parameter's packed bytes
+    p ← p·(1 − η·wd) − η·φ(Q)         # eq. 7; φ = sign | identity | Muon (Newton–Schulz on the shard)
+
+The Decoupled-AdamW base keeps AdamW's two moments local and lets the replicator act on the AdamW
+update ``m̂/(√v̂+ε)`` instead of ``m`` (no momentum subtraction: the moments are AdamW's own).
+
+Only R carries traffic: rank j of one replica exchanges with rank j of the others, one fused
+all-gather per step (``comm.all_gather`` of a ``uint8`` buffer; sizes known from shapes, so no
+header). With |R| = 1 nothing is extracted: it is the base optimizer on FSDP (``φ(m)``). With |S| = 1
+it is DDP-style DeMo. A rank never gathers a parameter. Every replica decodes the same bytes in the
+same order, so parameters stay bit-identical across replicas while momenta differ (per-replica
+state: checkpoints keep it per replica).
+
+Shapes: a tensor with ≥ 2 dims is chunked as the matrix ``(d0, prod(rest))`` of its local shard, a
+vector 1-D (see ``compress/dct.py``). ``r_bytes_per_step`` takes the local shard shapes.
+"""
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from titan_commopt import comm
+from titan_commopt.compress.replicators import KINDS, Replicator
+from titan_commopt.options import ConfigError, option
+from titan_commopt.topology import R, Topology
+
+from .common import BaseHParams, NamedParams, local
+
+__all__ = ["Config", "PRESETS", "DeMo", "build", "r_bytes_per_step", "check", "newton_schulz"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Config:
+    """``[commopt.demo]``."""
+
+    replicator: str = option("demo", "What R carries: DCT top-k (demo), random, striding, diloco, full.",
+                             choices=KINDS)
+    chunk: int = option(64, "DCT chunk size s per dim (largest divisor of the dim <= s is used).", ge=1)
+    topk: int = option(32, "DeMo replicator: coefficients kept per chunk (of s*s for matrices).", ge=1)
+    compression_rate: float = option(
+        0.0, "Fraction of entries sent by random/striding (per step) and diloco (1/period); 0 = topk/chunk^2.",
+        ge=0.0, le=1.0)
+    beta: float = option(0.999, "Momentum decay beta of DeMo-SGD (eq. 2, 'compression decay').", ge=0.0, lt=1.0)
+    momentum_subtraction: float = option(1.0, "lambda: m <- m - lambda*q after extraction (1 = DeMo).",
+                                         ge=0.0, le=1.0)
+    base: str = option("sgd", "Base optimizer: DeMo-SGD (sgd) or Decoupled AdamW (adamw).", choices=("sgd", "adamw"))
+    rule: str = option("sign", "phi applied to the aggregated update: sign, identity or muon.",
+                       choices=("sign", "identity", "muon"))
+    sign_before_sync: bool = option(False, "Send sign(values) (ternary wire) instead of the values.")
+    transfer_dtype: str = option("bf16", "Wire dtype of non-ternary values.", choices=("fp32", "bf16", "fp16"))
+    pack: bool = option(True, "Packed wire: indices in ceil(log2(L)) bits, ternary in 2 bits (off: int64 indices).")
+    aggregate: str = option("mean", "Average over all replicas (paper) or over those that selected (reference).",
+                            choices=("mean", "mean_selected"))
+    ns_steps: int = option(5, "Newton-Schulz iterations of rule = muon.", ge=1)
+    seed: int = option(0, "Seed of the random replicator's shared indices.", ge=0)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "DeMo": {},  # the Config defaults are DeMo's (s = 64, k = 32, beta = 0.999, sign after aggregation)
+    # DeToNATION's defaults: chunk 32, sign before sync (ternary), fp32 transfer; k = 16 → rate 1/64
+    "FlexDeMo": {"chunk": 32, "topk": 16, "sign_before_sync": True, "transfer_dtype": "fp32"},
+}
+
+
+def check(cfg: Config, hparams: BaseHParams | None = None) -> None:
+    if cfg.replicator == "demo" and cfg.topk > cfg.chunk**2:
+        raise ConfigError(f"[commopt.demo] topk = {cfg.topk} exceeds chunk^2 = {cfg.chunk**2}")
+
+
+def newton_schulz(x: torch.Tensor, steps: int) -> torch.Tensor:
+    """Muon's quintic Newton–Schulz orthogonalization of ``x`` viewed as ``(d0, rest)``."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = x.reshape(x.shape[0], -1) if x.ndim >= 2 else x.reshape(1, -1)
+    rows, cols = X.shape
+    X = X.T if rows > cols else X
+    X = X / (X.norm() + 1e-7)  # spectral norm <= 1 so the iteration converges
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    X = X.T if rows > cols else X
+    return (X * max(1.0, rows / cols) ** 0.5).reshape(x.shape)  # Muon's shape scale
+
+
+class DeMo(torch.optim.Optimizer):
+    def __init__(self, params, topology: Topology, cfg: Config, *, lr: float = 1e-3, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, names: dict | None = None):
+        check(cfg)
+        defaults = dict(lr=lr, weight_decay=weight_decay, beta=cfg.beta, lam=cfg.momentum_subtraction,
+                        betas=betas, eps=eps)
+        super().__init__(params, defaults)
+        self.topology, self.cfg = topology, cfg
+        self._names = names or {}
+        self._replicators: dict[int, Replicator] = {}
+
+    def _replicator(self, p: torch.Tensor, x: torch.Tensor) -> Replicator:
+        key = id(p)
+        if key not in self._replicators:
+            name = self._names.get(key, f"param{len(self._replicators)}")
+            self._replicators[key] = Replicator(self.cfg.replicator, x.shape, name, self.cfg, device=x.device)
+        return self._replicators[key]
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            zeros = lambda: torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            if self.cfg.base == "sgd":
+                state["momentum"] = zeros()
+            else:
+                state["exp_avg"], state["exp_avg_sq"] = zeros(), zeros()
+        return state
+
+    def _phi(self, u: torch.Tensor) -> torch.Tensor:
+        if self.cfg.rule == "sign":
+            return u.sign()
+        if self.cfg.rule == "muon":  # on the local shard: Muon proper only where |S| = |T| = 1
+            return newton_schulz(u, self.cfg.ns_steps)
+        return u
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        W = self.topology.replicate_size
+        pending = []  # (p, group, replicator, step, payload)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self._init_state(p)
+                state["step"] += 1
+                t = int(state["step"].item())
+                g = self.topology.replica_grad(local(p.grad)).float()
+                if self.cfg.base == "sgd":
+                    x = local(state["momentum"])
+                    x.mul_(group["beta"]).add_(g)  # eq. 2
+                else:
+                    b1, b2 = group["betas"]
+                    m, v = local(state["exp_avg"]), local(state["exp_avg_sq"])
+                    m.lerp_(g, 1 - b1)
+                    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                    # decoupled AdamW: moments stay local, the replicator sees the bias-corrected update
+                    x = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt_().add_(group["eps"]))
+                if x.numel() == 0:
+                    continue
+                if W == 1:  # nobody to sync with: the base optimizer on this shard
+                    self._apply(p, group, x)
+                    continue
+                rep = self._replicator(p, x)
+                q, payload = rep.extract(x, t)
+                if q is not None and self.cfg.base == "sgd":
+                    x.sub_(q, alpha=group["lam"])  # eq. 8
+                pending.append((p, group, rep, t, payload))
+        sizes = [0 if pl is None else pl.numel() for *_, pl in pending]
+        if sum(sizes):
+            buf = torch.cat([pl for *_, pl in pending if pl is not None])
+            gathered = comm.all_gather(buf, R, self.topology.replicate)  # [W, bytes], the only R traffic
+            offset = 0
+            for (p, group, rep, t, _), n in zip(pending, sizes):
+                if n:
+                    Q = rep.aggregate(gathered[:, offset: offset + n], t)
+                    self._apply(p, group, Q)
+                offset += n
+        return loss
+
+    def _apply(self, p: torch.Tensor, group: dict, update: torch.Tensor) -> None:
+        x = local(p)
+        lr, wd = group["lr"], group["weight_decay"]
+        if wd:
+            x.mul_(1 - lr * wd)  # decoupled weight decay
+        x.add_(self._phi(update).to(x.dtype), alpha=-lr)
+
+
+# ---- registry entry points --------------------------------------------------------------------------
+def build(name: str, named_params: NamedParams, topology: Topology, hparams: BaseHParams, cfg: Config) -> DeMo:
+    params = [p for _, p in named_params]
+    opt = DeMo(params, topology, cfg, lr=hparams.lr, weight_decay=hparams.weight_decay,
+               betas=(hparams.beta1, hparams.beta2), eps=hparams.eps,
+               names={id(p): fqn for fqn, p in named_params})
+    opt.cfg = cfg
+    logger.info("%s: %s, replicator %s, base %s, rule %s, chunk %d, topk %d, sign_before_sync %s, pack %s",
+                name, topology.describe(), cfg.replicator, cfg.base, cfg.rule, cfg.chunk, cfg.topk,
+                cfg.sign_before_sync, cfg.pack)
+    return opt
+
+
+def r_bytes_per_step(named_shapes, cfg: Config, replicate_size: int) -> dict[str, float]:
+    """R payload per rank per step from the local shard shapes (DiLoCo averaged over its period):
+    sent = the packed bytes of every parameter, recv = (W − 1)× that (all-gather)."""
+    if replicate_size <= 1:
+        return {"sent": 0.0, "recv": 0.0}
+    sent = 0.0
+    for fqn, shape in named_shapes:
+        if math.prod(shape) == 0:
+            continue
+        rep = Replicator(cfg.replicator, shape, fqn, cfg)
+        sent += sum(rep.payload_bytes(t) for t in range(1, rep.period + 1)) / rep.period
+    return {"sent": sent, "recv": (replicate_size - 1) * sent}
