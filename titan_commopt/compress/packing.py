@@ -58,4 +58,7 @@ def to_bytes(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def from_bytes(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return data.contiguous().view(dtype)
+    data = data.contiguous()
+    if data.storage_offset() % torch.empty((), dtype=dtype).element_size():
+        data = data.clone()  # a segment of the fused buffer may start at an odd byte
+    return data.view(dtype)

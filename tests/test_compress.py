@@ -1,0 +1,139 @@
+"""compress/: DCT-II chunking, top-k, wire packing, replicators (single process, numeric)."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from titan_commopt.compress.dct import Chunker, chunk_size, dct_basis, scatter_chunks, topk_per_chunk
+from titan_commopt.compress.packing import (bits_bytes, from_bytes, pack_bits, pack_ternary, to_bytes,
+                                            unpack_bits, unpack_ternary)
+from titan_commopt.compress.replicators import KINDS, Replicator
+from titan_commopt.optim.demo import Config
+
+
+def test_chunk_size_largest_divisor():
+    assert [chunk_size(d, 64) for d in (4096, 96, 67, 10, 1, 128 * 3)] == [64, 48, 1, 10, 1, 64]
+    assert chunk_size(100, 32) == 25
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 32, 64])
+def test_dct_basis_orthonormal_and_dct_ii(n):
+    b = dct_basis(n, dtype=torch.float64)
+    assert torch.allclose(b @ b.T, torch.eye(n, dtype=torch.float64), atol=1e-12)
+    x = torch.randn(n, dtype=torch.float64)
+    # DCT-II with orthonormal scaling, written out coefficient by coefficient
+    for k in range(n):
+        scale = math.sqrt((1 if k == 0 else 2) / n)
+        ref = scale * sum(x[i].item() * math.cos(math.pi * (2 * i + 1) * k / (2 * n)) for i in range(n))
+        assert abs((b @ x)[k].item() - ref) < 1e-10
+
+
+@pytest.mark.parametrize("shape", [(96, 40), (64, 64), (8, 6, 5), (50,), (67, 8), (1,), (3, 1)])
+def test_chunker_round_trip_and_parseval(shape):
+    c = Chunker(shape, 32)
+    x = torch.randn(shape)
+    coeffs = c.encode(x)
+    assert coeffs.shape == (c.n_chunks, c.L) and c.n_chunks * c.L == x.numel()
+    assert torch.allclose(c.decode(coeffs), x, atol=1e-5)
+    assert torch.allclose(coeffs.norm(), x.norm(), rtol=1e-5)  # orthonormal: energy preserved
+
+
+def test_chunker_is_separable_2d_per_chunk():
+    c = Chunker((64, 48), 32)  # chunks 32 x 24
+    x = torch.randn(64, 48, dtype=torch.float32)
+    b0, b1 = dct_basis(32), dct_basis(24)
+    block = x[32:64, 24:48]  # chunk (1, 1): the 4th in row-major chunk order
+    assert torch.allclose(c.encode(x)[3], (b0 @ block @ b1.T).reshape(-1), atol=1e-5)
+
+
+def test_topk_keeps_k_largest():
+    coeffs = torch.randn(5, 100)
+    vals, idx = topk_per_chunk(coeffs, 7)
+    for row in range(5):
+        expect = coeffs[row].abs().sort(descending=True).values[:7]
+        assert torch.equal(vals[row].abs().sort(descending=True).values, expect)
+        assert torch.equal(coeffs[row, idx[row]], vals[row])
+    dense = scatter_chunks(vals, idx, 100)
+    assert (dense != 0).sum() == 35 and torch.equal(dense.gather(-1, idx), vals)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 7, 8, 12, 13, 17])
+def test_pack_bits_round_trip(bits):
+    n = 1001
+    v = torch.randint(0, 2**bits, (n,))
+    packed = pack_bits(v, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == bits_bytes(n, bits) == math.ceil(n * bits / 8)
+    assert torch.equal(unpack_bits(packed, n, bits), v)
+
+
+def test_ternary_and_float_round_trip():
+    t = torch.randint(-1, 2, (333,)).float()
+    packed = pack_ternary(t)
+    assert packed.numel() == math.ceil(333 / 4)
+    assert torch.equal(unpack_ternary(packed, 333), t)
+    x = torch.randn(50).to(torch.bfloat16).float()  # bf16-representable: the wire is exact
+    assert torch.equal(from_bytes(to_bytes(x, torch.bfloat16), torch.bfloat16).float(), x)
+    assert to_bytes(x, torch.bfloat16).numel() == 100
+
+
+def _cfg(**kw):
+    return dataclasses.replace(Config(chunk=8, topk=5, compression_rate=0.25), **kw)
+
+
+CASES = [dict(replicator=k, pack=p, sign_before_sync=s, transfer_dtype=d)
+         for k in KINDS for p in (True, False) for s in (True, False) for d in ("fp32", "bf16")]
+
+
+@pytest.mark.parametrize("kw", CASES, ids=lambda kw: "-".join(str(v) for v in kw.values()))
+def test_replicator_payload_size_and_self_aggregate(kw):
+    cfg = _cfg(**kw)
+    shape = (24, 16)
+    rep = Replicator(cfg.replicator, shape, "layer.w", cfg)
+    x = torch.randn(shape)
+    for step in range(1, 5):
+        q, payload = rep.extract(x, step)
+        if not rep.sends(step):
+            assert q is None and payload is None and rep.payload_bytes(step) == 0
+            continue
+        assert payload.dtype == torch.uint8 and payload.numel() == rep.payload_bytes(step)
+        # q holds only what is transmitted: its energy is at most x's, and everything when full
+        assert q.norm() <= x.norm() * (1 + 1e-5)
+        # two identical replicas: the mean is their common transmitted part
+        Q = rep.aggregate(torch.stack([payload, payload]), step)
+        expect = q.sign() if cfg.sign_before_sync else q
+        if cfg.replicator == "demo" and cfg.sign_before_sync:
+            # the sign is taken of the DCT coefficients, not of q
+            c = rep.chunker
+            vals, idx = topk_per_chunk(c.encode(x), rep.k)
+            expect = c.decode(scatter_chunks(vals.sign(), idx, c.L))
+        atol = 1e-2 if cfg.transfer_dtype == "bf16" and not cfg.sign_before_sync else 1e-5
+        assert torch.allclose(Q, expect, atol=atol * max(1.0, expect.abs().max().item()))
+
+
+def test_demo_replicator_sizes():
+    cfg = Config()  # s = 64, k = 32, bf16, packed
+    rep = Replicator("demo", (4096, 4096), "w", cfg)
+    assert rep.index_bits == 12 and rep.n_values == 4096 * 32
+    assert rep.payload_bytes(1) == 4096 * 32 * 2 + 4096 * 32 * 12 // 8
+    unpacked = Replicator("demo", (4096, 4096), "w", dataclasses.replace(cfg, pack=False, transfer_dtype="fp32"))
+    assert unpacked.payload_bytes(1) == 4096 * 32 * (4 + 8)
+
+
+def test_shared_indices_agree_without_being_sent():
+    cfg = _cfg(replicator="random")
+    a, b = Replicator("random", (40, 10), "blk.w", cfg), Replicator("random", (40, 10), "blk.w", cfg)
+    other = Replicator("random", (40, 10), "blk.v", cfg)
+    ia, ib = a.indices(3, "cpu"), b.indices(3, "cpu")
+    assert torch.equal(ia, ib) and ia.numel() == 100 and ia.unique().numel() == 100
+    assert not torch.equal(ia, a.indices(4, "cpu")) and not torch.equal(ia, other.indices(3, "cpu"))
+    s = Replicator("striding", (40, 10), "w", _cfg(replicator="striding"))  # stride 4
+    seen = torch.cat([s.indices(t, "cpu") for t in range(1, 5)])
+    assert s.n_values == 100 and torch.equal(seen.sort().values, torch.arange(400))  # offsets rotate
+    assert torch.equal(s.indices(1, "cpu")[:3], torch.tensor([1, 5, 9]))
+
+
+def test_diloco_sends_every_period():
+    rep = Replicator("diloco", (8, 8), "w", _cfg(replicator="diloco"))  # rate 1/4
+    assert [rep.sends(t) for t in range(1, 9)] == [False, False, False, True] * 2
