@@ -54,7 +54,7 @@ def float_bytes(n: int, dtype: torch.dtype) -> int:
 
 def to_bytes(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` cast to ``dtype`` and reinterpreted as raw ``uint8`` (exact for the cast values)."""
-    return t.reshape(-1).to(dtype).contiguous().view(torch.uint8)
+    return t.reshape(-1).to(dtype, copy=True).view(torch.uint8)  # a copy: the caller edits t next
 
 
 def from_bytes(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,275 @@
+"""DeMo / FlexDeMo optimizer: 2x2 HSDP (4 gloo processes, FSDP2 over ``fsdp``, R left to the optimizer)
+against a single-process simulation of 2 replicas × 2 row shards; degenerate cases against torch.optim.SGD.
+
+Gradient convention of the distributed run: each rank's loss is the mean over its own local batch
+and FSDP2 SUMs over S (gradient divide factor 1 as torchtitan sets it, plus force-sum because gloo
+has no AVG reduce-scatter), so ``p.grad`` holds |S| = 2 times
+the replica's mean gradient: ``grad_scale = 0.5``. The simulation computes each replica's mean
+gradient directly (loss = mean over the replica's 2 local batches of equal size).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from titan_commopt import comm
+from titan_commopt.compress.dct import Chunker
+from titan_commopt.compress.replicators import Replicator
+from titan_commopt.optim import demo
+from titan_commopt.optim.common import BaseHParams, local
+from titan_commopt.topology import Topology
+from tests.dist_utils import run_distributed
+
+STEPS = 4
+LR, WD = 0.05, 0.1
+BASE = dict(chunk=8, topk=6, beta=0.9, rule="identity", transfer_dtype="fp32", compression_rate=0.25)
+CONFIGS = {
+    "demo": dict(),
+    "demo_sign_after": dict(rule="sign"),
+    "demo_lambda_half_selected_unpacked": dict(momentum_subtraction=0.5, aggregate="mean_selected", pack=False),
+    "demo_sign_before_sync": dict(sign_before_sync=True, chunk=4, topk=3),
+    "random": dict(replicator="random"),
+    "striding_sign_before": dict(replicator="striding", sign_before_sync=True),
+    "diloco": dict(replicator="diloco", compression_rate=0.5),
+    "full": dict(replicator="full"),
+    "adamw_demo": dict(base="adamw"),
+    # degenerate cases with torch.optim.SGD as the reference (no weight decay: SGD's is not decoupled)
+    "sgd_all_kept_lambda1": dict(topk=64, momentum_subtraction=1.0, wd=0.0),
+    "sgdm_all_kept_lambda0": dict(topk=64, momentum_subtraction=0.0, wd=0.0),
+    "sgdm_full_lambda0": dict(replicator="full", momentum_subtraction=0.0, wd=0.0),
+}
+
+
+def _cfg(name):
+    kw = dict(CONFIGS[name])
+    kw.pop("wd", None)
+    return dataclasses.replace(demo.Config(), **{**BASE, **kw})
+
+
+def _wd(name):
+    return CONFIGS[name].get("wd", WD)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    # [step][replica][shard] -> (x, y), 4 samples per rank
+    return [[[(torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)) for _ in range(2)]
+             for _ in range(2)] for _ in range(STEPS)]
+
+
+def _loss(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def _hsdp_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "fsdp"))
+    topo = Topology.from_mesh(mesh, grad_scale=0.5)
+    r, j = rank // 2, rank % 2
+    data = _data()
+    out = {}
+    for name in CONFIGS:
+        model = _model()
+        fully_shard(model, mesh=mesh["fsdp"])
+        model.set_force_sum_reduction_for_comms(True)  # gloo: no AVG/PREMUL_SUM reduce-scatter
+        model.set_gradient_divide_factor(1.0)  # torchtitan's setting; force-sum alone still divides by S
+        cfg = _cfg(name)
+        named = list(model.named_parameters())
+        opt = demo.build("FlexDeMo", named, topo, BaseHParams(lr=LR, weight_decay=_wd(name)), cfg)
+        sent = []
+        with comm.use_ledger(comm.CommLedger()) as ledger:
+            for t in range(STEPS):
+                x, y = data[t][r][j]
+                _loss(model, x, y).backward()
+                opt.step()
+                opt.zero_grad()
+                sent.append(ledger.end_step().get("R_sent", 0.0))
+        shapes = [(n, tuple(local(p).shape)) for n, p in named]
+        out[name] = dict(
+            params={n: local(p).detach().clone() for n, p in named},
+            sent=sent, formula=demo.r_bytes_per_step(shapes, cfg, 2),
+            state=opt.state_dict()["state"],
+        )
+    return out
+
+
+def _phi(u, rule):
+    return u.sign() if rule == "sign" else u
+
+
+def _simulate(name):
+    """Two replicas, each holding 2 row shards (FSDP2's Shard(0)); momenta per (replica, shard)."""
+    cfg, wd, W = _cfg(name), _wd(name), 2
+    model = _model()
+    data = _data()
+    params = dict(model.named_parameters())
+    state = {}
+    for t in range(1, STEPS + 1):
+        grads = []
+        for r in range(W):  # replica r's mean gradient over its 8 samples
+            model.zero_grad()
+            x = torch.cat([data[t - 1][r][j][0] for j in range(2)])
+            y = torch.cat([data[t - 1][r][j][1] for j in range(2)])
+            _loss(model, x, y).backward()
+            grads.append({n: p.grad.clone() for n, p in params.items()})
+        with torch.no_grad():
+            for n, p in params.items():
+                shards = []
+                for j, p_j in enumerate(p.chunk(2, dim=0)):
+                    sent = []
+                    for r in range(W):
+                        g = grads[r][n].chunk(2, dim=0)[j]
+                        st = state.setdefault((n, r, j), {"m": torch.zeros_like(g), "v": torch.zeros_like(g)})
+                        if cfg.base == "sgd":
+                            st["m"] = cfg.beta * st["m"] + g
+                            x = st["m"]
+                        else:
+                            b1, b2 = 0.9, 0.95
+                            st["m"] = b1 * st["m"] + (1 - b1) * g
+                            st["v"] = b2 * st["v"] + (1 - b2) * g * g
+                            x = (st["m"] / (1 - b1**t)) / ((st["v"] / (1 - b2**t)).sqrt() + 1e-8)
+                        sent.append(_extract(cfg, x, t, n, st))
+                    shards.append(_aggregate(cfg, sent, p_j.shape, t, n))
+                for p_j, Q in zip(p.chunk(2, dim=0), shards):
+                    if Q is None:
+                        continue
+                    p_j.mul_(1 - LR * wd).sub_(LR * _phi(Q, cfg.rule))
+    return {n: p.detach() for n, p in params.items()}
+
+
+def _extract(cfg, x, t, name, st):
+    """What one replica sends (a dense picture of it) and its momentum subtraction."""
+    lam = cfg.momentum_subtraction if cfg.base == "sgd" else 0.0
+    numel = x.numel()
+    sgn = (lambda v: v.sign()) if cfg.sign_before_sync else (lambda v: v)
+    if cfg.replicator == "demo":
+        c = Chunker(x.shape, cfg.chunk)
+        coeffs = c.encode(x)
+        idx = coeffs.abs().argsort(dim=-1, descending=True)[:, : min(cfg.topk, c.L)]
+        kept = torch.zeros_like(coeffs).scatter_(-1, idx, coeffs.gather(-1, idx))
+        st["m"] = st["m"] - lam * c.decode(kept)
+        mask = torch.zeros_like(coeffs).scatter_(-1, idx, 1.0)
+        return ("coeffs", sgn(kept), mask, c)
+    if cfg.replicator in ("random", "striding"):
+        stride = round(1 / cfg.compression_rate)
+        if cfg.replicator == "random":
+            idx = Replicator("random", x.shape, name, cfg).indices(t, "cpu")
+        else:
+            idx = t % stride + stride * torch.arange(numel // stride)
+        q = torch.zeros(numel)
+        q[idx] = x.reshape(-1)[idx]
+        q = q.view_as(x)
+    else:
+        period = round(1 / cfg.compression_rate) if cfg.replicator == "diloco" else 1
+        if t % period:
+            return None
+        q = x.clone()
+    st["m"] = st["m"] - lam * q
+    return ("dense", sgn(q), None, None)
+
+
+def _aggregate(cfg, sent, shape, t, name):
+    if sent[0] is None:
+        return None
+    if sent[0][0] == "dense":
+        return sum(s[1] for s in sent) / len(sent)
+    c = sent[0][3]
+    total = sum(s[1] for s in sent)
+    if cfg.aggregate == "mean_selected":
+        total = total / sum(s[2] for s in sent).clamp_min(1)
+    else:
+        total = total / len(sent)
+    return c.decode(total)
+
+
+def _sgd_reference(name):
+    """torch.optim.SGD on the replicas' averaged gradient (what HSDP would do)."""
+    cfg = _cfg(name)
+    momentum = cfg.beta if cfg.momentum_subtraction == 0.0 else 0.0
+    model = _model()
+    data = _data()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
+    for t in range(STEPS):
+        x = torch.cat([data[t][r][j][0] for r in range(2) for j in range(2)])
+        y = torch.cat([data[t][r][j][1] for r in range(2) for j in range(2)])
+        opt.zero_grad()
+        _loss(model, x, y).backward()  # mean over both replicas = average of their mean gradients
+        opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def hsdp_results():
+    return run_distributed(_hsdp_worker, 4)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_hsdp_equals_two_replica_simulation(hsdp_results, name):
+    ref = _sgd_reference(name) if name.startswith("sgd") else _simulate(name)
+    start = dict(_model().named_parameters())
+    moved = 0.0
+    for rank, res in enumerate(hsdp_results):
+        j = rank % 2
+        for n, shard in res[name]["params"].items():
+            expect = ref[n].chunk(2, dim=0)[j]
+            torch.testing.assert_close(shard, expect, atol=2e-5, rtol=1e-4, msg=f"{name} rank {rank} {n}")
+            moved = max(moved, (shard - start[n].detach().chunk(2, dim=0)[j]).abs().max().item())
+    assert moved > 1e-3  # the run did update the parameters
+    for j in range(2):  # replicas decode the same bytes in the same order: bit-identical shards
+        for n in hsdp_results[j][name]["params"]:
+            assert torch.equal(hsdp_results[j][name]["params"][n], hsdp_results[2 + j][name]["params"][n])
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_measured_r_bytes_equal_formula(hsdp_results, name):
+    for res in hsdp_results:
+        r = res[name]
+        assert sum(r["sent"]) == pytest.approx(r["formula"]["sent"] * STEPS)
+        assert r["formula"]["sent"] > 0 and r["formula"]["recv"] == r["formula"]["sent"]
+    if name == "diloco":
+        assert hsdp_results[0][name]["sent"][0] == 0 and hsdp_results[0][name]["sent"][1] > 0
+
+
+def test_momenta_are_per_replica(hsdp_results):
+    a, b = hsdp_results[0]["demo"]["state"], hsdp_results[2]["demo"]["state"]
+    assert not torch.equal(local(a[0]["momentum"]), local(b[0]["momentum"]))
+
+
+def test_single_replica_is_base_optimizer():
+    """|R| = 1: nothing extracted; DeMo-SGD with identity rule = torch SGD(momentum=β)."""
+    cfg = dataclasses.replace(demo.Config(), rule="identity", beta=0.8)
+    m1, m2 = _model(), _model()
+    opt = demo.build("DeMo", list(m1.named_parameters()), Topology.single(), BaseHParams(lr=0.1, weight_decay=0.0), cfg)
+    ref = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.8)
+    for x, y in [d[0][0] for d in _data()]:
+        for m, o in ((m1, opt), (m2, ref)):
+            o.zero_grad()
+            _loss(m, x, y).backward()
+            o.step()
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(p, q)
+    sd = opt.state_dict()
+    opt2 = demo.build("DeMo", list(_model().named_parameters()), Topology.single(), BaseHParams(), cfg)
+    opt2.load_state_dict(sd)
+    assert torch.equal(opt2.state_dict()["state"][0]["momentum"], sd["state"][0]["momentum"])
+
+
+def test_presets_and_check():
+    from titan_commopt.optim import apply_preset, family_of
+    from titan_commopt.options import ConfigError
+
+    assert family_of("DeMo") == family_of("FlexDeMo") == "demo"
+    flex = apply_preset("FlexDeMo", demo.Config())
+    assert flex.chunk == 32 and flex.sign_before_sync and flex.transfer_dtype == "fp32"
+    assert apply_preset("FlexDeMo", demo.Config(chunk=16)).chunk == 16
+    with pytest.raises(ConfigError):
+        demo.check(demo.Config(chunk=4, topk=17))
