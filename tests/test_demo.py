@@ -106,8 +106,8 @@ def _phi(u, rule):
     return u.sign() if rule == "sign" else u
 
 
-def _simulate(name):
-    """Two replicas, each holding 2 row shards (FSDP2's Shard(0)); momenta per (replica, shard)."""
+def _simulate(name, n_shards=2):
+    """Two replicas, each holding ``n_shards`` row shards (FSDP2's Shard(0)); momenta per (replica, shard)."""
     cfg, wd, W = _cfg(name), _wd(name), 2
     model = _model()
     data = _data()
@@ -124,10 +124,10 @@ def _simulate(name):
         with torch.no_grad():
             for n, p in params.items():
                 shards = []
-                for j, p_j in enumerate(p.chunk(2, dim=0)):
+                for j, p_j in enumerate(p.chunk(n_shards, dim=0)):
                     sent = []
                     for r in range(W):
-                        g = grads[r][n].chunk(2, dim=0)[j]
+                        g = grads[r][n].chunk(n_shards, dim=0)[j]
                         st = state.setdefault((n, r, j), {"m": torch.zeros_like(g), "v": torch.zeros_like(g)})
                         if cfg.base == "sgd":
                             st["m"] = cfg.beta * st["m"] + g
@@ -139,7 +139,7 @@ def _simulate(name):
                             x = (st["m"] / (1 - b1**t)) / ((st["v"] / (1 - b2**t)).sqrt() + 1e-8)
                         sent.append(_extract(cfg, x, t, n, st))
                     shards.append(_aggregate(cfg, sent, p_j.shape, t, n))
-                for p_j, Q in zip(p.chunk(2, dim=0), shards):
+                for p_j, Q in zip(p.chunk(n_shards, dim=0), shards):
                     if Q is None:
                         continue
                     p_j.mul_(1 - LR * wd).sub_(LR * _phi(Q, cfg.rule))
@@ -273,3 +273,36 @@ def test_presets_and_check():
     assert apply_preset("FlexDeMo", demo.Config(chunk=16)).chunk == 16
     with pytest.raises(ConfigError):
         demo.check(demo.Config(chunk=4, topk=17))
+
+
+DDP_CONFIGS = ["demo", "demo_sign_before_sync", "random", "adamw_demo"]
+
+
+def _ddp_worker(rank, world):
+    """|S| = 1: plain (non-DTensor) parameters, R = the world; each replica's batch is its 8 samples."""
+    import torch.distributed as dist
+
+    topo = Topology(replicate=dist.group.WORLD)
+    data = _data()
+    out = {}
+    for name in DDP_CONFIGS:
+        model = _model()
+        opt = demo.build("DeMo", list(model.named_parameters()), topo,
+                         BaseHParams(lr=LR, weight_decay=_wd(name)), _cfg(name))
+        for t in range(STEPS):
+            x = torch.cat([data[t][rank][j][0] for j in range(2)])
+            y = torch.cat([data[t][rank][j][1] for j in range(2)])
+            _loss(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def test_ddp_style_equals_simulation():
+    results = run_distributed(_ddp_worker, 2)
+    for name in DDP_CONFIGS:
+        ref = _simulate(name, n_shards=1)
+        for res in results:
+            for n, p in res[name].items():
+                torch.testing.assert_close(p, ref[n], atol=2e-5, rtol=1e-4, msg=f"{name} {n}")
