@@ -8,10 +8,14 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 VENV="${VENV:-.venv}"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# pip, minus this machine's noise about missing local index folders; pip's own exit status is kept.
+pip_install() {
+  "$VENV/bin/python" -m pip --disable-pip-version-check -q install "$@" 2>&1 \
+    | { grep -v "Location 'file://.*' is ignored" || true; }
+}
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  "${PIP[@]}" install "${TORCH_SPEC:-torch==2.13.0}"
+  pip_install ${TORCH_SPEC:-torch==2.13.0}
 fi
-"${PIP[@]}" install -e ".[dev,bench]" 2>&1 | grep -v "Location 'file://.*' is ignored" || true
-"$VENV/bin/python" -c "import titan_commopt.titan" >/dev/null  # torchtitan imports (needs triton on CPU)
-"$VENV/bin/python" -m titan_commopt.titan.data >/dev/null       # corpus + tokenizer, built once, cached
+pip_install -e ".[dev,bench]"
+# torchtitan imports (needs triton on CPU); corpus + tokenizer built once and cached.
+"$VENV/bin/python" -c "import titan_commopt.titan; from titan_commopt.titan import data; data.bundled_tokenizer_path()"
