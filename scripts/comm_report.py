@@ -9,7 +9,8 @@ family's analytic ``r_bytes_per_step`` on rank 0's FSDP2 shard shapes (dim 0 spl
 — the formula the ledger is tested against; S bytes are the FSDP2 estimate the training container
 records (all-gather of the parameters in forward and backward + gradient reduce-scatter). AdamW-HSDP
 = the fp32 all-reduce of the local gradient shard over R; AdamW-DDP = the same for the full
-gradient (|S| = 1), the unit the DeMo/Dion papers report.
+gradient (|S| = 1), the unit the DeMo/Dion papers report. The S column is FSDP2's own traffic
+only: Dion's distributed orthogonalization adds S collectives of its own (in the ledger, not here).
 """
 
 import argparse
@@ -85,7 +86,7 @@ def report(flavor: str, replicate: int, shard: int, names=None, overrides=None) 
 
 def format_rows(rows: list[dict]) -> str:
     return table(
-        ["optimizer", "R sent/step/rank", "R recv/step/rank", "S sent/step/rank", "AdamW-HSDP ÷ this", "AdamW-DDP ÷ this"],
+        ["optimizer", "R sent/step/rank", "R recv/step/rank", "S sent/step/rank (FSDP2)", "AdamW-HSDP ÷ this", "AdamW-DDP ÷ this"],
         [[r["optimizer"], human(r["R_sent"]), human(r["R_recv"]), human(r["S_sent"]),
           f"{r['vs_adamw_hsdp']:.1f}x", f"{r['vs_adamw_ddp']:.1f}x"] for r in rows],
     )

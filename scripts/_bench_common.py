@@ -1,0 +1,140 @@
+"""Shared helpers of the benchmark scripts: model shapes on the meta device, optimizer configs,
+launching ``titan_commopt.train`` under torchrun and reading its TensorBoard scalars."""
+
+import dataclasses
+import glob
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "train_configs" / "debug_cpu.toml"
+BASELINES = ("AdamW", "Adam")  # torchtitan's own: HSDP syncs R itself
+
+
+def flavor_args(flavor: str):
+    from torchtitan.models.llama3 import llama3_args
+
+    from titan_commopt.titan.spec import EXTRA_FLAVORS
+
+    return {**llama3_args, **EXTRA_FLAVORS}[flavor]
+
+
+def param_shapes(flavor: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(fqn, global shape) of every parameter of torchtitan's llama3 Transformer (meta device)."""
+    from torchtitan.models.llama3 import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(flavor_args(flavor))
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+
+def shard_shape(shape: tuple[int, ...], shards: int, rank: int = 0) -> tuple[int, ...]:
+    """FSDP2's local shard of ``shape`` on ``rank``: dim 0 split in ceil-sized chunks."""
+    if shards <= 1 or not shape:
+        return tuple(shape)
+    chunk = math.ceil(shape[0] / shards)
+    return (max(0, min(chunk, shape[0] - rank * chunk)), *shape[1:])
+
+
+def parse_overrides(items: list[str]) -> dict[str, dict]:
+    """``["local.Kx=2", "demo.chunk=32"]`` → ``{"local": {"Kx": 2}, "demo": {"chunk": 32}}``."""
+    import ast
+
+    out: dict[str, dict] = {}
+    for item in items or []:
+        key, value = item.split("=", 1)
+        family, option = key.split(".", 1)
+        try:
+            parsed = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            parsed = value
+        out.setdefault(family, {})[option] = parsed
+    return out
+
+
+def family_config(name: str, overrides: dict[str, dict]):
+    """The family config ``name`` trains with: family defaults, user overrides, then the preset."""
+    from titan_commopt.optim import apply_preset, family_module, family_of
+
+    family = family_of(name)
+    cfg = dataclasses.replace(family_module(family).Config(), **overrides.get(family, {}))
+    return family, apply_preset(name, cfg)
+
+
+def cli_overrides(name: str, overrides: dict[str, dict]) -> list[str]:
+    """The same overrides as torchtitan command-line flags (only the optimizer's family)."""
+    from titan_commopt.optim import family_of
+
+    if name in BASELINES:
+        return []
+    family = family_of(name)
+    out = []
+    for option, value in overrides.get(family, {}).items():
+        flag = f"--commopt.{family}.{option}"
+        if isinstance(value, bool):
+            out.append(flag if value else f"--commopt.{family}.no-{option}")
+        elif isinstance(value, (list, tuple)):
+            out += [flag, *map(str, value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def torchrun_cmd(nproc: int, dump: Path, *overrides: str, rdzv: list[str] | None = None) -> list[str]:
+    rdzv = rdzv or ["--standalone"]
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *rdzv,
+        "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
+        "-m", "titan_commopt.train", "--job.config_file", str(CONFIG),
+        "--job.dump_folder", str(dump), "--metrics.disable_color_printing", *overrides,
+    ]
+
+
+def train_env(threads: int = 1) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def run_train(dump: Path, nproc: int, *overrides: str, timeout: int = 3600) -> subprocess.CompletedProcess:
+    proc = subprocess.run(torchrun_cmd(nproc, dump, *overrides), cwd=ROOT, env=train_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"training failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def read_scalars(dump: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict = {}
+    for run in sorted(glob.glob(str(Path(dump) / "tb" / "*"))):
+        acc = EventAccumulator(run, size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def last(scalars: dict, tag: str) -> float:
+    return scalars[tag][-1][1]
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A GitHub-markdown table."""
+    cells = [[str(c) for c in r] for r in rows]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in cells]
+    return "\n".join(lines)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
