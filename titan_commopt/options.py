@@ -11,7 +11,7 @@ torchtitan's config manager reads ``dataclasses.Field.type`` as a real class to 
 
 import difflib
 import math
-from dataclasses import MISSING, field, fields, is_dataclass
+from dataclasses import field, fields, is_dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 __all__ = ["ConfigError", "option", "validate", "check_keys", "resolve_auto_period"]
@@ -148,16 +148,6 @@ def check_keys(given: Mapping[str, Any], cls: type, section: str) -> list[str]:
         sub = known[key].type
         if is_dataclass(sub) and isinstance(value, Mapping):
             out.extend(check_keys(value, sub, f"{section}.{key}"))
-    return out
-
-
-def defaults_of(cls: type) -> dict[str, Any]:
-    out = {}
-    for f in fields(cls):
-        if f.default is not MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not MISSING:  # type: ignore[misc]
-            out[f.name] = f.default_factory()  # type: ignore[misc]
     return out
 
 

@@ -9,7 +9,6 @@ No ``from __future__ import annotations`` here: torchtitan merges config classes
 field's type as a class.
 """
 
-import dataclasses
 import importlib
 import sys
 from dataclasses import dataclass, field, fields, make_dataclass
@@ -91,7 +90,3 @@ def commopt_of(job_config: Any) -> Any:
 
 def family_config(job_config: Any, family: str) -> Any:
     return getattr(commopt_of(job_config), family)
-
-
-def as_dict(obj: Any) -> dict[str, Any]:
-    return dataclasses.asdict(obj)

@@ -11,6 +11,7 @@
   FSDP2's own collectives as labelled estimates, so every run has R and S figures.
 """
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -121,7 +122,7 @@ def estimate_fsdp_traffic(
             s_reduce_scatter=(shards - 1) * numel * reduce_bytes,
         )
     if native_r_sync and topology.replicate_size > 1:
-        traffic = FsdpTraffic(**{**traffic.__dict__, "r_all_reduce": numel * reduce_bytes})
+        traffic = dataclasses.replace(traffic, r_all_reduce=numel * reduce_bytes)
     return traffic
 
 
