@@ -68,3 +68,39 @@ def test_comm_report_cli_and_png(tmp_path):
     rows = {r["optimizer"]: r for r in comm_report.report("debugmodel", 2, 4)}
     assert rows["AdamW"]["vs_adamw_hsdp"] == pytest.approx(1.0)
     assert rows["AdamW"]["vs_adamw_ddp"] == pytest.approx(4.0, rel=0.02)  # shards hold ~1/4 of each tensor
+
+
+def test_step_overhead_runs():
+    out = subprocess.run(
+        [sys.executable, "scripts/step_overhead.py", "--flavors", "cpu_tiny", "--repeats", "1", "--optimizers", "AdamW", "DeMo"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout
+    assert "| cpu_tiny (0.2M) | DeMo |" in out
+
+
+def test_convergence_runs(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "scripts/convergence.py", "--steps", "3", "--flavor", "cpu_tiny", "--optimizers", "AdamW", "DeMo",
+         "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, check=True, timeout=600,
+    ).stdout
+    assert "| DeMo |" in out and "| AdamW |" in out
+    assert (tmp_path / "loss_vs_step.png").stat().st_size > 1000 and (tmp_path / "loss_vs_r_bytes.png").exists()
+
+
+def test_bench_netns_runs_or_skips(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "scripts/bench_netns.py", "--rates", "100mbit", "--optimizers", "AdamW", "DeMo", "--flavor", "cpu_tiny",
+         "--steps", "3", "--warmup", "1", "--timeout", "180", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc_ok(out)
+    if out.stdout.startswith("SKIP:"):
+        pytest.skip(out.stdout.strip())
+    assert "| AdamW |" in out.stdout and "| DeMo |" in out.stdout, out.stdout + out.stderr[-3000:]
+    leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "tcb" not in leftover
+
+
+def proc_ok(proc) -> bool:
+    return proc.returncode == 0
