@@ -85,11 +85,13 @@ def cli_overrides(name: str, overrides: dict[str, dict]) -> list[str]:
     return out
 
 
-def torchrun_cmd(nproc: int, dump: Path, *overrides: str, rdzv: list[str] | None = None) -> list[str]:
+def torchrun_cmd(nproc: int, dump: Path, *overrides: str, rdzv: list[str] | None = None, tee: bool = True) -> list[str]:
+    """``tee=False``: the workers write straight to torchrun's stdout (no tailing thread in between,
+    so a console line appears the moment it is printed; every local rank prints)."""
     rdzv = rdzv or ["--standalone"]
+    console = ["--local-ranks-filter", "0", "--role", "rank", "--tee", "3"] if tee else []
     return [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *rdzv,
-        "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *rdzv, *console,
         "-m", "titan_commopt.train", "--job.config_file", str(CONFIG),
         "--job.dump_folder", str(dump), "--metrics.disable_color_printing", *overrides,
     ]

@@ -12,11 +12,18 @@ with ``tc`` (tbf at the given rate; a netem delay of ``--delay`` where the kerne
 ``|S| = --nproc-per-node`` (FSDP inside a node: loopback, unshaped). Traffic never leaves the
 namespaces; they are deleted on exit, also on failure or Ctrl-C.
 
-Per run: median step time after ``--warmup`` steps (torchtitan's ``time_metrics/end_to_end(s)``),
-tokens/s of the whole job, bytes that crossed the link (tx counters of both veth ends, whole run
-incl. rendezvous and the initial parameter broadcast, divided by steps) next to the ledger's R bytes
-per step summed over a node's ranks. Exits 0 with "SKIP: ..." when it cannot run (not root, no
-``ip``/``tc``, namespaces not permitted).
+Every number is taken over the measured window, steps ``--warmup``+1 … ``--steps`` (start-up,
+rendezvous, the initial parameter broadcast and the first steps are left out):
+
+- step time: mean and median of torchtitan's ``time_metrics/end_to_end(s)``; the speed-up uses the
+  mean, which for the periodic optimizers (DES-LOC, LocalAdam, MT-DAO, DiLoCo) includes the sync
+  steps that fall in the window (the default window, steps 5–36, holds exactly one Kx = 32 period);
+- tokens/s of the whole job from the mean step time;
+- bytes that crossed the link: tx counters of both veth ends read when node A's console prints the
+  line of step ``--warmup`` and of step ``--steps``, divided by the window's steps;
+- the ledger's R bytes over the same window (``comm/R_sent_bytes_total``), summed over a node's ranks.
+
+Exits 0 with "SKIP: ..." when it cannot run (not root, no ``ip``/``tc``, namespaces not permitted).
 """
 
 import argparse
@@ -24,11 +31,13 @@ import atexit
 import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -108,6 +117,41 @@ def tx_bytes() -> list[int]:
     return out
 
 
+class StepCounterSampler(threading.Thread):
+    """Reads the veth tx counters when node A's console log first shows given steps.
+
+    torchtitan prints ``step: N  loss: ...`` once step N has finished (``log_freq = 1``), straight into
+    the log (no torchrun tee in between); sampling at the lines of the window's first and last step
+    leaves start-up and shutdown traffic out.
+    """
+
+    STEP = re.compile(r"step:\s*(\d+)\s")
+
+    def __init__(self, log: Path, steps: set[int]) -> None:
+        super().__init__(daemon=True)
+        self.log, self.wanted, self.samples = log, set(steps), {}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        pos, tail = 0, ""
+        while not self.done.is_set() and self.wanted:
+            try:
+                with open(self.log, errors="replace") as f:
+                    f.seek(pos)
+                    chunk = f.read()
+                    pos = f.tell()
+            except FileNotFoundError:
+                chunk = ""
+            lines = (tail + chunk).split("\n")
+            tail = lines.pop()
+            for line in lines:
+                m = self.STEP.search(line)
+                if m and int(m.group(1)) in self.wanted:
+                    self.samples[int(m.group(1))] = tx_bytes()
+                    self.wanted.discard(int(m.group(1)))
+            time.sleep(0.005)
+
+
 def run_pair(name: str, addrs, args, dump: Path, overrides: dict) -> dict:
     shutil.rmtree(dump, ignore_errors=True)
     port = 29400 + (abs(hash((name, time.time()))) % 1000)
@@ -119,7 +163,9 @@ def run_pair(name: str, addrs, args, dump: Path, overrides: dict) -> dict:
         "--parallelism.data_parallel_shard_degree", str(args.nproc_per_node),
         "--optimizer.name", name, *cli_overrides(name, overrides),
     ]
-    before = tx_bytes()
+    logs = [dump.parent / f"{dump.name}_node{i}.log" for i in range(2)]
+    sampler = StepCounterSampler(logs[0], {args.warmup, args.steps})
+    sampler.start()
     procs = []
     for i, (ns, dev) in enumerate(zip(NS, VETH)):
         env = {**train_env(args.threads), "GLOO_SOCKET_IFNAME": dev, "MASTER_ADDR": addrs[0]}
@@ -128,33 +174,62 @@ def run_pair(name: str, addrs, args, dump: Path, overrides: dict) -> dict:
                # node A's address is no hostname of this box: tell torchrun which agent hosts the store
                *torchrun_cmd(args.nproc_per_node, dump / f"node{i}", *train,
                              rdzv=[*rdzv, "--local-addr", addrs[i],
-                                   "--rdzv-conf", f"is_host={int(i == 0)},join_timeout=120"])]
-        log = open(dump.parent / f"{dump.name}_node{i}.log", "w") if dump.parent.exists() else subprocess.DEVNULL
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+                                   "--rdzv-conf", f"is_host={int(i == 0)},join_timeout=120"], tee=False)]
+        with open(logs[i], "w") as log:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
         rcs = [p.wait(timeout=args.timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    after = tx_bytes()
+        sampler.done.set()
+        sampler.join()
     if any(rcs):
         raise RuntimeError(f"{name}: torchrun exit codes {rcs}; logs in {dump.parent}")
+    if set(sampler.samples) != {args.warmup, args.steps}:
+        raise RuntimeError(f"{name}: no console line for steps {sorted(sampler.wanted)} in {logs[0]}")
     scalars = {}
     for i in range(2):
         if (dump / f"node{i}" / "tb").exists():
             scalars = read_scalars(dump / f"node{i}")
+    window = args.steps - args.warmup
     times = [v for k, v in scalars["time_metrics/end_to_end(s)"] if k > args.warmup]
-    step = statistics.median(times)
-    world = 2 * args.nproc_per_node
-    r_ledger = scalars["comm/R_sent_bytes_total"][-1][1] / args.steps
+    mean = statistics.fmean(times)
+    r_total = dict(scalars["comm/R_sent_bytes_total"])
+    first, end = sampler.samples[args.warmup], sampler.samples[args.steps]
     return {
-        "step_s": step,
-        "tokens_per_s": args.batch * args.seq_len * world / step,
-        "link_bytes_per_step": [(a - b) / args.steps for a, b in zip(after, before)],
-        "ledger_r_node_per_step": r_ledger * args.nproc_per_node,
+        "step_s": mean,
+        "step_s_median": statistics.median(times),
+        "tokens_per_s": args.batch * args.seq_len * 2 * args.nproc_per_node / mean,
+        "link_bytes_per_step": [(b - a) / window for a, b in zip(first, end)],
+        "ledger_r_node_per_step": (r_total[args.steps] - r_total[args.warmup]) / window * args.nproc_per_node,
         "loss": scalars["loss_metrics/global_avg_loss"][-1][1],
     }
+
+
+def plot(results: dict, rates: list[str], path: str, title: str) -> None:
+    """Mean step time per optimizer, one bar group per link rate (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(key.split("/", 1)[1] for key in results))
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(names)), 4.5))
+    width = 0.8 / max(len(rates), 1)
+    for j, rate in enumerate(rates):
+        xs = [i + j * width for i, n in enumerate(names) if f"{rate}/{n}" in results]
+        ys = [results[f"{rate}/{n}"]["step_s"] for n in names if f"{rate}/{n}" in results]
+        ax.bar(xs, ys, width, label=rate)
+    ax.set_xticks([i + width * (len(rates) - 1) / 2 for i in range(len(names))], names, rotation=30, ha="right")
+    ax.set_yscale("log")
+    ax.set_ylabel("mean step time (s)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -166,8 +241,8 @@ def main(argv=None) -> int:
     p.add_argument("--optimizers", nargs="*", help="default: AdamW and every registered optimizer")
     p.add_argument("--nproc-per-node", type=int, default=1, help="processes per node = |S|")
     p.add_argument("--flavor", default="cpu_small")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
+    p.add_argument("--steps", type=int, default=36, help="last step of the measured window")
+    p.add_argument("--warmup", type=int, default=4, help="steps before the measured window")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=1, help="OMP threads per process")
@@ -176,6 +251,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     p.add_argument("--out", default="outputs/bench_netns")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--png", help="write a bar chart of mean step time per optimizer and rate")
     a = p.parse_args(argv)
     why = cannot_run()
     if why:
@@ -193,7 +269,7 @@ def main(argv=None) -> int:
         for rate in a.rates:
             applied = shape(rate, a.delay)
             print(f"\n## link: {applied}; {a.flavor}, |R|=2 nodes x |S|={a.nproc_per_node}, "
-                  f"batch {a.batch} x seq {a.seq_len} per rank, {a.steps} steps", flush=True)
+                  f"batch {a.batch} x seq {a.seq_len} per rank, window: steps {a.warmup + 1}-{a.steps}", flush=True)
             rows, base = [], None
             for name in names:
                 try:
@@ -204,16 +280,19 @@ def main(argv=None) -> int:
                 results[f"{rate}/{name}"] = r
                 base = base or (r if name == "AdamW" else None)
                 speedup = f"{base['step_s'] / r['step_s']:.1f}x" if base else "-"
-                rows.append([name, f"{r['step_s']:.3f}", f"{r['tokens_per_s']:.0f}", speedup,
+                rows.append([name, f"{r['step_s']:.3f}", f"{r['step_s_median']:.3f}", f"{r['tokens_per_s']:.0f}", speedup,
                              human(r["link_bytes_per_step"][0]), human(r["link_bytes_per_step"][1]),
                              human(r["ledger_r_node_per_step"]), f"{r['loss']:.3f}"])
                 print(f"  {name}: {r['step_s']:.3f} s/step", file=sys.stderr, flush=True)
-            print(table(["optimizer", "step s (median)", "tokens/s", "speed-up vs AdamW-HSDP",
+            print(table(["optimizer", "step s (mean)", "step s (median)", "tokens/s", "speed-up vs AdamW-HSDP",
                          "link A→B /step", "link B→A /step", "ledger R sent /step /node", "final loss"], rows), flush=True)
     finally:
         teardown()
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
+    if a.png and results:
+        plot(results, a.rates, a.png, f"two nodes over a tc-shaped link: {a.flavor}, |R|=2 x |S|={a.nproc_per_node}, "
+             f"batch {a.batch} x seq {a.seq_len}, steps {a.warmup + 1}-{a.steps}")
     return 0
 
 

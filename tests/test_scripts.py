@@ -6,6 +6,7 @@ cpu_tiny flavor through ``titan_commopt.train`` and compares ``comm/R_sent_bytes
 with ``scripts/comm_report.py``'s numbers for the same flavor, mesh and family options.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -91,13 +92,20 @@ def test_convergence_runs(tmp_path):
 def test_bench_netns_runs_or_skips(tmp_path):
     out = subprocess.run(
         [sys.executable, "scripts/bench_netns.py", "--rates", "100mbit", "--optimizers", "AdamW", "DeMo", "--flavor", "cpu_tiny",
-         "--steps", "3", "--warmup", "1", "--timeout", "180", "--out", str(tmp_path)],
+         "--steps", "3", "--warmup", "1", "--timeout", "180", "--out", str(tmp_path),
+         "--png", str(tmp_path / "steps.png"), "--json", str(tmp_path / "r.json")],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc_ok(out)
     if out.stdout.startswith("SKIP:"):
         pytest.skip(out.stdout.strip())
     assert "| AdamW |" in out.stdout and "| DeMo |" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert (tmp_path / "steps.png").stat().st_size > 1000
+    # What crossed the link in the measured window carries at least the ledger's payload, and not
+    # much more (TCP/IP headers, the loss all-reduce of logging).
+    for name, r in json.loads((tmp_path / "r.json").read_text()).items():
+        for link in r["link_bytes_per_step"]:
+            assert 0.95 * r["ledger_r_node_per_step"] <= link <= 1.5 * r["ledger_r_node_per_step"] + 16384, (name, r)
     leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "tcb" not in leftover
 
