@@ -5,7 +5,8 @@
     .venv/bin/python scripts/comm_report.py --flavor cpu_tiny --replicate 2 --shard 2 --set local.Kx=2
 
 The model is torchtitan's llama3 ``Transformer`` built on the meta device. R bytes come from each
-family's analytic ``r_bytes_per_step`` on rank 0's FSDP2 shard shapes (dim 0 split over ``--shard``)
+family's analytic ``r_bytes_per_step`` on rank 0's FSDP2 shard shapes (dim 0 split over ``--shard``;
+for Dion also rank 0's slice of R, which it averages over R after a reduce-scatter over S)
 — the formula the ledger is tested against; S bytes are the FSDP2 estimate the training container
 records (all-gather of the parameters in forward and backward + gradient reduce-scatter). AdamW-HSDP
 = the fp32 all-reduce of the local gradient shard over R; AdamW-DDP = the same for the full
@@ -45,10 +46,13 @@ def r_bytes(name: str, shapes, replicate: int, shard: int, overrides: dict) -> d
 
     family, cfg = family_config(name, overrides)
     fn = family_module(family).r_bytes_per_step
-    triples = [(n, shard_shape(s, shard), s) for n, s in shapes]
-    # Families whose decisions depend on the full shape (Dion's rank) take (fqn, local, global).
+    # Families whose decisions depend on the full shape (Dion's rank) take (fqn, local, global), and
+    # Dion's R slice also rank 0's place among the row shards: (fqn, local, global, (0, |S|)).
     doc = inspect.getdoc(fn) or ""
-    out = fn(triples if "global_shape" in doc else local, cfg, replicate)
+    if "global_shape" in doc:
+        extra = ((0, shard),) if "row_split" in doc else ()
+        local = [(n, shard_shape(s, shard), s, *extra) for n, s in shapes]
+    out = fn(local, cfg, replicate)
     return {"sent": float(out["sent"]), "recv": float(out["recv"])}
 
 

@@ -8,6 +8,7 @@ Topology gets ``grad_scale = W``. The single-process reference sees the whole gl
 same loss (sum / global count) and ``Topology.single()``; everything runs in float64.
 """
 
+import dataclasses
 import logging
 import math
 
@@ -224,11 +225,12 @@ def full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def local_shapes(model):
+def local_shapes(model, row_split=(0, 1)):
+    """``(fqn, local, global, row_split)`` of every parameter (all sharded alike, as FSDP2 does)."""
     out = []
     for name, p in model.named_parameters():
         loc = p.to_local().shape if hasattr(p, "to_local") else p.shape
-        out.append((name, tuple(loc), tuple(p.shape)))
+        out.append((name, tuple(loc), tuple(p.shape), row_split))
     return out
 
 
@@ -275,6 +277,18 @@ def test_rank_compression_rule_and_bytes_formula():
     full_rank = dion.r_bytes_per_step(shapes, dion.Config(rank_fraction=1.0), 2)["sent"]
     assert full_rank == 4 * (128 * 256 + 256 + 1024 * 256 + 256 * 768)
     assert dion.r_bytes_per_step(shapes, cfg, 1) == {"sent": 0, "recv": 0}
+    # R split over row shards: (m_loc + rows of this rank's ceil(n_loc/k) slice)·r; (index, count)
+    wq = ("layers.0.wq.weight", (128, 256), (256, 256))
+    assert dion.r_bytes_per_step([(*wq, (1, 2))], cfg, 2)["sent"] == 4 * (128 + 128) * 64
+    assert dion.r_bytes_per_step([(*wq, (0, 1))], cfg, 2) == dion.r_bytes_per_step([wq], cfg, 2)
+    # uneven: 9 rows over 2 shards -> 5 + 4; over 4 -> 3, 3, 3, 0 (an empty slice)
+    assert [dion.r_slice(9, (i, 2)) for i in range(2)] == [(0, 5), (5, 4)]
+    assert [dion.r_slice(9, (i, 4)) for i in range(4)] == [(0, 3), (3, 3), (6, 3), (9, 0)]
+    odd = ("layers.0.wo.weight", (6, 9), (11, 9))
+    assert [dion.r_bytes_per_step([(*odd, (i, 4))], dion.Config(rank=4), 2)["sent"] for i in range(4)] == \
+        [4 * (6 + 3) * 4] * 3 + [4 * 6 * 4]
+    # only compressed matrices are split: the full-rank path still sends the local gradient
+    assert dion.r_bytes_per_step([(*wq, (1, 2))], dion.Config(rank_fraction=1.0), 2)["sent"] == 4 * 128 * 256
 
 
 def test_config_validation():
@@ -313,7 +327,9 @@ def _toy_run(mesh, topo, shard_mesh, dp_index, dp_count, cfg_kwargs):
     ledger = comm.get_ledger()
     ledger.reset()
     r_bytes, s_bytes = train(model, opt, part=(dp_index, dp_count), ledger=ledger)
-    expected = dion.r_bytes_per_step(local_shapes(model), cfg, topo.replicate_size, element_size=8)["sent"]
+    # FSDP2 shards every row over the shard mesh: R is split in |S| slices, this rank's is its index.
+    split = (shard_mesh.get_local_rank(), shard_mesh.size()) if shard_mesh is not None else (0, 1)
+    expected = dion.r_bytes_per_step(local_shapes(model, split), cfg, topo.replicate_size, element_size=8)["sent"]
     shards = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
     return dict(diff=compare(model, reference(cfg)), r_bytes=r_bytes, expected=expected, s_bytes=s_bytes,
                 shards=shards)
@@ -334,8 +350,8 @@ def _two_ranks(rank, world):
     return out
 
 
-def _matrix_case(mesh, topo, placements, shape, grads_of, cfg_kwargs):
-    """One DTensor matrix (+ a replicated-over-mesh bias-like vector) vs single-process Dion."""
+def _matrix_case(mesh, topo, placements, shape, grads_of, cfg_kwargs, row_split=(0, 1)):
+    """One DTensor matrix vs single-process Dion; ``row_split``: this rank's R slice (index, count)."""
     from torch.distributed.tensor import distribute_tensor
 
     cfg = dion.Config(**cfg_kwargs)
@@ -356,10 +372,10 @@ def _matrix_case(mesh, topo, placements, shape, grads_of, cfg_kwargs):
         ref.step()
         r_bytes.append(ledger.end_step().get("R_sent", 0.0))
     loc = tuple(p.to_local().shape)
-    expected = dion.r_bytes_per_step([("layers.0.attention.wo.weight", loc, shape)], cfg,
+    expected = dion.r_bytes_per_step([("layers.0.attention.wo.weight", loc, shape, row_split)], cfg,
                                      topo.replicate_size, element_size=8)["sent"]
     return dict(diff=float((p.full_tensor() - ref_p.detach()).abs().max()), r_bytes=r_bytes, expected=expected,
-                local=loc)
+                local=loc, r=dion.dion_rank(*shape, cfg))
 
 
 def _four_ranks(rank, world):
@@ -381,6 +397,17 @@ def _four_ranks(rank, world):
             return per_replica[replica], torch.stack(per_replica).mean(0)
         return of
 
+    # HSDP with uneven shards: 11 rows (6 + 5 per fsdp rank) and R's 9 rows split 5 + 4 over fsdp;
+    # (5, 1) forced compressed: R has 1 row, the second fsdp rank's slice is empty.
+    topo = Topology.from_mesh(hsdp)  # grads below are already the replica's mean: grad scale 1
+    fsdp_index = hsdp.get_local_rank("fsdp")
+    for shape, kw in [((11, 9), dict(rank=4)), ((11, 9), dict(rank=4, orthogonalize="qr")),
+                      ((5, 1), dict(rank=1, compress="always"))]:
+        g = grads(topo.replica_index, 2)
+        g.shape = shape
+        out[f"hsdp/{shape}/{kw.get('orthogonalize', '')}"] = _matrix_case(
+            hsdp["fsdp"], topo, [Shard(0)], shape, g, kw, row_split=(fsdp_index, 2))
+
     # FSDP rows × TP columns on a 2-D mesh (uneven shards: 11 rows, 9 columns).
     st = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
     topo = Topology.from_mesh(st)
@@ -399,7 +426,8 @@ def _four_ranks(rank, world):
     ]:
         g = grads(replica, 2)
         g.shape = shape
-        out[f"dp_tp/{label}"] = _matrix_case(rt["tp"], topo, placements, shape, g, kw)
+        split = (rt.get_local_rank("tp"), 2) if placements == [Shard(0)] else (0, 1)
+        out[f"dp_tp/{label}"] = _matrix_case(rt["tp"], topo, placements, shape, g, kw, row_split=split)
     return out
 
 
@@ -435,11 +463,23 @@ def test_distributed_hsdp_and_tp_equal_single_process():
             sa, sb = results[a][case]["shards"], results[b][case]["shards"]
             assert all(torch.equal(sa[k], sb[k]) for k in sa), (a, b, case)
     assert r0["fsdp_tp/(11, 9)"]["local"] == (6, 5) and results[3]["fsdp_tp/(11, 9)"]["local"] == (5, 4)
-    # compressed R payload: (m_loc + n_loc)·r doubles; full rank: the local gradient
+    # compressed R payload: (m_loc + this rank's slice of n_loc)·r doubles; full rank: the local gradient
     assert r0["dp_tp/cols"]["expected"] == 8 * (12 + 5) * 3
-    assert r0["dp_tp/rows"]["expected"] == 8 * (6 + 10) * 3
+    assert r0["dp_tp/rows"]["expected"] == 8 * (6 + 5) * 3  # R's 10 rows split over the tp row shards
     assert r0["dp_tp/cols_full"]["expected"] == 8 * 12 * 5
     assert r0["hsdp/low"]["expected"] > 0
+    # HSDP 2x2, (11, 9) at r = 4: fsdp rank 0 holds 6 rows and R slice 5, rank 1 holds 5 rows and slice 4
+    # (ranks 0, 1 are fsdp 0, 1 of replica 0). The old payload (m_loc + n)·r was above the fp64 gradient
+    # shard m_loc·n on both; the split one is below.
+    for rank, (m_loc, rows) in enumerate([(6, 5), (5, 4)]):
+        for case in ("hsdp/(11, 9)/", "hsdp/(11, 9)/qr"):
+            res = results[rank][case]
+            assert res["local"] == (m_loc, 9) and res["r"] == 4
+            assert res["expected"] == 8 * (m_loc + rows) * 4
+            assert res["r_bytes"] == [res["expected"]] * STEPS
+            grad_shard = 8 * m_loc * 9
+            assert res["expected"] < grad_shard < 8 * (m_loc + 9) * 4, (rank, res["expected"], grad_shard)
+    assert [results[k]["hsdp/(5, 1)/"]["expected"] for k in range(4)] == [8 * (3 + 1), 8 * 2] * 2
 
 
 # ---- real tensor parallelism: torchtitan's layouts (colwise → rows over tp, FSDP on top) ----------------
@@ -468,6 +508,19 @@ def _tp_fsdp(rank, world):
         train(model, opt, part=(mesh.get_local_rank("fsdp"), 2))
         out[name] = dict(diff=compare(model, reference(cfg)), r_bytes=[0.0], expected=0,
                          placements=placements, layouts=layouts)
+    # The hierarchical R reduction over two row groups (w1: fsdp then tp) and one (w2: fsdp), with
+    # uneven (7 rows over 4) and empty (3 rows over 4) slices, equals the plain sum over the row groups
+    # (the R mean itself is a no-op here: no replicas).
+    by_fqn = {lay.fqn: dataclasses.replace(lay, compressed=True) for lay in opt._layouts.values()}
+    lays = [by_fqn[f] for f in ("layers.0.w1.weight", "layers.1.w1.weight", "layers.0.w2.weight")]
+    gen = torch.Generator().manual_seed(rank)
+    Rs = [torch.randn(n, 2, generator=gen, dtype=torch.float64) for n in (3, 7, 5)]
+    want = [Rm.clone() for Rm in Rs]
+    dion._sum_over(want, [lay.rows for lay in lays])
+    with comm.use_ledger(comm.CommLedger()) as ledger:
+        dion._reduce_r(Rs, lays, None, True)
+    out["nested"] = dict(diff=max(float((a - b).abs().max()) for a, b in zip(Rs, want)), r_bytes=[0.0], expected=0,
+                         splits=[lay.row_split for lay in lays], ops=[(c.role, c.op) for c in ledger.records])
     return out
 
 
@@ -479,3 +532,8 @@ def test_distributed_fsdp_over_tensor_parallel_equals_single_process():
     assert r["layouts"]["layers.0.w1.weight"] == (2, 0) and r["layouts"]["layers.0.w2.weight"] == (1, 1)
     assert r["placements"]["layers.0.w2.weight"] == (("Shard", 0), ("Shard", 1))
     assert r["placements"]["layers.0.w1.weight"] == (("_StridedShard", 0), ("Shard", 0))
+    for rank, res in enumerate(results):  # fsdp index major, tp minor: the global rank on this mesh
+        assert res["nested"]["splits"] == [(rank, 4), (rank, 4), (rank // 2, 2)]
+    # one fused collective per row group and bucket: reduce-scatter fsdp, tp (w1s), fsdp (w2), then back
+    assert results[0]["nested"]["ops"] == [("S", "reduce_scatter"), ("T", "reduce_scatter"), ("S", "reduce_scatter"),
+                                           ("T", "all_gather"), ("S", "all_gather"), ("S", "all_gather")]

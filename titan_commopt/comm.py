@@ -9,6 +9,8 @@ DES-LOC's "d elements per sync"):
 - all-reduce of an n-byte buffer: sent n, received n (a ring moves 2(W-1)/W·n each way; the
   payload is what the algorithm chose to send, independent of the collective's implementation);
 - all-gather of an n-byte local buffer over W ranks: sent n, received (W-1)·n;
+- reduce-scatter of a W·c-byte buffer over W ranks (c bytes end up on each rank): sent (W-1)·c
+  (its contributions to the other ranks' chunks), received (W-1)·c (theirs to its own chunk);
 - broadcast of n bytes: the source sends n, every other rank receives n.
 
 A group of one (``None`` or size 1) is a no-op and records nothing. gloo has no AVG reduction,
@@ -36,6 +38,7 @@ __all__ = [
     "all_reduce_fused",
     "all_gather",
     "all_gather_object",
+    "reduce_scatter",
     "broadcast",
     "record_estimate",
     "nbytes",
@@ -223,6 +226,33 @@ def all_gather(
     _timed(
         ledger, role, "all_gather", n, (w - 1) * n,
         lambda: dist.all_gather(list(out.unbind(0)), src, group=group),
+    )
+    return out
+
+
+def reduce_scatter(
+    tensor: torch.Tensor,
+    role: str,
+    group: Optional[dist.ProcessGroup],
+    *,
+    ledger: Optional[CommLedger] = None,
+) -> torch.Tensor:
+    """Sum ``tensor`` (shape ``[W, *chunk]``) over ``group`` and return this rank's ``chunk``: row i of
+    the sum lands on the rank with index i. The inverse of :func:`all_gather` (``[W, *chunk]`` from
+    ``chunk``); together they move what an all-reduce of ``tensor`` moves. A group of one returns
+    ``tensor[0]``. gloo has it too (torch >= 2.13), so every backend runs the same collective.
+    """
+    if not _active(group):
+        return tensor[0]
+    w = dist.get_world_size(group)
+    if tensor.shape[0] != w:
+        raise ValueError(f"reduce_scatter: leading dim {tensor.shape[0]} != group size {w}")
+    out = torch.empty(tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
+    c = nbytes(out)
+    src = tensor.reshape(-1)  # the concatenated form: gloo takes no stacked input
+    _timed(
+        ledger, role, "reduce_scatter", (w - 1) * c, (w - 1) * c,
+        lambda: dist.reduce_scatter_single(out.view(-1), src, dist.ReduceOp.SUM, group=group),
     )
     return out
 

@@ -12,8 +12,16 @@ Per 2-D weight ``X ∈ R^{m×n}`` (``nn.Linear`` layout: m = out features = rows
 Distributed exactly as Algorithm 2 / Theorem 2.1 (the iterates equal the centralized ones):
 
 - R (``dp_replicate``): only P (local rows × r) and R (local columns × r) are averaged, one fused
-  collective each per step for all matrices: ``(m_loc + n_loc)·r`` elements per matrix instead of
-  ``m_loc·n_loc``. This "compressed" path is used only where it pays on the global shape,
+  collective each per step for all matrices, instead of the ``m_loc·n_loc`` gradient. P's rows are
+  already sharded. R is needed whole on every row shard, so where X's rows are sharded (over
+  ``k`` ranks in all) R is reduced hierarchically: a reduce-scatter over the row groups (the sum
+  over row shards, fast link) leaves each rank one ``ceil(n_loc/k)``-row slice, only that slice is
+  averaged over R, and an all-gather over the row groups puts the averaged R back together — the
+  same sums in another order (Theorem 2.1). Per matrix and rank: ``(m_loc + ceil(n_loc/k))·r``
+  elements (fewer on a rank whose slice overhangs n_loc), ``(m + n)·r/k`` when k divides m and n,
+  hence below the gradient shard ``m·n/k`` wherever compression pays (up to rounding). Both the
+  reduce-scatter and the all-gather are one fused collective per row group for all matrices. This
+  "compressed" path is used only where it pays on the global shape,
   ``(m + n)·r < m·n`` (the reference's rule; ``compress = "auto"``); otherwise — always at full rank —
   the gradient itself is averaged over R (fused with the scalar parameters' gradients) and every
   replica runs the same centralized update. ``r_bytes_per_step`` follows the same rule.
@@ -64,7 +72,7 @@ try:  # FSDP2 over TP shards an already row-sharded dim again: a strided row spl
 except ImportError:  # pragma: no cover - older torch
     _StridedShard = ()  # type: ignore[assignment]
 
-__all__ = ["Config", "PRESETS", "Dion", "build", "r_bytes_per_step", "route", "dion_rank", "initial_q"]
+__all__ = ["Config", "PRESETS", "Dion", "build", "r_bytes_per_step", "r_slice", "route", "dion_rank", "initial_q"]
 
 logger = logging.getLogger(__name__)
 
@@ -152,16 +160,29 @@ def initial_q(fqn: str, n: int, r: int, seed: int, dtype: torch.dtype = torch.fl
     return torch.randn(n, r, generator=gen, dtype=torch.float64).to(dtype)
 
 
+def r_slice(n_loc: int, row_split: tuple[int, int]) -> tuple[int, int]:
+    """``(start, rows)`` of slice ``index`` when R's ``n_loc`` rows are split over ``count`` row
+    shards in ``ceil(n_loc / count)``-row chunks (``row_split = (index, count)``); the last slices
+    may be short or empty."""
+    index, count = row_split
+    chunk = -(-n_loc // count)
+    start = min(index * chunk, n_loc)
+    return start, min(chunk, n_loc - start)
+
+
 def r_bytes_per_step(
     named_shapes: Sequence[tuple], cfg: Config, replicate_size: int, element_size: int = 4
 ) -> dict[str, int]:
     """Analytic R payload per rank per step (all-reduce: sent = received).
 
-    ``named_shapes``: ``(fqn, local_shape)`` or ``(fqn, local_shape, global_shape)``. ``local_shape``
-    is this rank's shard (FSDP2/TP local tensor); ``global_shape`` (default: the local one, i.e. an
-    unsharded parameter) sets the rank r and the compressed-or-not decision. A compressed Dion
-    matrix costs ``(m_loc + n_loc)·r`` elements, an uncompressed one and every scalar-optimizer
-    parameter ``numel(local)``. ``element_size``: bytes per element on the wire (the parameter dtype).
+    ``named_shapes``: ``(fqn, local_shape[, global_shape[, row_split]])``. ``local_shape`` is this
+    rank's shard (FSDP2/TP local tensor); ``global_shape`` (default: the local one, i.e. an
+    unsharded parameter) sets the rank r and the compressed-or-not decision; ``row_split =
+    (index, count)`` (default ``(0, 1)``): X's rows are sharded over ``count`` ranks (the product of
+    its row groups, e.g. ``(fsdp rank, |S|)`` under FSDP2) and this rank's R slice is the
+    ``index``-th (:func:`r_slice`). A compressed Dion matrix costs ``(m_loc + slice rows)·r``
+    elements, an uncompressed one and every scalar-optimizer parameter ``numel(local)``.
+    ``element_size``: bytes per element on the wire (the parameter dtype).
     """
     if replicate_size <= 1:
         return {"sent": 0, "recv": 0}
@@ -173,7 +194,8 @@ def r_bytes_per_step(
             m, n = global_shape
             r = dion_rank(m, n, cfg)
             if compressed(m, n, r, cfg):
-                total += (local_shape[0] + local_shape[1]) * r
+                row_split = tuple(entry[3]) if len(entry) > 3 else (0, 1)
+                total += (local_shape[0] + r_slice(local_shape[1], row_split)[1]) * r
                 continue
         total += math.prod(local_shape)
     return {"sent": total * element_size, "recv": total * element_size}
@@ -194,6 +216,7 @@ class _Layout:
     cols: Groups  # groups that shard X's columns (Q is row-sharded over them)
     col_offset: int  # first global column of the local shard
     q_placements: Optional[tuple] = None
+    row_split: tuple[int, int] = (0, 1)  # this rank's R slice: (index, count) over the row groups
 
 
 def _group_for(mesh: Any, dim: int, name: str, topology: Topology) -> tuple[str, Any]:
@@ -227,6 +250,9 @@ def _layout(fqn: str, p: torch.Tensor, topology: Topology, cfg: Config) -> _Layo
                 "shard (as microsoft/dion requires)"
             )
         (lay.rows if dim == 0 else lay.cols).append(_group_for(mesh, i, names[i], topology))
+    for _, group in lay.rows:  # mixed radix, first row group most significant (as _reduce_r splits)
+        size = dist.get_world_size(group)
+        lay.row_split = (lay.row_split[0] * size + dist.get_rank(group), lay.row_split[1] * size)
     if lay.cols:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -252,6 +278,63 @@ def _sum_over(tensors: Sequence[torch.Tensor], groups_of: Sequence[Groups]) -> N
     for groups, members in buckets.values():
         for role, group in groups:
             comm.all_reduce_fused(members, role, group, op="sum")
+
+
+def _fused_level(buffers: list[torch.Tensor], gather: bool, role: str, group: Any) -> list[torch.Tensor]:
+    """One fused collective over ``group`` for all the flat ``buffers``: reduce-scatter (each keeps
+    this rank's 1/W block, summed over the group) or, with ``gather``, the inverse all-gather (each
+    becomes the W ranks' blocks in rank order)."""
+    if gather:
+        sizes = [b.numel() for b in buffers]
+        gathered = comm.all_gather(torch.cat(buffers), role, group)
+        return [g.reshape(-1) for g in gathered.split(sizes, dim=1)]
+    w = dist.get_world_size(group)
+    sizes = [b.numel() // w for b in buffers]
+    mine = comm.reduce_scatter(torch.cat([b.view(w, k) for b, k in zip(buffers, sizes)], dim=1), role, group)
+    return list(mine.split(sizes))
+
+
+def _reduce_r(Rs: list[torch.Tensor], lays: list[_Layout], replicate: Any, syncs_r: bool) -> None:
+    """In place: R = Σ_i B_iᵀ P_i over the row groups, then, for compressed matrices, its mean over R.
+
+    A compressed matrix whose rows are sharded goes hierarchically: a reduce-scatter over each of its
+    row groups leaves this rank the ``row_split`` slice of the sum (ceil(n_loc/k) rows, zero-padded),
+    only that slice's real rows join the one fused R all-reduce, and all-gathers over the row groups
+    (in reverse order) rebuild the averaged R everywhere. The split runs over *all* row groups (S,
+    and T where TP shards the rows too, e.g. FSDP over a column-wise TP layer): only then is the R
+    payload ``(m_loc + ceil(n_loc/k))·r ≈ (m + n)·r/k`` below the gradient shard ``m·n/k`` for every
+    layout that compresses — an S-only split would still send ``n/|S|`` rows against a shard of
+    ``m·n/(|S|·|T|)`` — and on each (fast) row group the reduce-scatter + all-gather pair moves what
+    the all-reduce it replaces moved.
+    """
+    split = [syncs_r and lay.compressed and bool(lay.rows) for lay in lays]
+    plain = [i for i, sp in enumerate(split) if not sp]
+    _sum_over([Rs[i] for i in plain], [lays[i].rows for i in plain])
+    buckets: dict[tuple, tuple[Groups, list[int]]] = {}
+    for i in range(len(lays)):
+        if split[i]:
+            buckets.setdefault(_key(lays[i].rows), (lays[i].rows, []))[1].append(i)
+    scattered, mine = [], {}
+    for groups, members in buckets.values():
+        bufs = []
+        for i in members:
+            (n_loc, r), count = Rs[i].shape, lays[i].row_split[1]
+            buf = Rs[i].new_zeros(-(-n_loc // count) * count * r)
+            buf[: n_loc * r] = Rs[i].reshape(-1)
+            bufs.append(buf)
+        for role, group in groups:
+            bufs = _fused_level(bufs, False, role, group)
+        scattered.append((groups, members, bufs))
+        for i, buf in zip(members, bufs):
+            mine[i] = buf[: r_slice(Rs[i].shape[0], lays[i].row_split)[1] * Rs[i].shape[1]]
+    # E_DP[R̂]: whole R of the unsplit compressed matrices, this rank's slice of the others: one collective.
+    means = [mine.get(i, Rs[i]) for i, lay in enumerate(lays) if lay.compressed]
+    comm.all_reduce_fused([t for t in means if t.numel()], R, replicate, op="mean")
+    for groups, members, bufs in scattered:
+        for role, group in reversed(groups):
+            bufs = _fused_level(bufs, True, role, group)
+        for i, buf in zip(members, bufs):
+            Rs[i].copy_(buf[: Rs[i].numel()].view_as(Rs[i]))
 
 
 def _cqr2(Ps: list[torch.Tensor], rows: list[Groups], dtype: torch.dtype) -> list[Optional[torch.Tensor]]:
@@ -482,9 +565,7 @@ class Dion(torch.optim.Optimizer):
         _sum_over(Ps, [lay.cols for lay in lays])  # P = Σ_j B_j Q_j over column shards
         Ps = _orthogonalize_many(Ps, [lay.rows for lay in lays], self.cfg.orthogonalize)
         Rs = [B.T @ P for B, P in zip(Bs, Ps)]  # R̂ = B̂ᵀ P: local columns, partial over row shards
-        _sum_over(Rs, [lay.rows for lay in lays])  # R = Σ_i B_iᵀ P_i
-        # E_DP[R̂]: (n_loc × r) per compressed matrix, one collective.
-        comm.all_reduce_fused([Rm for Rm, lay in zip(Rs, lays) if lay.compressed], R, topo.replicate, op="mean")
+        _reduce_r(Rs, lays, topo.replicate, topo.replicate_size > 1)  # R = E_DP[Σ_i B_iᵀ P_i]
         sqs = [(Rm * Rm).sum(dim=0) for Rm in Rs]
         _sum_over(sqs, [lay.cols for lay in lays])  # squared column norms over column shards: r numbers
         for (p, group, lay, _), B, Q, P, Rm, sq in zip(matrices, Bs, Qs, Ps, Rs, sqs):
