@@ -1,23 +1,32 @@
-"""Optimizer step time of every registered optimizer vs torch AdamW, one process on CPU.
+"""Optimizer step time of every registered optimizer vs torch AdamW, on CPU, |R| real replicas.
 
     .venv/bin/python scripts/step_overhead.py --flavors cpu_small 100M --repeats 5
 
-The model is torchtitan's llama3 ``Transformer`` (real weights, random gradients), the topology
-``Topology.single()`` (no replicas: the numbers are the optimizer's own compute — DCT/top-k,
-orthogonalization, state updates — without communication). torchtitan's AdamW is
-``torch.optim.AdamW`` (foreach, the default on CPU), which is the reference here. Times are medians
-over ``--repeats`` steps after one warm-up step.
+The model is torchtitan's llama3 ``Transformer`` (real weights, random gradients). The optimizers
+run on ``--replicas`` processes (default 2, gloo on loopback, one thread each) forming the R group,
+so every family does its real per-step work: DeMo/FlexDeMo their DCT, top-k, packing, all-gather and
+decoding (with one replica DeMo is plain SGD-momentum and would time nothing of that), Dion its
+P/R averages and orthogonalization, the local-adaptive family its local step (their periodic syncs
+are priced by ``comm_report.py``; a median over ``--repeats`` steps shorter than a period leaves
+them out). torchtitan's AdamW is ``torch.optim.AdamW`` (foreach, the default on CPU) without any
+collective: the reference. Times are rank 0's medians over ``--repeats`` steps after one warm-up
+step, each step started together on every rank (barrier).
 """
 
 import argparse
+import os
+import socket
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 from scripts._bench_common import family_config, flavor_args, parse_overrides, table  # noqa: E402
 
@@ -44,38 +53,63 @@ def _build(name: str, model, overrides: dict):
         return torch.optim.AdamW(model.parameters(), lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
                                  weight_decay=hp.weight_decay)
     family, cfg = family_config(name, overrides)
-    return family_module(family).build(name, list(model.named_parameters()), Topology.single(), hp, cfg)
+    topology = Topology(replicate=dist.group.WORLD) if dist.get_world_size() > 1 else Topology.single()
+    return family_module(family).build(name, list(model.named_parameters()), topology, hp, cfg)
 
 
 def time_steps(name: str, flavor: str, repeats: int, overrides: dict) -> float:
+    from titan_commopt import comm
+
     model = _model(flavor)
     opt = _build(name, model, overrides)
-    opt.step()  # state allocation, plan building
     times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    with comm.use_ledger(comm.CommLedger()):
+        for i in range(repeats + 1):  # step 0: state allocation, plan building
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
-def run(flavors: list[str], names: list[str] | None, repeats: int, overrides: dict) -> list[list]:
+def _worker(rank: int, world: int, port: int, out: str, flavors, names, repeats, overrides, threads) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        rows = []
+        for flavor in flavors:
+            n_params = sum(p.numel() for p in _model(flavor).parameters())
+            ref = time_steps("AdamW", flavor, repeats, overrides)
+            for name in names:
+                try:
+                    t = ref if name == "AdamW" else time_steps(name, flavor, repeats, overrides)
+                except Exception as error:  # keep the rest of the table (every rank fails alike)
+                    if rank == 0:
+                        print(f"# {flavor} {name}: {type(error).__name__}: {error}", file=sys.stderr)
+                    continue
+                rows.append([f"{flavor} ({n_params / 1e6:.1f}M)", name, f"{t * 1e3:.1f}", f"{t / ref:.2f}"])
+                if rank == 0:
+                    print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+        if rank == 0:
+            torch.save(rows, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(flavors: list[str], names: list[str] | None, repeats: int, overrides: dict, replicas: int = 2,
+        threads: int = 1) -> list[list]:
     from titan_commopt.optim import available_names
 
     names = names or [n for n in available_names() if n != "Adam"]
-    rows = []
-    for flavor in flavors:
-        n_params = sum(p.numel() for p in _model(flavor).parameters())
-        ref = time_steps("AdamW", flavor, repeats, overrides)
-        for name in names:
-            try:
-                t = ref if name == "AdamW" else time_steps(name, flavor, repeats, overrides)
-            except Exception as error:  # keep the rest of the table
-                print(f"# {flavor} {name}: {type(error).__name__}: {error}", file=sys.stderr)
-                continue
-            rows.append([f"{flavor} ({n_params / 1e6:.1f}M)", name, f"{t * 1e3:.1f}", f"{t / ref:.2f}"])
-            print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
-    return rows
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.pt")
+        mp.start_processes(_worker, args=(replicas, port, out, flavors, names, repeats, overrides, threads),
+                           nprocs=replicas, start_method="spawn")
+        return torch.load(out, weights_only=False)
 
 
 def main(argv=None) -> int:
@@ -83,13 +117,12 @@ def main(argv=None) -> int:
     p.add_argument("--flavors", nargs="+", default=["cpu_small", "100M"])
     p.add_argument("--optimizers", nargs="*")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    p.add_argument("--replicas", type=int, default=2, help="processes in the R group (gloo, loopback)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--set", nargs="*", default=[], metavar="FAMILY.OPTION=VALUE")
     a = p.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    rows = run(a.flavors, a.optimizers, a.repeats, parse_overrides(a.set))
-    print(f"torch threads: {torch.get_num_threads()}\n")
+    rows = run(a.flavors, a.optimizers, a.repeats, parse_overrides(a.set), a.replicas, a.threads)
+    print(f"|R| = {a.replicas} processes, {a.threads} torch thread(s) each\n")
     print(table(["model", "optimizer", "step ms (median)", "÷ torch AdamW"], rows))
     return 0
 
