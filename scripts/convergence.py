@@ -5,7 +5,8 @@ steps and seed, on 4 CPU processes (|R| = 2 replicas x |S| = 2 FSDP shards).
     .venv/bin/python scripts/convergence.py --steps 4 --flavor cpu_tiny --optimizers AdamW DeMo
 
 Each run is ``titan_commopt.train`` with ``train_configs/debug_cpu.toml`` (cpu_small, the bundled
-corpus, seed 42), ``--optimizer.name`` changed and nothing else; family options via ``--set``.
+corpus, seed 42), ``--optimizer.name`` changed and nothing else; family options via ``--set``, another seed via
+``--seed`` (a second seed of the same optimizer measures the run-to-run noise).
 Reads ``loss_metrics/global_avg_loss`` and ``comm/R_sent_bytes_total`` from each run's TensorBoard
 log, writes ``loss_vs_step.png``, ``loss_vs_r_bytes.png`` and prints the final-loss table (mean of
 the last 10% of logged steps, to damp batch noise).
@@ -22,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scripts._bench_common import cli_overrides, human, parse_overrides, read_scalars, run_train, table  # noqa: E402
 
 
-def run_all(names, steps, flavor, out: Path, overrides, lr=None, log_freq=1) -> dict:
+def run_all(names, steps, flavor, out: Path, overrides, lr=None, log_freq=1, seed=42) -> dict:
     results = {}
     for name in names:
         dump = out / "runs" / name
-        extra = ["--lr_scheduler.warmup_steps", str(max(1, steps // 20))]
+        extra = ["--lr_scheduler.warmup_steps", str(max(1, steps // 20)), "--debug.seed", str(seed)]
         if lr is not None:
             extra += ["--optimizer.lr", str(lr)]
         t0 = time.time()
@@ -69,7 +70,8 @@ def plot(results: dict, out: Path, title: str) -> list[Path]:
 
     paths = []
     for key, xlabel, fname, logx in (("steps", "step", "loss_vs_step.png", False),
-                                     ("r_bytes", "R bytes sent per rank (cumulative)", "loss_vs_r_bytes.png", True)):
+                                     ("r_bytes", "R bytes sent per rank (cumulative; 0 drawn at 1)",
+                                      "loss_vs_r_bytes.png", True)):
         fig, ax = plt.subplots(figsize=(8, 5))
         for name, r in results.items():
             xs = [max(x, 1.0) for x in r[key]] if logx else r[key]
@@ -96,17 +98,19 @@ def main(argv=None) -> int:
     p.add_argument("--optimizers", nargs="*", help="default: AdamW and every registered optimizer")
     p.add_argument("--lr", type=float, help="override [optimizer] lr for every run (default: the config's)")
     p.add_argument("--set", nargs="*", default=[], metavar="FAMILY.OPTION=VALUE")
+    p.add_argument("--seed", type=int, default=42, help="[debug] seed (model initialization; the data order is fixed)")
     p.add_argument("--out", default="outputs/convergence")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     names = a.optimizers or [n for n in available_names() if n != "Adam"]
-    results = run_all(names, a.steps, a.flavor, out, parse_overrides(a.set), a.lr)
+    results = run_all(names, a.steps, a.flavor, out, parse_overrides(a.set), a.lr, seed=a.seed)
     if not results:
         print("no run finished", file=sys.stderr)
         return 1
     (out / "convergence.json").write_text(json.dumps(results))
-    paths = plot(results, out, f"{a.flavor}, 2 replicas x 2 shards, {a.steps} steps, seed 42")
+    lr = f", lr {a.lr:g}" if a.lr is not None else ""
+    paths = plot(results, out, f"{a.flavor}, 2 replicas x 2 shards, {a.steps} steps, seed {a.seed}{lr}")
     print(final_table(results))
     print("\nplots: " + ", ".join(map(str, paths)))
     return 0
