@@ -173,7 +173,8 @@ def run_pair(name: str, addrs, args, dump: Path, overrides: dict) -> dict:
             "GLOO_SOCKET_IFNAME", "MASTER_ADDR", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONPATH")],
                # node A's address is no hostname of this box: tell torchrun which agent hosts the store
                *torchrun_cmd(args.nproc_per_node, dump / f"node{i}", *train,
-                             rdzv=[*rdzv, "--local-addr", addrs[i],
+                             # the agents' 0.1 s default poll costs ~15% of a core each: slower here
+                             rdzv=[*rdzv, "--local-addr", addrs[i], "--monitor-interval", "1",
                                    "--rdzv-conf", f"is_host={int(i == 0)},join_timeout=120"], tee=False)]
         with open(logs[i], "w") as log:
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -246,6 +247,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=1, help="OMP threads per process")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds over all optimizers; each keeps its fastest run (noise on shared machines)")
     p.add_argument("--subnet", default="10.213.77.0/24", help="private /24 living only in the namespaces")
     p.add_argument("--set", nargs="*", default=[], metavar="FAMILY.OPTION=VALUE")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
@@ -269,21 +272,29 @@ def main(argv=None) -> int:
         for rate in a.rates:
             applied = shape(rate, a.delay)
             print(f"\n## link: {applied}; {a.flavor}, |R|=2 nodes x |S|={a.nproc_per_node}, "
-                  f"batch {a.batch} x seq {a.seq_len} per rank, window: steps {a.warmup + 1}-{a.steps}", flush=True)
-            rows, base = [], None
+                  f"batch {a.batch} x seq {a.seq_len} per rank, window: steps {a.warmup + 1}-{a.steps}, "
+                  f"fastest of {a.repeats} run(s) each", flush=True)
+            for round_ in range(a.repeats):  # rounds interleave the optimizers; the fastest run of each is kept
+                for name in names:
+                    try:
+                        r = run_pair(name, addrs, a, out / f"{rate}_{name}_{round_}", overrides)
+                    except (RuntimeError, KeyError, subprocess.TimeoutExpired) as error:
+                        print(f"# {name} @ {rate} failed: {error}", file=sys.stderr, flush=True)
+                        continue
+                    print(f"  {name}: {r['step_s']:.3f} s/step", file=sys.stderr, flush=True)
+                    kept = results.get(f"{rate}/{name}")
+                    if kept is None or r["step_s"] < kept["step_s"]:
+                        results[f"{rate}/{name}"] = r
+            base = results.get(f"{rate}/AdamW")
+            rows = []
             for name in names:
-                try:
-                    r = run_pair(name, addrs, a, out / f"{rate}_{name}", overrides)
-                except (RuntimeError, KeyError, subprocess.TimeoutExpired) as error:
-                    print(f"# {name} @ {rate} failed: {error}", file=sys.stderr, flush=True)
+                r = results.get(f"{rate}/{name}")
+                if r is None:
                     continue
-                results[f"{rate}/{name}"] = r
-                base = base or (r if name == "AdamW" else None)
                 speedup = f"{base['step_s'] / r['step_s']:.1f}x" if base else "-"
                 rows.append([name, f"{r['step_s']:.3f}", f"{r['step_s_median']:.3f}", f"{r['tokens_per_s']:.0f}", speedup,
                              human(r["link_bytes_per_step"][0]), human(r["link_bytes_per_step"][1]),
                              human(r["ledger_r_node_per_step"]), f"{r['loss']:.3f}"])
-                print(f"  {name}: {r['step_s']:.3f} s/step", file=sys.stderr, flush=True)
             print(table(["optimizer", "step s (mean)", "step s (median)", "tokens/s", "speed-up vs AdamW-HSDP",
                          "link A→B /step", "link B→A /step", "ledger R sent /step /node", "final loss"], rows), flush=True)
     finally:

@@ -57,8 +57,8 @@ def final_table(results: dict) -> str:
     for name, r in results.items():
         tail = max(1, len(r["loss"]) // 10)
         final = sum(r["loss"][-tail:]) / tail
-        ref = sum(base["loss"][-tail:]) / tail if base else float("nan")
-        rows.append([name, f"{final:.4f}", f"{final - ref:+.4f}", human(r["r_bytes"][-1]), f"{r['seconds']:.0f}"])
+        delta = f"{final - sum(base['loss'][-tail:]) / tail:+.4f}" if base else "-"  # AdamW not in this run
+        rows.append([name, f"{final:.4f}", delta, human(r["r_bytes"][-1]), f"{r['seconds']:.0f}"])
     return table(["optimizer", "final loss (mean last 10%)", "− AdamW-HSDP", "R sent total (rank 0)", "wall s"], rows)
 
 
