@@ -267,31 +267,40 @@ def _key(groups: Groups) -> tuple:
     return tuple((role, id(group)) for role, group in groups)
 
 
+def _buckets(groups_of: Sequence[Groups]) -> list[tuple[Groups, list[int]]]:
+    """Indices of the entries sharing the same non-empty groups, bucket by bucket: one fused
+    collective per bucket (every rank holds the same matrices in the same order, so buckets and
+    their order agree across the ranks of a group)."""
+    buckets: dict[tuple, tuple[Groups, list[int]]] = {}
+    for i, groups in enumerate(groups_of):
+        if groups:
+            buckets.setdefault(_key(groups), (groups, []))[1].append(i)
+    return list(buckets.values())
+
+
 def _sum_over(tensors: Sequence[torch.Tensor], groups_of: Sequence[Groups]) -> None:
     """In-place all-reduce-sum of each tensor over its groups: one fused collective per group for
-    all tensors that share the same groups (every rank holds the same matrices in the same order,
-    so buckets and their order agree across the ranks of a group)."""
-    buckets: dict[tuple, tuple[Groups, list[torch.Tensor]]] = {}
-    for t, groups in zip(tensors, groups_of):
-        if groups:
-            buckets.setdefault(_key(groups), (groups, []))[1].append(t)
-    for groups, members in buckets.values():
+    all tensors that share the same groups."""
+    for groups, members in _buckets(groups_of):
         for role, group in groups:
-            comm.all_reduce_fused(members, role, group, op="sum")
+            comm.all_reduce_fused([tensors[i] for i in members], role, group, op="sum")
 
 
-def _fused_level(buffers: list[torch.Tensor], gather: bool, role: str, group: Any) -> list[torch.Tensor]:
-    """One fused collective over ``group`` for all the flat ``buffers``: reduce-scatter (each keeps
-    this rank's 1/W block, summed over the group) or, with ``gather``, the inverse all-gather (each
-    becomes the W ranks' blocks in rank order)."""
-    if gather:
-        sizes = [b.numel() for b in buffers]
-        gathered = comm.all_gather(torch.cat(buffers), role, group)
-        return [g.reshape(-1) for g in gathered.split(sizes, dim=1)]
+def _scatter_level(buffers: list[torch.Tensor], role: str, group: Any) -> list[torch.Tensor]:
+    """One fused reduce-scatter over ``group`` for all the flat ``buffers``: each keeps this rank's
+    1/W block, summed over the group."""
     w = dist.get_world_size(group)
     sizes = [b.numel() // w for b in buffers]
     mine = comm.reduce_scatter(torch.cat([b.view(w, k) for b, k in zip(buffers, sizes)], dim=1), role, group)
     return list(mine.split(sizes))
+
+
+def _gather_level(buffers: list[torch.Tensor], role: str, group: Any) -> list[torch.Tensor]:
+    """The inverse of :func:`_scatter_level`: one fused all-gather, each buffer becomes the W ranks'
+    blocks in rank order."""
+    sizes = [b.numel() for b in buffers]
+    gathered = comm.all_gather(torch.cat(buffers), role, group)
+    return [g.reshape(-1) for g in gathered.split(sizes, dim=1)]
 
 
 def _reduce_r(Rs: list[torch.Tensor], lays: list[_Layout], replicate: Any, syncs_r: bool) -> None:
@@ -310,12 +319,8 @@ def _reduce_r(Rs: list[torch.Tensor], lays: list[_Layout], replicate: Any, syncs
     split = [syncs_r and lay.compressed and bool(lay.rows) for lay in lays]
     plain = [i for i, sp in enumerate(split) if not sp]
     _sum_over([Rs[i] for i in plain], [lays[i].rows for i in plain])
-    buckets: dict[tuple, tuple[Groups, list[int]]] = {}
-    for i in range(len(lays)):
-        if split[i]:
-            buckets.setdefault(_key(lays[i].rows), (lays[i].rows, []))[1].append(i)
     scattered, mine = [], {}
-    for groups, members in buckets.values():
+    for groups, members in _buckets([lay.rows if sp else [] for lay, sp in zip(lays, split)]):
         bufs = []
         for i in members:
             (n_loc, r), count = Rs[i].shape, lays[i].row_split[1]
@@ -323,7 +328,7 @@ def _reduce_r(Rs: list[torch.Tensor], lays: list[_Layout], replicate: Any, syncs
             buf[: n_loc * r] = Rs[i].reshape(-1)
             bufs.append(buf)
         for role, group in groups:
-            bufs = _fused_level(bufs, False, role, group)
+            bufs = _scatter_level(bufs, role, group)
         scattered.append((groups, members, bufs))
         for i, buf in zip(members, bufs):
             mine[i] = buf[: r_slice(Rs[i].shape[0], lays[i].row_split)[1] * Rs[i].shape[1]]
@@ -332,7 +337,7 @@ def _reduce_r(Rs: list[torch.Tensor], lays: list[_Layout], replicate: Any, syncs
     comm.all_reduce_fused([t for t in means if t.numel()], R, replicate, op="mean")
     for groups, members, bufs in scattered:
         for role, group in reversed(groups):
-            bufs = _fused_level(bufs, True, role, group)
+            bufs = _gather_level(bufs, role, group)
         for i, buf in zip(members, bufs):
             Rs[i].copy_(buf[: Rs[i].numel()].view_as(Rs[i]))
 
