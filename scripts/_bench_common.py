@@ -1,7 +1,6 @@
 """Shared helpers of the benchmark scripts: model shapes on the meta device, optimizer configs,
 launching ``titan_commopt.train`` under torchrun and reading its TensorBoard scalars."""
 
-import dataclasses
 import glob
 import math
 import os
@@ -13,7 +12,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "debug_cpu.toml"
-BASELINES = ("AdamW", "Adam")  # torchtitan's own: HSDP syncs R itself
 
 
 def flavor_args(flavor: str):
@@ -33,14 +31,6 @@ def param_shapes(flavor: str) -> list[tuple[str, tuple[int, ...]]]:
     return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
 
 
-def shard_shape(shape: tuple[int, ...], shards: int, rank: int = 0) -> tuple[int, ...]:
-    """FSDP2's local shard of ``shape`` on ``rank``: dim 0 split in ceil-sized chunks."""
-    if shards <= 1 or not shape:
-        return tuple(shape)
-    chunk = math.ceil(shape[0] / shards)
-    return (max(0, min(chunk, shape[0] - rank * chunk)), *shape[1:])
-
-
 def parse_overrides(items: list[str]) -> dict[str, dict]:
     """``["local.Kx=2", "demo.chunk=32"]`` → ``{"local": {"Kx": 2}, "demo": {"chunk": 32}}``."""
     import ast
@@ -57,22 +47,21 @@ def parse_overrides(items: list[str]) -> dict[str, dict]:
     return out
 
 
-def family_config(name: str, overrides: dict[str, dict]):
-    """The family config ``name`` trains with: family defaults, user overrides, then the preset."""
-    from titan_commopt.optim import apply_preset, family_module, family_of
+def resolved_of(name: str, overrides: dict[str, dict], hparams=None):
+    """What ``name`` trains with given ``--set FAMILY.OPTION=VALUE`` overrides (the user's keys):
+    the registry's one resolution, preset on every key not overridden."""
+    from titan_commopt.optim import family_of, resolve
 
-    family = family_of(name)
-    cfg = dataclasses.replace(family_module(family).Config(), **overrides.get(family, {}))
-    return family, apply_preset(name, cfg)
+    return resolve(name, overrides.get(family_of(name).key, {}), hparams)
 
 
 def cli_overrides(name: str, overrides: dict[str, dict]) -> list[str]:
     """The same overrides as torchtitan command-line flags (only the optimizer's family)."""
-    from titan_commopt.optim import family_of
+    from titan_commopt.optim import family_of, owns_replicate_sync
 
-    if name in BASELINES:
+    if not owns_replicate_sync(name):
         return []
-    family = family_of(name)
+    family = family_of(name).key
     out = []
     for option, value in overrides.get(family, {}).items():
         flag = f"--commopt.{family}.{option}"

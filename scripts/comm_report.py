@@ -5,74 +5,54 @@
     .venv/bin/python scripts/comm_report.py --flavor cpu_tiny --replicate 2 --shard 2 --set local.Kx=2
 
 The model is torchtitan's llama3 ``Transformer`` built on the meta device. R bytes come from each
-family's analytic ``r_bytes_per_step`` on rank 0's FSDP2 shard shapes (dim 0 split over ``--shard``;
-for Dion also rank 0's slice of R, which it averages over R after a reduce-scatter over S)
-— the formula the ledger is tested against; S bytes are the FSDP2 estimate the training container
-records (all-gather of the parameters in forward and backward + gradient reduce-scatter). AdamW-HSDP
+family's byte formula (``titan_commopt.optim.traffic``, the one the ledger is tested against) on
+rank 0's FSDP2 shards (``ShardShape.fsdp``: dim 0 split over ``--shard``); S bytes are the FSDP2
+estimate the training container records (all-gather of the parameters in forward and backward + gradient reduce-scatter). AdamW-HSDP
 = the fp32 all-reduce of the local gradient shard over R; AdamW-DDP = the same for the full
 gradient (|S| = 1), the unit the DeMo/Dion papers report. The S column is FSDP2's own traffic
 only: Dion's distributed orthogonalization adds S collectives of its own (in the ledger, not here).
 """
 
 import argparse
-import inspect
 import json
+import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts._bench_common import BASELINES, family_config, human, param_shapes, parse_overrides, shard_shape, table  # noqa: E402
+from scripts._bench_common import human, param_shapes, parse_overrides, resolved_of, table  # noqa: E402
 
 
-def fsdp_s_bytes(numel_local: int, shards: int, param_bytes: int = 4, reduce_bytes: int = 4, gathers: int = 2) -> dict:
-    """Same model as ``titan_commopt.titan.optimizers.estimate_fsdp_traffic``."""
-    if shards <= 1:
-        return {"sent": 0, "recv": 0}
-    return {
-        "sent": gathers * numel_local * param_bytes + (shards - 1) * numel_local * reduce_bytes,
-        "recv": gathers * (shards - 1) * numel_local * param_bytes + (shards - 1) * numel_local * reduce_bytes,
-    }
+def _shards(shapes, shard: int) -> list:
+    """Rank 0's FSDP2 shards (dim 0 split over ``shard`` ranks) of every parameter."""
+    from titan_commopt.optim import ShardShape
+
+    return [ShardShape.fsdp(n, s, shard) for n, s in shapes]
 
 
-def r_bytes(name: str, shapes, replicate: int, shard: int, overrides: dict) -> dict:
+def r_bytes(name: str, shapes, replicate: int, shard: int, overrides: dict):
     """Analytic R payload per rank per step of optimizer ``name`` on rank 0's shards."""
-    local = [(n, shard_shape(s, shard)) for n, s in shapes]
-    numel = sum(_numel(s) for _, s in local)
-    if name in BASELINES:
-        b = numel * 4 if replicate > 1 else 0
-        return {"sent": b, "recv": b}
-    from titan_commopt.optim import family_module
+    from titan_commopt.optim import owns_replicate_sync
+    from titan_commopt.optim.traffic import adamw_hsdp_r_bytes
 
-    family, cfg = family_config(name, overrides)
-    fn = family_module(family).r_bytes_per_step
-    # Families whose decisions depend on the full shape (Dion's rank) take (fqn, local, global), and
-    # Dion's R slice also rank 0's place among the row shards: (fqn, local, global, (0, |S|)).
-    doc = inspect.getdoc(fn) or ""
-    if "global_shape" in doc:
-        extra = ((0, shard),) if "row_split" in doc else ()
-        local = [(n, shard_shape(s, shard), s, *extra) for n, s in shapes]
-    out = fn(local, cfg, replicate)
-    return {"sent": float(out["sent"]), "recv": float(out["recv"])}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    shards = _shards(shapes, shard)
+    if not owns_replicate_sync(name):
+        return adamw_hsdp_r_bytes(shards, replicate)
+    resolved = resolved_of(name, overrides)
+    return resolved.family.r_bytes(shards, resolved, replicate)
 
 
 def report(flavor: str, replicate: int, shard: int, names=None, overrides=None) -> list[dict]:
     from titan_commopt.optim import available_names
+    from titan_commopt.optim.traffic import adamw_hsdp_r_bytes, fsdp_traffic
 
     overrides = overrides or {}
     shapes = param_shapes(flavor)
-    total = sum(_numel(s) for _, s in shapes)
-    local = sum(_numel(shard_shape(s, shard)) for _, s in shapes)
-    hsdp = local * 4 if replicate > 1 else 0
-    ddp = total * 4 if replicate > 1 else 0
-    s = fsdp_s_bytes(local, shard)
+    shards = _shards(shapes, shard)
+    hsdp = adamw_hsdp_r_bytes(shards, replicate).sent
+    ddp = adamw_hsdp_r_bytes(_shards(shapes, 1), replicate).sent
+    s = fsdp_traffic(shards, shard, replicate).s_bytes
     rows = []
     for name in names or available_names():
         try:
@@ -81,9 +61,9 @@ def report(flavor: str, replicate: int, shard: int, names=None, overrides=None) 
             print(f"# {name}: {type(error).__name__}: {error}", file=sys.stderr)
             continue
         rows.append({
-            "optimizer": name, "R_sent": r["sent"], "R_recv": r["recv"], "S_sent": s["sent"], "S_recv": s["recv"],
-            "vs_adamw_hsdp": hsdp / r["sent"] if r["sent"] else float("inf"),
-            "vs_adamw_ddp": ddp / r["sent"] if r["sent"] else float("inf"),
+            "optimizer": name, "R_sent": r.sent, "R_recv": r.recv, "S_sent": s.sent, "S_recv": s.recv,
+            "vs_adamw_hsdp": hsdp / r.sent if r.sent else float("inf"),
+            "vs_adamw_ddp": ddp / r.sent if r.sent else float("inf"),
         })
     return rows
 
@@ -125,7 +105,7 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(rows, indent=1))
     else:
-        n = sum(_numel(s) for _, s in param_shapes(a.flavor))
+        n = sum(math.prod(s) for _, s in param_shapes(a.flavor))
         print(f"flavor {a.flavor} ({n / 1e6:.1f}M params), mesh |R|={a.replicate} x |S|={a.shard}, per rank per step\n")
         print(format_rows(rows))
     if a.png:

@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from titan_commopt.optim import FAMILIES, family_module
+from titan_commopt.optim import FAMILIES
 from titan_commopt.options import allowed_text, iter_option_fields
 from titan_commopt.titan.config import CommonOptions
 
@@ -39,15 +39,17 @@ def render() -> str:
         "",
         *_table(CommonOptions),
     ]
-    for family in FAMILIES:
-        module = family_module(family)
-        lines += ["", f"## `[commopt.{family}]`", "", *_table(module.Config), "", "Presets (`[optimizer] name`):", ""]
-        for name, preset in module.PRESETS.items():
+    for family in FAMILIES.values():
+        lines += ["", f"## `[{family.section}]`", "", family.summary + ".", "", *_table(family.options), "",
+                  "Presets (`[optimizer] name`):", ""]
+        for name, preset in family.presets.items():
             settings = ", ".join(f"`{k} = {v!r}`" for k, v in preset.items()) or "the table's defaults"
             lines.append(f"- **{name}**: {settings}")
     lines += [
         "",
-        "A preset supplies defaults: any key you set to a value other than the table's default wins.",
+        "A preset fills only the keys you did not set (in the TOML table or with `--commopt.<family>.<key>`):",
+        "a key you set wins, even when you set it to the table's default. The resolved options are logged",
+        "once at start, written to TensorBoard (text `commopt/resolved_options`) and saved in checkpoints.",
         "",
     ]
     return "\n".join(lines)

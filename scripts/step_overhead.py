@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from scripts._bench_common import family_config, flavor_args, parse_overrides, table  # noqa: E402
+from scripts._bench_common import flavor_args, parse_overrides, resolved_of, table  # noqa: E402
 
 
 def _model(flavor: str):
@@ -44,17 +44,15 @@ def _model(flavor: str):
 
 
 def _build(name: str, model, overrides: dict):
-    from titan_commopt.optim import family_module
-    from titan_commopt.optim.common import BaseHParams
+    from titan_commopt.optim import BaseHParams, build_optimizer
     from titan_commopt.topology import Topology
 
     hp = BaseHParams(lr=1e-3)
     if name == "AdamW":
         return torch.optim.AdamW(model.parameters(), lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
                                  weight_decay=hp.weight_decay)
-    family, cfg = family_config(name, overrides)
     topology = Topology(replicate=dist.group.WORLD) if dist.get_world_size() > 1 else Topology.single()
-    return family_module(family).build(name, list(model.named_parameters()), topology, hp, cfg)
+    return build_optimizer(list(model.named_parameters()), topology, resolved_of(name, overrides, hp))
 
 
 def time_steps(name: str, flavor: str, repeats: int, overrides: dict) -> float:

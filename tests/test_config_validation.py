@@ -74,5 +74,25 @@ def test_at_least_thirty_bad_configs():
 
 
 def test_good_config_passes(tmp_path):
-    job = check_config(["--job.config_file", str(CONFIG), "--optimizer.name", "Dion", "--commopt.dion.rank", "8"])
+    job, resolved = check_config(["--job.config_file", str(CONFIG), "--optimizer.name", "Dion", "--commopt.dion.rank", "8"])
     assert job.commopt.dion.rank == 8 and job.optimizer.name == "Dion"
+    assert resolved.options.rank == 8 and resolved.user_set == {"rank"}
+
+
+@pytest.mark.parametrize("name, table, cli, key, value", [
+    ("FlexDeMo", "[commopt.demo]\nsign_before_sync = false", [], "sign_before_sync", False),
+    ("FlexDeMo", "", ["--commopt.demo.no-sign_before_sync"], "sign_before_sync", False),
+    ("FlexDeMo", "", ["--commopt.demo.chunk", "64"], "chunk", 64),
+    ("MT-DAO", "[commopt.local]\nbase = \"adam\"", [], "base", "adam"),
+    ("DES-LOC", "[commopt.local]\nclip = \"none\"", [], "clip", "none"),
+    ("DiLoCo", "", ["--commopt.local.outer", "average"], "outer", "average"),
+])
+def test_a_key_the_user_sets_beats_the_preset_even_at_the_default(tmp_path, name, table, cli, key, value):
+    path = tmp_path / "job.toml"
+    base = CONFIG.read_text()
+    path.write_text(base[: base.index("\n[commopt]")] + "\n" + table + "\n")
+    job, resolved = check_config(["--job.config_file", str(path), "--optimizer.name", name, *cli])
+    assert getattr(resolved.options, key) == value and key in resolved.user_set
+    assert key not in resolved.preset_keys()
+    others = set(resolved.family.presets[name]) - {key}
+    assert others and all(getattr(resolved.options, k) == resolved.family.presets[name][k] for k in others)

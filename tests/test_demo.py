@@ -17,7 +17,7 @@ from torch import nn
 from titan_commopt import comm
 from titan_commopt.compress.dct import Chunker
 from titan_commopt.compress.replicators import Replicator
-from titan_commopt.optim import demo
+from titan_commopt.optim import ShardShape, demo, make, resolve, traffic
 from titan_commopt.optim.common import BaseHParams, local
 from titan_commopt.topology import Topology
 from tests.dist_utils import run_distributed
@@ -84,7 +84,7 @@ def _hsdp_worker(rank, world):
         model.set_gradient_divide_factor(1.0)  # torchtitan's setting; force-sum alone still divides by S
         cfg = _cfg(name)
         named = list(model.named_parameters())
-        opt = demo.build("FlexDeMo", named, topo, BaseHParams(lr=LR, weight_decay=_wd(name)), cfg)
+        opt = make("FlexDeMo", named, topo, BaseHParams(lr=LR, weight_decay=_wd(name)), **dataclasses.asdict(cfg))
         sent = []
         with comm.use_ledger(comm.CommLedger()) as ledger:
             for t in range(STEPS):
@@ -93,10 +93,10 @@ def _hsdp_worker(rank, world):
                 opt.step()
                 opt.zero_grad()
                 sent.append(ledger.end_step().get("R_sent", 0.0))
-        shapes = [(n, tuple(local(p).shape)) for n, p in named]
+        shards = [ShardShape.of(n, p) for n, p in named]
         out[name] = dict(
             params={n: local(p).detach().clone() for n, p in named},
-            sent=sent, formula=demo.r_bytes_per_step(shapes, cfg, 2),
+            sent=sent, formula=traffic.demo_r_bytes(shards, resolve("FlexDeMo", dataclasses.asdict(cfg)), 2),
             state=opt.state_dict()["state"],
         )
     return out
@@ -233,8 +233,8 @@ def test_hsdp_equals_two_replica_simulation(hsdp_results, name):
 def test_measured_r_bytes_equal_formula(hsdp_results, name):
     for res in hsdp_results:
         r = res[name]
-        assert sum(r["sent"]) == pytest.approx(r["formula"]["sent"] * STEPS)
-        assert r["formula"]["sent"] > 0 and r["formula"]["recv"] == r["formula"]["sent"]
+        assert sum(r["sent"]) == pytest.approx(r["formula"].sent * STEPS)
+        assert r["formula"].sent > 0 and r["formula"].recv == r["formula"].sent
     if name == "diloco":
         assert hsdp_results[0][name]["sent"][0] == 0 and hsdp_results[0][name]["sent"][1] > 0
 
@@ -248,7 +248,8 @@ def test_single_replica_is_base_optimizer():
     """|R| = 1: nothing extracted; DeMo-SGD with identity rule = torch SGD(momentum=β)."""
     cfg = dataclasses.replace(demo.Config(), rule="identity", beta=0.8)
     m1, m2 = _model(), _model()
-    opt = demo.build("DeMo", list(m1.named_parameters()), Topology.single(), BaseHParams(lr=0.1, weight_decay=0.0), cfg)
+    opt = make("DeMo", m1.named_parameters(), Topology.single(), BaseHParams(lr=0.1, weight_decay=0.0),
+               **dataclasses.asdict(cfg))
     ref = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.8)
     for x, y in [d[0][0] for d in _data()]:
         for m, o in ((m1, opt), (m2, ref)):
@@ -258,21 +259,25 @@ def test_single_replica_is_base_optimizer():
     for p, q in zip(m1.parameters(), m2.parameters()):
         torch.testing.assert_close(p, q)
     sd = opt.state_dict()
-    opt2 = demo.build("DeMo", list(_model().named_parameters()), Topology.single(), BaseHParams(), cfg)
+    opt2 = make("DeMo", _model().named_parameters(), Topology.single(), BaseHParams(), **dataclasses.asdict(cfg))
     opt2.load_state_dict(sd)
     assert torch.equal(opt2.state_dict()["state"][0]["momentum"], sd["state"][0]["momentum"])
 
 
 def test_presets_and_check():
-    from titan_commopt.optim import apply_preset, family_of
+    from titan_commopt.optim import family_of
     from titan_commopt.options import ConfigError
 
-    assert family_of("DeMo") == family_of("FlexDeMo") == "demo"
-    flex = apply_preset("FlexDeMo", demo.Config())
+    assert family_of("DeMo") is family_of("FlexDeMo") is demo.FAMILY
+    flex = resolve("FlexDeMo").options
     assert flex.chunk == 32 and flex.sign_before_sync and flex.transfer_dtype == "fp32"
-    assert apply_preset("FlexDeMo", demo.Config(chunk=16)).chunk == 16
-    with pytest.raises(ConfigError):
-        demo.check(demo.Config(chunk=4, topk=17))
+    assert resolve("FlexDeMo", {"chunk": 16}).options.chunk == 16
+    # a key set to the family default is the user's, not the preset's
+    off = resolve("FlexDeMo", {"sign_before_sync": False, "chunk": 64})
+    assert not off.options.sign_before_sync and off.options.chunk == 64 and off.options.topk == 16
+    assert off.preset_keys() == ["topk", "transfer_dtype"]
+    with pytest.raises(ConfigError, match="topk = 17"):
+        resolve("DeMo", {"chunk": 4, "topk": 17})
 
 
 DDP_CONFIGS = ["demo", "demo_sign_before_sync", "random", "adamw_demo"]
@@ -287,8 +292,8 @@ def _ddp_worker(rank, world):
     out = {}
     for name in DDP_CONFIGS:
         model = _model()
-        opt = demo.build("DeMo", list(model.named_parameters()), topo,
-                         BaseHParams(lr=LR, weight_decay=_wd(name)), _cfg(name))
+        opt = make("DeMo", model.named_parameters(), topo, BaseHParams(lr=LR, weight_decay=_wd(name)),
+                   **dataclasses.asdict(_cfg(name)))
         for t in range(STEPS):
             x = torch.cat([data[t][rank][j][0] for j in range(2)])
             y = torch.cat([data[t][rank][j][1] for j in range(2)])

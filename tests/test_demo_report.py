@@ -5,13 +5,12 @@ packed and unpacked; optimizer step time vs torch AdamW on 2 real replicas. Run 
     .venv/bin/python -m pytest -q -s tests/test_demo_report.py
 """
 
-import dataclasses
 import time
 
 import torch
 
 from titan_commopt import comm
-from titan_commopt.optim import apply_preset, demo
+from titan_commopt.optim import ShardShape, make, resolve, traffic
 from titan_commopt.optim.common import BaseHParams
 from tests.dist_utils import run_distributed
 
@@ -44,8 +43,8 @@ def test_r_bytes_vs_adamw_hsdp():
         print(f"{flavor}: {adamw / 2**20:.2f} MiB/step/rank AdamW-HSDP (fp32 all-reduce)")
         ratios = {}
         for label, (name, kw) in VARIANTS.items():
-            cfg = dataclasses.replace(apply_preset(name, demo.Config()), **kw)
-            sent = demo.r_bytes_per_step(shapes, cfg, 2)["sent"]
+            shards = [ShardShape(fqn, shape, shape) for fqn, shape in shapes]
+            sent = traffic.demo_r_bytes(shards, resolve(name, kw), 2).sent
             ratios[label] = adamw / sent
             print(f"  {label:45s} {sent / 2**20:8.3f} MiB/step  {adamw / sent:7.1f}x less")
         assert ratios["DeMo packed (bf16 values, 12-bit idx)"] > 3 * ratios["DeMo unpacked (fp32 values, int64 idx)"]
@@ -70,8 +69,7 @@ def _timing(rank, world, flavor):
         if name is None:
             opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
         else:
-            cfg = dataclasses.replace(apply_preset(name, demo.Config()), **kw)
-            opt = demo.build(name, list(model.named_parameters()), topo, hp, cfg)
+            opt = make(name, model.named_parameters(), topo, hp, **kw)
         times = []
         for it in range(4):
             for p in params:

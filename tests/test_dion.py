@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_commopt import comm
-from titan_commopt.optim import dion
+from titan_commopt.optim import ShardShape, dion, make, resolve, traffic
 from titan_commopt.optim.common import BaseHParams
 from titan_commopt.options import ConfigError, validate
 from titan_commopt.topology import Topology
@@ -26,6 +26,18 @@ from tests.dist_utils import run_distributed
 
 D, V, N, L, STEPS = 16, 24, 8, 6, 3
 HP = BaseHParams(lr=0.02, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def build(named_params, topology, cfg):
+    """Dion with every option of ``cfg`` set by the user (no preset in the way)."""
+    return make("Dion", named_params, topology, HP, **dataclasses.asdict(cfg))
+
+
+def r_sent(entries, cfg, replicate_size=2, itemsize=4):
+    """R bytes sent per step from ``(fqn, local[, global[, row_split]])`` entries (traffic.dion_r_bytes)."""
+    shards = [ShardShape(e[0], tuple(e[1]), tuple(e[2]) if len(e) > 2 else tuple(e[1]),
+                         tuple(e[3]) if len(e) > 3 else (0, 1), itemsize) for e in entries]
+    return traffic.dion_r_bytes(shards, resolve("Dion", dataclasses.asdict(cfg)), replicate_size).sent
 
 
 # ---- a direct dense implementation of the paper's equations (Algorithm 1 + sqrt(m/n), decay) ------
@@ -216,7 +228,7 @@ def train(model, opt, part=None, ledger=None):
 
 def reference(cfg):
     model = make_toy()
-    opt = dion.build("Dion", list(model.named_parameters()), Topology.single(), HP, cfg)
+    opt = build(model.named_parameters(), Topology.single(), cfg)
     train(model, opt)
     return {k: v.detach() for k, v in model.named_parameters()}
 
@@ -241,8 +253,8 @@ def compare(model, ref):
 def test_routing_groups_and_log(caplog):
     model = make_toy()
     with caplog.at_level(logging.INFO, logger="titan_commopt.optim.dion"):
-        opt = dion.build("Dion", list(model.named_parameters()), Topology.single(), HP,
-                         dion.Config(scalar_optimizer="lion", scalar_lr_scale=0.5))
+        opt = build(model.named_parameters(), Topology.single(),
+                    dion.Config(scalar_optimizer="lion", scalar_lr_scale=0.5))
     groups = {tuple(g["param_names"]): g for g in opt.param_groups}
     by_algo = {}
     for names, g in groups.items():
@@ -259,7 +271,7 @@ def test_routing_groups_and_log(caplog):
     text = caplog.text
     assert "layers.0.w1.weight" in text and "tok_embeddings.weight" in text and "output.weight" in text
     # AdamW head keeps the base lr (auto scale is Lion-only)
-    opt2 = dion.build("Dion", list(model.named_parameters()), Topology.single(), HP, dion.Config())
+    opt2 = build(model.named_parameters(), Topology.single(), dion.Config())
     head = [g for g in opt2.param_groups if g["param_names"] == ["output.weight"]][0]
     assert head["algorithm"] == "adamw" and head["lr"] == pytest.approx(HP.lr)
 
@@ -272,23 +284,23 @@ def test_rank_compression_rule_and_bytes_formula():
     assert dion.compressed(256, 256, 256, dion.Config(compress="always"))
     shapes = [("layers.0.wq.weight", (128, 256), (256, 256)), ("norm.weight", (256,)),
               ("tok_embeddings.weight", (1024, 256), (2048, 256)), ("layers.0.w2.weight", (256, 768))]
-    got = dion.r_bytes_per_step(shapes, cfg, replicate_size=2)["sent"]
+    got = r_sent(shapes, cfg, replicate_size=2)
     assert got == 4 * ((128 + 256) * 64 + 256 + 1024 * 256 + (256 + 768) * 64)
-    full_rank = dion.r_bytes_per_step(shapes, dion.Config(rank_fraction=1.0), 2)["sent"]
+    full_rank = r_sent(shapes, dion.Config(rank_fraction=1.0), 2)
     assert full_rank == 4 * (128 * 256 + 256 + 1024 * 256 + 256 * 768)
-    assert dion.r_bytes_per_step(shapes, cfg, 1) == {"sent": 0, "recv": 0}
+    assert r_sent(shapes, cfg, 1) == 0
     # R split over row shards: (m_loc + rows of this rank's ceil(n_loc/k) slice)·r; (index, count)
     wq = ("layers.0.wq.weight", (128, 256), (256, 256))
-    assert dion.r_bytes_per_step([(*wq, (1, 2))], cfg, 2)["sent"] == 4 * (128 + 128) * 64
-    assert dion.r_bytes_per_step([(*wq, (0, 1))], cfg, 2) == dion.r_bytes_per_step([wq], cfg, 2)
+    assert r_sent([(*wq, (1, 2))], cfg, 2) == 4 * (128 + 128) * 64
+    assert r_sent([(*wq, (0, 1))], cfg, 2) == r_sent([wq], cfg, 2)
     # uneven: 9 rows over 2 shards -> 5 + 4; over 4 -> 3, 3, 3, 0 (an empty slice)
     assert [dion.r_slice(9, (i, 2)) for i in range(2)] == [(0, 5), (5, 4)]
     assert [dion.r_slice(9, (i, 4)) for i in range(4)] == [(0, 3), (3, 3), (6, 3), (9, 0)]
     odd = ("layers.0.wo.weight", (6, 9), (11, 9))
-    assert [dion.r_bytes_per_step([(*odd, (i, 4))], dion.Config(rank=4), 2)["sent"] for i in range(4)] == \
+    assert [r_sent([(*odd, (i, 4))], dion.Config(rank=4), 2) for i in range(4)] == \
         [4 * (6 + 3) * 4] * 3 + [4 * 6 * 4]
     # only compressed matrices are split: the full-rank path still sends the local gradient
-    assert dion.r_bytes_per_step([(*wq, (1, 2))], dion.Config(rank_fraction=1.0), 2)["sent"] == 4 * 128 * 256
+    assert r_sent([(*wq, (1, 2))], dion.Config(rank_fraction=1.0), 2) == 4 * 128 * 256
 
 
 def test_config_validation():
@@ -323,13 +335,13 @@ def _toy_run(mesh, topo, shard_mesh, dp_index, dp_count, cfg_kwargs):
     model = make_toy()
     if shard_mesh is not None:
         _fsdp(model, shard_mesh)
-    opt = dion.build("Dion", list(model.named_parameters()), topo, HP, cfg)
+    opt = build(model.named_parameters(), topo, cfg)
     ledger = comm.get_ledger()
     ledger.reset()
     r_bytes, s_bytes = train(model, opt, part=(dp_index, dp_count), ledger=ledger)
     # FSDP2 shards every row over the shard mesh: R is split in |S| slices, this rank's is its index.
     split = (shard_mesh.get_local_rank(), shard_mesh.size()) if shard_mesh is not None else (0, 1)
-    expected = dion.r_bytes_per_step(local_shapes(model, split), cfg, topo.replicate_size, element_size=8)["sent"]
+    expected = r_sent(local_shapes(model, split), cfg, topo.replicate_size, itemsize=8)
     shards = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
     return dict(diff=compare(model, reference(cfg)), r_bytes=r_bytes, expected=expected, s_bytes=s_bytes,
                 shards=shards)
@@ -358,9 +370,9 @@ def _matrix_case(mesh, topo, placements, shape, grads_of, cfg_kwargs, row_split=
     torch.manual_seed(7)
     X0 = torch.randn(shape, dtype=torch.float64)
     p = nn.Parameter(distribute_tensor(X0.clone(), mesh, placements, src_data_rank=None))
-    opt = dion.build("Dion", [("layers.0.attention.wo.weight", p)], topo, HP, cfg)
+    opt = build([("layers.0.attention.wo.weight", p)], topo, cfg)
     ref_p = nn.Parameter(X0.clone())
-    ref = dion.build("Dion", [("layers.0.attention.wo.weight", ref_p)], Topology.single(), HP, cfg)
+    ref = build([("layers.0.attention.wo.weight", ref_p)], Topology.single(), cfg)
     ledger = comm.get_ledger()
     ledger.reset()
     r_bytes = []
@@ -372,8 +384,8 @@ def _matrix_case(mesh, topo, placements, shape, grads_of, cfg_kwargs, row_split=
         ref.step()
         r_bytes.append(ledger.end_step().get("R_sent", 0.0))
     loc = tuple(p.to_local().shape)
-    expected = dion.r_bytes_per_step([("layers.0.attention.wo.weight", loc, shape, row_split)], cfg,
-                                     topo.replicate_size, element_size=8)["sent"]
+    expected = r_sent([("layers.0.attention.wo.weight", loc, shape, row_split)], cfg, topo.replicate_size,
+                      itemsize=8)
     return dict(diff=float((p.full_tensor() - ref_p.detach()).abs().max()), r_bytes=r_bytes, expected=expected,
                 local=loc, r=dion.dion_rank(*shape, cfg))
 
@@ -503,7 +515,7 @@ def _tp_fsdp(rank, world):
         _fsdp(model, mesh["fsdp"])
         placements = {n: tuple((type(pl).__name__, getattr(pl, "dim", None)) for pl in p.placements)
                       for n, p in model.named_parameters()}
-        opt = dion.build("Dion", list(model.named_parameters()), topo, HP, cfg)
+        opt = build(model.named_parameters(), topo, cfg)
         layouts = {lay.fqn: (len(lay.rows), len(lay.cols)) for lay in opt._layouts.values()}
         train(model, opt, part=(mesh.get_local_rank("fsdp"), 2))
         out[name] = dict(diff=compare(model, reference(cfg)), r_bytes=[0.0], expected=0,

@@ -9,6 +9,7 @@ replica's mean gradient and ``grad_scale = 1``.
 """
 
 import copy
+import dataclasses
 import hashlib
 import math
 
@@ -18,7 +19,7 @@ from torch import nn
 
 from titan_commopt import comm
 
-from titan_commopt.optim import apply_preset, family_of
+from titan_commopt.optim import ShardShape, family_of, make, resolve, traffic
 from titan_commopt.optim import local_adaptive as la
 from titan_commopt.optim.common import BaseHParams
 from titan_commopt.options import ConfigError
@@ -134,45 +135,61 @@ def test_state_dict_roundtrip_continues_identically():
 
 
 # ---- config, registry, analytic bytes --------------------------------------------------------------
-def build_optimizer(name, named_params, topology, hparams, cfg):
-    return la.build(name, named_params, topology, hparams, apply_preset(name, cfg))
+def r_sent(shapes, cfg, replicate_size):
+    """traffic.local_r_bytes with every option of ``cfg`` set by the user."""
+    shards = [ShardShape(n, tuple(s), tuple(s)) for n, s in shapes]
+    return traffic.local_r_bytes(shards, resolve("LocalAdam", dataclasses.asdict(cfg)), replicate_size).sent
 
 
 def test_registry_names():
     for name in ("DES-LOC", "MT-DAO", "LocalAdam", "DiLoCo"):
-        assert family_of(name) == "local"
-        preset = apply_preset(name, la.Config())
+        assert family_of(name) is la.FAMILY
+        preset = resolve(name).options
         assert all(getattr(preset, k) == v for k, v in la.PRESETS[name].items())
+
+
+@pytest.mark.parametrize("name, key, value", [
+    ("MT-DAO", "base", "adam"),  # MT-DAO-Adam, the MT-DAO paper's main algorithm
+    ("DES-LOC", "clip", "none"),
+    ("DiLoCo", "outer", "average"),
+    ("LocalAdam", "Kx", 32),
+])
+def test_a_key_set_to_the_family_default_beats_the_preset(name, key, value):
+    assert getattr(la.Config(), key) == value  # the family default ...
+    resolved = resolve(name, {key: value})
+    assert getattr(resolved.options, key) == value  # ... set by the user, kept
+    assert key not in resolved.preset_keys()
+    opt = make(name, nn.Linear(3, 2).named_parameters(), Topology.single(), **{key: value})
+    assert getattr(opt, {"base": "base", "clip": "clip", "outer": "outer", "Kx": "Kx"}[key]) == value
 
 
 def test_presets_and_config_errors():
     assert {"DES-LOC", "MT-DAO", "LocalAdam", "DiLoCo"} <= set(la.PRESETS)
     hp = BaseHParams(lr=1e-3, beta1=0.85, beta2=0.97, eps=1e-7, weight_decay=0.05)
     model = nn.Linear(3, 2)
-    opt = build_optimizer("DES-LOC", list(model.named_parameters()), Topology.single(), hp, la.Config())
+    opt = make("DES-LOC", model.named_parameters(), Topology.single(), hp)
     g = opt.param_groups[0]
     # [optimizer] fills what the table leaves unset; the table wins where set
     assert (g["lr"], g["betas1"], g["beta2"], g["eps"], g["weight_decay"]) == (1e-3, (0.85,), 0.97, 1e-7, 0.05)
     assert (opt.Kx, opt.periods_u, opt.Kv, opt.clip) == (32, (96,), 192, "coordinate")
-    cfg = apply_preset("MT-DAO", la.Config(lr=0.5, weight_decay=0.0))
-    r = la.resolve(cfg, hp)
+    r = la.settings(resolve("MT-DAO", {"lr": 0.5, "weight_decay": 0.0}, hp).options, hp)
     assert (r.base, r.betas1, r.omegas, r.beta2, r.lr, r.weight_decay) == ("adopt", (0.999,), (0.95,), 0.9999, 0.5, 0.0)
-    dl = build_optimizer("DiLoCo", list(model.named_parameters()), Topology.single(), hp, la.Config())
+    dl = make("DiLoCo", model.named_parameters(), Topology.single(), hp)
     assert dl.outer == "nesterov" and dl.periods_u == (0,) and dl.Kv == 0
     # "auto": power of two nearest the half-life (0.999 → 693 → 512; 0.9999 → 6931 → 8192)
-    r = la.resolve(la.Config(beta1=[0.999], Ku=["auto"], beta2=0.9999, Kv="auto", Kx="auto"), hp)
+    r = la.settings(la.Config(beta1=[0.999], Ku=["auto"], beta2=0.9999, Kv="auto", Kx="auto"), hp)
     assert (r.periods_u, r.Kv, r.Kx) == ((512,), 8192, 512)
     for bad, key in [
-        (la.Config(Ku=[32, 64], omega=[0.5]), "omega"),
-        (la.Config(Ku=[32], beta1=[0.9, 0.99], omega=[1.0]), "beta1"),
-        (la.Config(Kv=-1), "Kv"),
-        (la.Config(Kx="often"), "Kx"),
-        (la.Config(Ku=[16, 0.5], omega=[0.5, 0.5]), "Ku[1]"),
-        (la.Config(omega=[1.5]), "omega"),
-        (la.Config(clip="global"), "clip"),
+        (dict(Ku=[32, 64], omega=[0.5]), "omega"),
+        (dict(Ku=[32], beta1=[0.9, 0.99], omega=[1.0]), "beta1"),
+        (dict(Kv=-1), "Kv"),
+        (dict(Kx="often"), "Kx"),
+        (dict(Ku=[16, 0.5], omega=[0.5, 0.5]), "Ku[1]"),
+        (dict(omega=[1.5]), "omega"),
+        (dict(clip="global"), "clip"),
     ]:
         with pytest.raises(ConfigError) as e:
-            la.check(bad, hp)  # the pre-flight hook: before any process group exists
+            resolve("DES-LOC", bad, hp)  # the pre-flight resolution: before any process group exists
         msg = str(e.value)
         assert "\n" not in msg and f"[commopt.local] {key}" in msg, msg
 
@@ -181,15 +198,15 @@ def test_r_bytes_formula_and_paper_configurations():
     shapes = [("a", (100, 10)), ("b", (24,))]
     d = 1024
     cfg = la.Config(Kx=4, Ku=[8], Kv=16)
-    assert la.r_bytes_per_step(shapes, cfg, 2)["sent"] == pytest.approx(d * (1 / 4 + 1 / 8 + 1 / 16) * 4)
-    assert la.r_bytes_per_step(shapes, la.Config(Kx=4, Ku=[8], Kv=16, transfer_dtype="bf16"), 2)["sent"] == \
+    assert r_sent(shapes, cfg, 2) == pytest.approx(d * (1 / 4 + 1 / 8 + 1 / 16) * 4)
+    assert r_sent(shapes, la.Config(Kx=4, Ku=[8], Kv=16, transfer_dtype="bf16"), 2) == \
         pytest.approx(d * (1 / 4 + 1 / 8 + 1 / 16) * 2)
-    assert la.r_bytes_per_step(shapes, cfg, 1) == {"sent": 0.0, "recv": 0.0}
+    assert r_sent(shapes, cfg, 1) == 0
     # SGDM has no second moment; N=2 momenta count twice; 0 = never
-    assert la.r_bytes_per_step(shapes, la.Config(base="sgdm", Kx=2, Ku=[4, 0], omega=[0.5, 0.5]), 4)["sent"] == \
+    assert r_sent(shapes, la.Config(base="sgdm", Kx=2, Ku=[4, 0], omega=[0.5, 0.5]), 4) == \
         pytest.approx(d * (1 / 2 + 1 / 4) * 4)
     # vs AdamW-HSDP (d fp32 per step): K = 32 all → 32/3; Ku = 3Kx, Kv = 6Kx → Kx/1.5; half-life
-    ratio = lambda c: d * 4 / la.r_bytes_per_step(shapes, c, 2)["sent"]  # noqa: E731
+    ratio = lambda c: d * 4 / r_sent(shapes, c, 2)  # noqa: E731
     assert ratio(la.Config(Kx=32, Ku=[32], Kv=32)) == pytest.approx(32 / 3)
     assert ratio(la.Config(Kx=32, Ku=[96], Kv=192)) == pytest.approx(32 / 1.5)
     assert ratio(la.Config(Kx=32, Ku=[693], Kv=6931)) == pytest.approx(1 / (1 / 32 + 1 / 693 + 1 / 6931))
@@ -253,8 +270,7 @@ def _two_replicas(rank, world):
             p.grad = step[rank][i].float()
         opt2.step()
     out["bytes_bf16"] = ledger2.current()["R_sent"]  # never closed: all 100 steps are "current"
-    out["r_bytes_formula"] = la.r_bytes_per_step(
-        [("a", shapes[0]), ("b", shapes[1])], la.Config(Kx=4, Ku=[20], Kv=50), world)["sent"]
+    out["r_bytes_formula"] = r_sent([("a", shapes[0]), ("b", shapes[1])], la.Config(Kx=4, Ku=[20], Kv=50), world)
     return out
 
 

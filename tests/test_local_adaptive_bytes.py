@@ -7,9 +7,12 @@ table (the numbers quoted in the issue note):
     .venv/bin/python -m pytest -q -s tests/test_local_adaptive_bytes.py
 """
 
+import dataclasses
+
 import torch
 
 from titan_commopt import comm
+from titan_commopt.optim import BaseHParams, ShardShape, make, resolve, traffic
 from titan_commopt.optim import local_adaptive as la
 from tests.dist_utils import run_distributed
 
@@ -34,7 +37,7 @@ def _measure(rank, world):
     grads = torch.randn(64, D, generator=g)
     for name, cfg in CONFIGS.items():
         p = torch.zeros(D, requires_grad=True)
-        opt = la.build(name, [("w", p)], topo, la.BaseHParams(lr=1e-3), cfg)
+        opt = make("LocalAdam", [("w", p)], topo, BaseHParams(lr=1e-3), **dataclasses.asdict(cfg))
         opt.ledger = comm.CommLedger()
         for n in range(STEPS):
             p.grad = grads[n % 64].clone()
@@ -50,14 +53,15 @@ def test_measured_r_bytes_vs_adamw_hsdp():
     for name, cfg in CONFIGS.items():
         sent, calls = res[0][name]
         assert res[1][name] == res[0][name]
-        r = la.resolve(cfg)
+        resolved = resolve("LocalAdam", dataclasses.asdict(cfg))
+        r = la.settings(resolved.options)
         size = 2 if cfg.transfer_dtype == "bf16" else 4
         events = STEPS // r.Kx + sum(STEPS // k for k in r.periods_u) + STEPS // r.Kv
         assert sent == D * events * size  # every element of each due state, once per event
         # one fused collective per step that has anything due
         due_steps = sum(1 for n in range(1, STEPS + 1) if any(n % k == 0 for k in (r.Kx, *r.periods_u, r.Kv)))
         assert calls == due_steps
-        analytic = la.r_bytes_per_step([("w", (D,))], cfg, 2)["sent"] / (D * 4)
+        analytic = traffic.local_r_bytes([ShardShape("w", (D,), (D,))], resolved, 2).sent / (D * 4)
         print(f"  {name:42s} measured {sent / STEPS / D:.5f} B/param/step = 1/{adamw / sent:6.2f} of AdamW-HSDP"
               f" (analytic 1/{1 / analytic:6.2f}); {calls:.0f} collectives")
         assert abs(sent / adamw - analytic) < 0.01 * analytic

@@ -22,8 +22,17 @@ CASES = {
 }
 
 
+def _saved_keys(path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
 def _resume_pair(tmp_path, name, extra):
     _, first = run_train(tmp_path, 4, *STEPS, "--optimizer.name", name, *extra)
+    if name != "AdamW":  # each replica's state records the resolved options it was trained with
+        keys = _saved_keys(tmp_path / "out" / "checkpoint" / "step-4")
+        assert {f"optimizer.replica{r}/commopt_resolved" for r in (0, 1)} <= keys
     shutil.rmtree(tmp_path / "out" / "checkpoint" / "step-8")
     shutil.rmtree(tmp_path / "out" / "tb")
     _, second = run_train(tmp_path, 4, *STEPS, "--optimizer.name", name, *extra)

@@ -10,15 +10,15 @@ from titan_commopt.topology import Topology
 
 
 def _container(on_nonfinite, check_every):
-    from titan_commopt.titan.optimizers import Safeguards, _container_cls
+    from titan_commopt.titan.container import Safeguards, container_cls
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "fsdp"))
     topo = Topology.from_mesh(mesh)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    container = _container_cls()(
-        [model], [opt], name="AdamW", topology=topo, fsdp_traffic=None, adamw_reference_r_bytes=0,
+    container = container_cls()(
+        [model], [opt], name="AdamW", resolved=None, topology=topo, fsdp_traffic=None, adamw_reference_r_bytes=0,
         safeguards=Safeguards(on_nonfinite=on_nonfinite, check_replicas_every=check_every),
     )
     return model, container

@@ -16,7 +16,7 @@ def test_configs_found():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_config_validates(path):
-    job = check_config(["--job.config_file", str(path)])
+    job, _ = check_config(["--job.config_file", str(path)])
     assert job.model.name == "llama3_commopt"
     if path.stem.startswith("llama3_8b_"):
         # the file's optimizer is the one its name says, on the 2 x 8 mesh docs/multinode.md describes

@@ -1,4 +1,4 @@
-"""The R / S / T process groups every optimizer family talks over (ALGORITHMS.md).
+"""The R / S / T process groups every optimizer family talks over.
 
 - R (replicate): ranks holding the *same* shard of a parameter and seeing different data.
   torchtitan's ``dp_replicate`` mesh dim; the slow inter-node link. Size ``W``.
@@ -6,7 +6,7 @@
   ``cp`` when context parallel is on; FSDP shards over both). Fast intra-node link.
 - T (tensor parallel): ``tp``.
 
-Gradient scale convention (one place for it, see TORCHTITAN_NOTES.md §8)
+Gradient scale convention (one place for it)
 ------------------------------------------------------------------------
 Every family is written in terms of ``g`` = the replica's own *mean* gradient. What actually sits
 in ``p.grad`` depends on the trainer: torchtitan sums gradients and divides the loss by the global

@@ -20,15 +20,9 @@ CUSTOM_IMPORT = "titan_commopt.titan"
 
 
 def _toml_of(argv: list[str]) -> dict:
-    import tomli
+    from .titan.config import config_file_of, read_toml
 
-    for i, arg in enumerate(argv):
-        key, _, value = arg.partition("=")
-        if key in ("--job.config_file", "--job.config-file"):
-            path = value or (argv[i + 1] if i + 1 < len(argv) else "")
-            with open(path, "rb") as handle:
-                return tomli.load(handle)
-    return {}
+    return read_toml(config_file_of(argv))
 
 
 def _has_flag(argv: list[str], names: tuple[str, ...]) -> bool:
@@ -50,11 +44,13 @@ def plugin_args(argv: list[str], toml: dict) -> list[str]:
 
 
 def check_config(argv: list[str]):
-    """Parse and validate the job config without touching torch.distributed. Raises ConfigError."""
+    """Parse the job config and resolve its optimizer without touching torch.distributed.
+    Returns ``(job_config, resolved)`` (``resolved`` is None for torchtitan's own optimizers);
+    raises ConfigError."""
     from titan_commopt.options import ConfigError, check_keys
 
     from .titan import config as commopt_config
-    from .titan.optimizers import validate_commopt
+    from .titan.validate import resolve_job
 
     toml = _toml_of(argv)
     unknown = check_keys(toml.get("commopt", {}), commopt_config.CommOpt, "commopt")
@@ -62,9 +58,9 @@ def check_config(argv: list[str]):
         raise ConfigError("\n".join(unknown))
     from torchtitan.config import ConfigManager
 
-    job_config = ConfigManager().parse_args(plugin_args(argv, toml))
-    validate_commopt(job_config)
-    return job_config
+    args = plugin_args(argv, toml)
+    job_config = ConfigManager().parse_args(args)
+    return job_config, resolve_job(job_config, args)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -76,8 +72,11 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     import titan_commopt.titan  # noqa: F401  (registers the TrainSpecs)
 
+    from .titan.validate import remember
+
     try:
-        check_config(argv)
+        job_config, resolved = check_config(argv)
+        remember(job_config, resolved)
     except ConfigError as error:
         if os.environ.get("RANK", "0") == "0":
             print(f"titan_commopt: bad config:\n{error}", file=sys.stderr)

@@ -32,7 +32,7 @@ from .dct import Chunker, scatter_chunks, topk_per_chunk
 from .packing import (WIRE_DTYPES, bits_bytes, float_bytes, from_bytes, pack_bits, pack_ternary, to_bytes,
                       unpack_bits, unpack_ternary)
 
-__all__ = ["KINDS", "Replicator", "rate_of"]
+__all__ = ["KINDS", "Replicator", "make_replicator", "rate_of"]
 
 KINDS = ("demo", "random", "striding", "diloco", "full")
 
@@ -152,3 +152,8 @@ class Replicator:
             idx = self.indices(step, payloads.device)
             return torch.zeros(self.numel, device=payloads.device).index_copy_(0, idx, mean).view(self.shape)
         return mean.view(self.shape)
+
+
+def make_replicator(cfg, shape, name: str, device=None) -> Replicator:
+    """The replicator ``cfg.replicator`` for one local shard of parameter ``name``."""
+    return Replicator(cfg.replicator, shape, name, cfg, device=device)

@@ -1,83 +1,89 @@
-"""Optimizer registry: ``[optimizer] name`` → family module + preset.
+"""The registry: ``[optimizer] name`` → a family value (``optim/family.py``) and one resolved config.
 
-Each family module (``demo``, ``local_adaptive``, ``dion``) exposes:
-
-- ``Config``: its options dataclass (the ``[commopt.<family>]`` TOML table, fields made with
-  ``titan_commopt.options.option``);
-- ``PRESETS``: ``{name: {option: value}}`` — the names it registers and what each preset sets;
-- ``build(name, named_params, topology, hparams, cfg) -> torch.optim.Optimizer``;
-- ``r_bytes_per_step(named_shapes, cfg, replicate_size) -> dict`` — the analytic R payload per
-  rank per step (``{"sent": bytes, "recv": bytes}``, averaged over a sync period where periodic),
-  the formula the ledger is tested against and the comm report prints;
-- optionally ``check(cfg, hparams)``: cross-field rules of its options (raises ``ConfigError``),
-  run by the config validation before any process group exists.
-
-A preset supplies defaults: a key the user set to a value other than the family default wins.
+A new family is one module exposing ``FAMILY`` and one line in :data:`FAMILIES`.
 """
 
 import dataclasses
-import importlib
-from types import ModuleType
-from typing import Any
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
 
 from titan_commopt import comm
-from titan_commopt.options import ConfigError
+from titan_commopt.options import ConfigError, check_keys, problems
 from titan_commopt.topology import R, Topology
 
+from . import demo, dion, local_adaptive
+from .base import CommOptimizer
 from .common import BaseHParams, NamedParams, local
+from .family import Bytes, Family, Resolved, ShardShape
 
-__all__ = ["FAMILIES", "family_module", "family_of", "available_names", "apply_preset", "build_optimizer", "broadcast_parameters"]
+__all__ = [
+    "FAMILIES", "NATIVE_NAMES", "family_of", "available_names", "resolve", "build_optimizer", "make",
+    "broadcast_parameters", "owns_replicate_sync", "Family", "Resolved", "ShardShape", "Bytes", "CommOptimizer",
+    "BaseHParams",
+]
 
-# family key (also the [commopt.<key>] table name) → module
-FAMILIES: dict[str, str] = {
-    "demo": "titan_commopt.optim.demo",
-    "local": "titan_commopt.optim.local_adaptive",
-    "dion": "titan_commopt.optim.dion",
-}
+FAMILIES: dict[str, Family] = {f.key: f for f in (demo.FAMILY, local_adaptive.FAMILY, dion.FAMILY)}
 
-
-def family_module(family: str) -> ModuleType:
-    return importlib.import_module(FAMILIES[family])
+NATIVE_NAMES = ("AdamW", "Adam")  # torchtitan's own optimizers: HSDP syncs R for them
 
 
-def _names() -> dict[str, str]:
-    return {name: family for family in FAMILIES for name in family_module(family).PRESETS}
+def owns_replicate_sync(name: str) -> bool:
+    """Whether optimizer ``name`` syncs the replicas itself (every name but torchtitan's own)."""
+    return name not in NATIVE_NAMES
+
+
+def _names() -> dict[str, Family]:
+    return {name: family for family in FAMILIES.values() for name in family.presets}
 
 
 def available_names() -> list[str]:
     """Every registered optimizer name, plus torchtitan's own baselines."""
-    return ["AdamW", "Adam"] + sorted(_names())
+    return list(NATIVE_NAMES) + sorted(_names())
 
 
-def family_of(name: str) -> str:
-    names = _names()
-    if name not in names:
-        raise ConfigError(
-            f"[optimizer] name = {name!r}: allowed is one of {', '.join(available_names())}"
-        )
-    return names[name]
+def family_of(name: str) -> Family:
+    family = _names().get(name)
+    if family is None:
+        raise ConfigError(f"[optimizer] name = {name!r}: allowed is one of {', '.join(available_names())}")
+    return family
 
 
-def apply_preset(name: str, cfg: Any) -> Any:
-    """Fill in the preset of ``name`` wherever ``cfg`` still holds the family default."""
-    module = family_module(family_of(name))
-    defaults = module.Config()
-    changes = {
-        key: value
-        for key, value in module.PRESETS[name].items()
-        if getattr(cfg, key) == getattr(defaults, key)
-    }
-    return dataclasses.replace(cfg, **changes)
+def resolve(name: str, given: Optional[Mapping[str, Any]] = None, hparams: Optional[BaseHParams] = None) -> Resolved:
+    """The options ``name`` trains with: the family defaults, the preset of ``name`` on the keys the
+    user did not set, the user's ``given`` keys; validated once (every problem, one line each)."""
+    family = family_of(name)
+    given = dict(given or {})
+    hparams = hparams if hparams is not None else BaseHParams()
+    unknown = check_keys(given, family.options, family.section)
+    if unknown:
+        raise ConfigError("\n".join(unknown))
+    options = dataclasses.replace(family.options(), **{**family.presets[name], **given})
+    found = problems(options, family.section)
+    if not found:  # cross-field rules assume each value is of the right kind
+        found = family.check(options, hparams)
+    if found:
+        raise ConfigError("\n".join(found))
+    return Resolved(name, family, options, hparams, frozenset(given))
 
 
-def build_optimizer(
-    name: str, named_params: NamedParams, topology: Topology, hparams: BaseHParams, family_cfg: Any
-) -> torch.optim.Optimizer:
-    module = family_module(family_of(name))
-    return module.build(name, named_params, topology, hparams, apply_preset(name, family_cfg))
+def build_optimizer(named_params: NamedParams, topology: Topology, resolved: Resolved) -> CommOptimizer:
+    optimizer = resolved.family.build(named_params, topology, resolved)
+    if not isinstance(optimizer, CommOptimizer):
+        raise TypeError(f"family {resolved.family.key!r} built a {type(optimizer).__name__}, not a CommOptimizer")
+    return optimizer
+
+
+def make(
+    name: str, named_params: Any, topology: Optional[Topology] = None, hparams: Optional[BaseHParams] = None,
+    **options: Any,
+) -> CommOptimizer:
+    """Optimizer ``name`` outside torchtitan, as with ``torch.optim``: ``named_params`` as from
+    ``model.named_parameters()``, ``options`` the ``[commopt.<family>]`` keys you set (the preset
+    fills the rest), ``hparams`` the ``[optimizer]`` values."""
+    resolved = resolve(name, options, hparams)
+    return build_optimizer(list(named_params), topology or Topology.single(), resolved)
 
 
 @torch.no_grad()

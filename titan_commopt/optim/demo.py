@@ -1,4 +1,5 @@
-"""DeMo and FlexDeMo/DeToNATION (``papers/demo.txt``, ``papers/detonation_flexdemo.txt``; ALGORITHMS.md §1–2).
+"""DeMo (Peng, Quesnelle, Kingma 2024, "Decoupled Momentum Optimization") and FlexDeMo/DeToNATION
+("DeToNATION: Decoupled Torch Network-Aware Training on Interlinked Online Nodes").
 
 Per parameter, on the local FSDP2 shard (S is reduce-scattered by FSDP2 as usual), on every replica:
 
@@ -19,11 +20,10 @@ same order, so parameters stay bit-identical across replicas while momenta diffe
 state: checkpoints keep it per replica).
 
 Shapes: a tensor with ≥ 2 dims is chunked as the matrix ``(d0, prod(rest))`` of its local shard, a
-vector 1-D (see ``compress/dct.py``). ``r_bytes_per_step`` takes the local shard shapes.
+vector 1-D (see ``compress/dct.py``). The byte formula is ``traffic.demo_r_bytes``.
 """
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,13 +31,16 @@ import torch
 from torch import nn
 
 from titan_commopt import comm
-from titan_commopt.compress.replicators import KINDS, Replicator
+from titan_commopt.compress.replicators import KINDS, Replicator, make_replicator
 from titan_commopt.options import ConfigError, option
 from titan_commopt.topology import R, Topology
 
+from .base import CommOptimizer, named_params
 from .common import BaseHParams, NamedParams, local
+from .family import Family, Resolved
+from .traffic import demo_r_bytes
 
-__all__ = ["Config", "PRESETS", "DeMo", "build", "r_bytes_per_step", "check", "newton_schulz"]
+__all__ = ["Config", "PRESETS", "DeMo", "FAMILY", "build", "check", "newton_schulz"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +78,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def check(cfg: Config, hparams: BaseHParams | None = None) -> None:
+def check(cfg: Config, hparams: BaseHParams | None = None) -> list[str]:
+    """Cross-field rules of ``[commopt.demo]``, one line per problem."""
     if cfg.replicator == "demo" and cfg.topk > cfg.chunk**2:
-        raise ConfigError(f"[commopt.demo] topk = {cfg.topk} exceeds chunk^2 = {cfg.chunk**2}")
+        return [f"[commopt.demo] topk = {cfg.topk}: allowed is at most chunk^2 = {cfg.chunk**2} (chunk = {cfg.chunk})"]
+    return []
 
 
 def newton_schulz(x: torch.Tensor, steps: int) -> torch.Tensor:
@@ -94,22 +99,28 @@ def newton_schulz(x: torch.Tensor, steps: int) -> torch.Tensor:
     return (X * max(1.0, rows / cols) ** 0.5).reshape(x.shape)  # Muon's shape scale
 
 
-class DeMo(torch.optim.Optimizer):
+class DeMo(CommOptimizer):
+    """DeMo / FlexDeMo on one replica's shards. ``params``: (named) parameters or param groups;
+    a parameter's name seeds the random replicator's shared indices."""
+
+    params_replica_local = False  # every replica applies the same aggregated Q: parameters agree
+
     def __init__(self, params, topology: Topology, cfg: Config, *, lr: float = 1e-3, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, names: dict | None = None):
-        check(cfg)
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8):
+        problems = check(cfg)
+        if problems:
+            raise ConfigError("\n".join(problems))
         defaults = dict(lr=lr, weight_decay=weight_decay, beta=cfg.beta, lam=cfg.momentum_subtraction,
                         betas=betas, eps=eps)
         super().__init__(params, defaults)
         self.topology, self.cfg = topology, cfg
-        self._names = names or {}
+        self._names = {id(p): name for _, name, p in named_params(self.param_groups)}
         self._replicators: dict[int, Replicator] = {}
 
     def _replicator(self, p: torch.Tensor, x: torch.Tensor) -> Replicator:
         key = id(p)
         if key not in self._replicators:
-            name = self._names.get(key, f"param{len(self._replicators)}")
-            self._replicators[key] = Replicator(self.cfg.replicator, x.shape, name, self.cfg, device=x.device)
+            self._replicators[key] = make_replicator(self.cfg, x.shape, self._names[key], device=x.device)
         return self._replicators[key]
 
     def _init_state(self, p: torch.Tensor) -> dict:
@@ -186,28 +197,23 @@ class DeMo(torch.optim.Optimizer):
         x.add_(self._phi(update).to(x.dtype), alpha=-lr)
 
 
-# ---- registry entry points --------------------------------------------------------------------------
-def build(name: str, named_params: NamedParams, topology: Topology, hparams: BaseHParams, cfg: Config) -> DeMo:
-    params = [p for _, p in named_params]
-    opt = DeMo(params, topology, cfg, lr=hparams.lr, weight_decay=hparams.weight_decay,
-               betas=(hparams.beta1, hparams.beta2), eps=hparams.eps,
-               names={id(p): fqn for fqn, p in named_params})
-    opt.cfg = cfg
+# ---- the family ------------------------------------------------------------------------------------
+def build(named_params: NamedParams, topology: Topology, resolved: Resolved) -> DeMo:
+    cfg, hp = resolved.options, resolved.hparams
+    opt = DeMo(named_params, topology, cfg, lr=hp.lr, weight_decay=hp.weight_decay, betas=(hp.beta1, hp.beta2),
+               eps=hp.eps)
     logger.info("%s: %s, replicator %s, base %s, rule %s, chunk %d, topk %d, sign_before_sync %s, pack %s",
-                name, topology.describe(), cfg.replicator, cfg.base, cfg.rule, cfg.chunk, cfg.topk,
+                resolved.name, topology.describe(), cfg.replicator, cfg.base, cfg.rule, cfg.chunk, cfg.topk,
                 cfg.sign_before_sync, cfg.pack)
     return opt
 
 
-def r_bytes_per_step(named_shapes, cfg: Config, replicate_size: int) -> dict[str, float]:
-    """R payload per rank per step from the local shard shapes (DiLoCo averaged over its period):
-    sent = the packed bytes of every parameter, recv = (W − 1)× that (all-gather)."""
-    if replicate_size <= 1:
-        return {"sent": 0.0, "recv": 0.0}
-    sent = 0.0
-    for fqn, shape in named_shapes:
-        if math.prod(shape) == 0:
-            continue
-        rep = Replicator(cfg.replicator, shape, fqn, cfg)
-        sent += sum(rep.payload_bytes(t) for t in range(1, rep.period + 1)) / rep.period
-    return {"sent": sent, "recv": (replicate_size - 1) * sent}
+FAMILY = Family(
+    key="demo",
+    options=Config,
+    presets=PRESETS,
+    build=build,
+    r_bytes=demo_r_bytes,
+    check=check,
+    summary="top-k DCT coefficients of the decoupled momentum (DeMo), or a DeToNATION replicator (FlexDeMo)",
+)

@@ -1,4 +1,4 @@
-"""Dion: distributed orthonormalized updates (Ahn et al. 2025, ``papers/dion.txt``; ALGORITHMS.md §5).
+"""Dion: distributed orthonormalized updates (Ahn et al. 2025, "Dion: Distributed Orthonormalized Updates").
 
 Per 2-D weight ``X ∈ R^{m×n}`` (``nn.Linear`` layout: m = out features = rows, n = in features):
 
@@ -24,7 +24,7 @@ Distributed exactly as Algorithm 2 / Theorem 2.1 (the iterates equal the central
   "compressed" path is used only where it pays on the global shape,
   ``(m + n)·r < m·n`` (the reference's rule; ``compress = "auto"``); otherwise — always at full rank —
   the gradient itself is averaged over R (fused with the scalar parameters' gradients) and every
-  replica runs the same centralized update. ``r_bytes_per_step`` follows the same rule.
+  replica runs the same centralized update. ``traffic.dion_r_bytes`` follows the same rule.
 - S/T (weight sharding, read from each DTensor's placements): a mesh dim that shards dim 0 (FSDP2's
   ``Shard(0)``, also ``_StridedShard(0)`` under TP: the row order never matters) makes P row-local;
   P is orthogonalized without gathering it by Cholesky-QR (r×r Gram all-reduce-sum, twice:
@@ -65,14 +65,17 @@ from titan_commopt import comm
 from titan_commopt.options import option
 from titan_commopt.topology import R, S, T, Topology
 
+from .base import CommOptimizer, named_params
 from .common import BaseHParams, NamedParams, local
+from .family import Family, Resolved
+from .traffic import dion_r_bytes
 
 try:  # FSDP2 over TP shards an already row-sharded dim again: a strided row split
     from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # pragma: no cover - older torch
     _StridedShard = ()  # type: ignore[assignment]
 
-__all__ = ["Config", "PRESETS", "Dion", "build", "r_bytes_per_step", "r_slice", "route", "dion_rank", "initial_q"]
+__all__ = ["Config", "PRESETS", "Dion", "FAMILY", "build", "r_slice", "route", "dion_rank", "compressed", "initial_q"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +123,7 @@ class Config:
 PRESETS: dict[str, dict[str, Any]] = {"Dion": {}}
 
 
-# ---- routing and shapes (shared by build and r_bytes_per_step) --------------------------------------
+# ---- routing and shapes (shared by build and the byte formula, traffic.dion_r_bytes) ----------------
 _WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module"}
 
 
@@ -168,37 +171,6 @@ def r_slice(n_loc: int, row_split: tuple[int, int]) -> tuple[int, int]:
     chunk = -(-n_loc // count)
     start = min(index * chunk, n_loc)
     return start, min(chunk, n_loc - start)
-
-
-def r_bytes_per_step(
-    named_shapes: Sequence[tuple], cfg: Config, replicate_size: int, element_size: int = 4
-) -> dict[str, int]:
-    """Analytic R payload per rank per step (all-reduce: sent = received).
-
-    ``named_shapes``: ``(fqn, local_shape[, global_shape[, row_split]])``. ``local_shape`` is this
-    rank's shard (FSDP2/TP local tensor); ``global_shape`` (default: the local one, i.e. an
-    unsharded parameter) sets the rank r and the compressed-or-not decision; ``row_split =
-    (index, count)`` (default ``(0, 1)``): X's rows are sharded over ``count`` ranks (the product of
-    its row groups, e.g. ``(fsdp rank, |S|)`` under FSDP2) and this rank's R slice is the
-    ``index``-th (:func:`r_slice`). A compressed Dion matrix costs ``(m_loc + slice rows)·r``
-    elements, an uncompressed one and every scalar-optimizer parameter ``numel(local)``.
-    ``element_size``: bytes per element on the wire (the parameter dtype).
-    """
-    if replicate_size <= 1:
-        return {"sent": 0, "recv": 0}
-    total = 0
-    for entry in named_shapes:
-        fqn, local_shape = entry[0], tuple(entry[1])
-        global_shape = tuple(entry[2]) if len(entry) > 2 else local_shape
-        if route(fqn, len(global_shape), cfg) == "dion":
-            m, n = global_shape
-            r = dion_rank(m, n, cfg)
-            if compressed(m, n, r, cfg):
-                row_split = tuple(entry[3]) if len(entry) > 3 else (0, 1)
-                total += (local_shape[0] + r_slice(local_shape[1], row_split)[1]) * r
-                continue
-        total += math.prod(local_shape)
-    return {"sent": total * element_size, "recv": total * element_size}
 
 
 # ---- sharding layout of one matrix -----------------------------------------------------------------
@@ -419,12 +391,14 @@ def _orthogonalize(P: torch.Tensor, rows: Groups, method: str) -> torch.Tensor:
 
 
 # ---- the optimizer ---------------------------------------------------------------------------------
-class Dion(torch.optim.Optimizer):
+class Dion(CommOptimizer):
     """Dion for 2-D matrices (``algorithm = "dion"`` groups) plus AdamW/Lion for the rest.
 
     Param groups carry ``algorithm`` (``dion``/``adamw``/``lion``), ``lr``, ``weight_decay`` and
     ``mu`` / ``betas``, ``eps``. Pass ``(name, param)`` pairs so each matrix gets its own seeded Q.
     """
+
+    params_replica_local = False  # every replica applies the same averaged P and R: parameters agree
 
     def __init__(
         self,
@@ -451,18 +425,15 @@ class Dion(torch.optim.Optimizer):
             colnorm_eps=colnorm_eps, seed=seed,
         )
         self._layouts: dict[torch.Tensor, _Layout] = {}
-        index = 0  # unnamed params are named by their position over all groups (distinct Q seeds)
         for group in self.param_groups:
             if group["algorithm"] not in ("dion", "adamw", "lion"):
                 raise ValueError(f"Dion: unknown algorithm {group['algorithm']!r}")
-            names = group.get("param_names") or [f"param{index + i}" for i in range(len(group["params"]))]
-            index += len(group["params"])
+        for group, name, p in named_params(self.param_groups):  # the name seeds the matrix's Q
             if group["algorithm"] != "dion":
                 continue
-            for name, p in zip(names, group["params"]):
-                if p.ndim != 2:
-                    raise ValueError(f"Dion: {name} has {p.ndim} dims; Dion takes 2-D matrices only")
-                self._layouts[p] = _layout(name, p, self.topology, self.cfg)
+            if p.ndim != 2:
+                raise ValueError(f"Dion: {name} has {p.ndim} dims; Dion takes 2-D matrices only")
+            self._layouts[p] = _layout(name, p, self.topology, self.cfg)
 
     # -- state -------------------------------------------------------------------------------------
     def _init_dion_state(self, p: torch.Tensor, lay: _Layout) -> dict[str, Any]:
@@ -584,11 +555,10 @@ class Dion(torch.optim.Optimizer):
             x.addmm_(P, Q.T, alpha=-lr * math.sqrt(lay.m / lay.n))  # X −= η sqrt(m/n) P Qᵀ
 
 
-# ---- registry entry point --------------------------------------------------------------------------
-def build(
-    name: str, named_params: NamedParams, topology: Topology, hparams: BaseHParams, cfg: Config
-) -> Dion:
+# ---- the family ----------------------------------------------------------------------------------
+def build(named_params: NamedParams, topology: Topology, resolved: Resolved) -> Dion:
     """Route ``named_params`` (Dion / embedding / head / scalar) and build one :class:`Dion`."""
+    cfg, hparams, name = resolved.options, resolved.hparams, resolved.name
     buckets: dict[str, list[tuple[str, nn.Parameter]]] = {"dion": [], "embed": [], "head": [], "scalar": []}
     for fqn, p in named_params:
         buckets[route(fqn, p.ndim, cfg)].append((fqn, p))
@@ -610,7 +580,7 @@ def build(
         weight_decay=hparams.weight_decay, rank=cfg.rank, rank_fraction=cfg.rank_fraction,
         orthogonalize=cfg.orthogonalize, compress=cfg.compress, colnorm_eps=cfg.colnorm_eps, seed=cfg.seed,
     )
-    opt.cfg = cfg  # routing options too, for r_bytes_per_step(..., opt.cfg, ...)
+    opt.cfg = cfg  # the routing options too
     lines = [f"{name}: {topology.describe()}, scalar optimizer {algo}"]
     for kind in ("dion", "embed", "head", "scalar"):
         for fqn, p in buckets[kind]:
@@ -623,3 +593,13 @@ def build(
             lines.append(f"  {kind:6s} {fqn} {tuple(p.shape)} -> {how}")
     logger.info("\n".join(lines))
     return opt
+
+
+FAMILY = Family(
+    key="dion",
+    options=Config,
+    presets=PRESETS,
+    build=build,
+    r_bytes=dion_r_bytes,
+    summary="low-rank P (m×r) and R (n×r) per matrix; embeddings, head, norms and biases by AdamW or Lion",
+)

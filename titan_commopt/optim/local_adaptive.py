@@ -1,8 +1,8 @@
 """DES-LOC and MT-DAO: local adaptive optimizers with desynced state syncs, as one engine.
 
-Papers: ``des_loc.txt`` (DES-LOC, Algorithms 1/2) and ``mt_dao.txt`` (MT-DAO, Algorithms 1-3);
-ALGORITHMS.md §3-§4. Every replica (R) steps on its own gradient ``g`` (no gradient all-reduce over
-R); each state is averaged over R on its own period:
+Papers: DES-LOC (Algorithms 1/2) and MT-DAO ("Multi-timescale Distributed Adaptive Optimizers with
+Local Updates", Algorithms 1-3). Every replica (R) steps on its own gradient ``g`` (no gradient
+all-reduce over R); each state is averaged over R on its own period:
 
     g   ← clip(g, ρ)                                   # coordinate-wise or global-norm clip
     u_j ← β1_j·u_j + (1−β1_j)·g          j = 1..N      # N first momenta, u_j synced every K_j
@@ -51,8 +51,9 @@ Presets (``PRESETS``): ``DES-LOC`` (Adam, Kx=32, Ku=96=3Kx, Kv=192=6Kx, coordina
 ``MT-DAO`` (ADOPT, β1=0.999, ω=0.95, β2=0.9999, K=32 for all, norm clip 1), ``LocalAdam``
 (Kx=Ku=Kv=32), ``DiLoCo`` (Kx=32, Ku=Kv=0, Nesterov outer lr 0.7, μ 0.9).
 
-``resolve(cfg, hparams)`` does every check of the table (list lengths included) without any
-collective; ``build`` and the registry's pre-flight hook ``check(cfg, hparams)`` call it. The fused sync concatenates every due state into one buffer (up to
+``settings(cfg, hparams)`` turns the table into concrete numbers (periods, betas, lr) and does every
+cross-field check (list lengths, Σω, periods) without any collective; ``build``, the byte formula
+(``traffic.local_r_bytes``) and the registry's ``check`` call it. The fused sync concatenates every due state into one buffer (up to
 3× the local parameter shard at a step where x, u and v are all due): that is the price of one
 collective per step.
 """
@@ -65,15 +66,15 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from titan_commopt import comm
-from titan_commopt.options import ConfigError, option, resolve_auto_period, validate
+from titan_commopt.options import ConfigError, option, resolve_auto_period
 from titan_commopt.topology import R, S, T, Topology
 
+from .base import CommOptimizer
 from .common import BaseHParams, NamedParams, local
+from .family import Family, Resolved
+from .traffic import local_r_bytes
 
-__all__ = [
-    "Config", "PRESETS", "LocalAdaptive", "build", "check", "r_bytes_per_step", "resolve", "Resolved",
-    "comm_reduction",
-]
+__all__ = ["Config", "PRESETS", "LocalAdaptive", "FAMILY", "build", "check", "settings", "Settings"]
 
 SECTION = "commopt.local"
 
@@ -142,9 +143,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-# ---- configuration → concrete numbers (shared by build and r_bytes_per_step) --------------------
+# ---- configuration → concrete numbers (shared by build and the byte formula) ---------------------
 @dataclass(frozen=True)
-class Resolved:
+class Settings:
     base: str
     betas1: tuple[float, ...]
     omegas: tuple[float, ...]
@@ -167,9 +168,9 @@ def _period(value: Any, beta: float, key: str) -> int:
     return value
 
 
-def resolve(cfg: Config, hparams: Optional[BaseHParams] = None) -> Resolved:
-    """Validate ``cfg`` and fill in defaults from ``hparams`` (torchtitan's ``[optimizer]``)."""
-    validate(cfg, SECTION)
+def settings(cfg: Config, hparams: Optional[BaseHParams] = None) -> Settings:
+    """The table's concrete numbers, defaults filled in from ``hparams`` (torchtitan's
+    ``[optimizer]``). Raises ``ConfigError`` on a cross-field problem."""
     hp = hparams or BaseHParams()
     ku, om = list(cfg.Ku), list(cfg.omega)
     b1 = list(cfg.beta1) or [hp.beta1] * len(ku)
@@ -198,7 +199,7 @@ def resolve(cfg: Config, hparams: Optional[BaseHParams] = None) -> Resolved:
     kv = _period(cfg.Kv, beta2, "Kv")
     fastest = min(b1 + ([beta2] if cfg.base != "sgdm" else []))
     kx = _period(cfg.Kx, fastest, "Kx")
-    return Resolved(
+    return Settings(
         base=cfg.base,
         betas1=tuple(float(b) for b in b1),
         omegas=tuple(float(w) for w in om),
@@ -212,9 +213,13 @@ def resolve(cfg: Config, hparams: Optional[BaseHParams] = None) -> Resolved:
     )
 
 
-def check(cfg: Config, hparams: Optional[BaseHParams] = None) -> None:
-    """The registry's pre-flight hook: every rule of the table (list lengths, Σω, periods), no collectives."""
-    resolve(cfg, hparams)
+def check(cfg: Config, hparams: Optional[BaseHParams] = None) -> list[str]:
+    """The family's cross-field rules (list lengths, Σω, periods), no collectives."""
+    try:
+        settings(cfg, hparams)
+    except ConfigError as error:
+        return [str(error)]
+    return []
 
 
 def _due(step: int, period: int) -> bool:
@@ -230,7 +235,7 @@ def _replication(p: torch.Tensor) -> int:
     )
 
 
-class LocalAdaptive(torch.optim.Optimizer):
+class LocalAdaptive(CommOptimizer):
     """One engine for DES-LOC (N = 1, ω = 1), MT-DAO (N momenta, quasi-hyperbolic), Local Adam
     (Ku = Kv = Kx) and DiLoCo (Ku = Kv = 0, Nesterov outer). See the module docstring for the math.
 
@@ -451,25 +456,23 @@ class LocalAdaptive(torch.optim.Optimizer):
         anchor.copy_(x)
 
 
-# ---- registry contract ----------------------------------------------------------------------------
-def build(
-    name: str, named_params: NamedParams, topology: Topology, hparams: BaseHParams, cfg: Config
-) -> LocalAdaptive:
-    r = resolve(cfg, hparams)
-    params = [p for _, p in named_params if p.requires_grad]
+# ---- the family ------------------------------------------------------------------------------------
+def build(named_params: NamedParams, topology: Topology, resolved: Resolved) -> LocalAdaptive:
+    cfg = resolved.options
+    st = settings(cfg, resolved.hparams)
     return LocalAdaptive(
-        [{"params": params}],
+        [{"params": [(n, p) for n, p in named_params if p.requires_grad]}],
         topology,
-        base=r.base,
-        lr=r.lr,
-        betas1=r.betas1,
-        omegas=r.omegas,
-        periods_u=r.periods_u,
-        beta2=r.beta2,
-        Kv=r.Kv,
-        Kx=r.Kx,
-        eps=r.eps,
-        weight_decay=r.weight_decay,
+        base=st.base,
+        lr=st.lr,
+        betas1=st.betas1,
+        omegas=st.omegas,
+        periods_u=st.periods_u,
+        beta2=st.beta2,
+        Kv=st.Kv,
+        Kx=st.Kx,
+        eps=st.eps,
+        weight_decay=st.weight_decay,
         bias_correction=cfg.bias_correction,
         adopt_clip=cfg.adopt_clip,
         clip=cfg.clip,
@@ -481,27 +484,13 @@ def build(
     )
 
 
-def comm_reduction(r: Resolved) -> float:
-    """Synced elements per parameter per step, 1/Kx + Σ 1/K_j + 1/Kv (0 for never-synced states)."""
-    inv = lambda k: 1.0 / k if k > 0 else 0.0  # noqa: E731
-    return inv(r.Kx) + sum(inv(k) for k in r.periods_u) + inv(r.Kv)
-
-
-def r_bytes_per_step(
-    named_shapes: Sequence[tuple[str, Sequence[int]]], cfg: Config, replicate_size: int,
-    hparams: Optional[BaseHParams] = None, state_bytes: int = 4,
-) -> dict[str, float]:
-    """Average R payload per rank per step: d·(1/Kx + Σ_j 1/K_j + 1/Kv)·bytes (all-reduce: sent = recv).
-
-    ``named_shapes``: (fqn, *local shard* shape) of every trainable parameter, d = Σ numel — the
-    state tensors synced are the local shards. ``bytes`` is the transfer dtype's element size
-    (``state_bytes`` for ``native``). "auto" periods resolve with ``hparams`` (default
-    ``BaseHParams()``) where the table leaves betas to ``[optimizer]``.
-    """
-    if replicate_size <= 1:
-        return {"sent": 0.0, "recv": 0.0}
-    r = resolve(cfg, hparams)
-    d = sum(math.prod(shape) for _, shape in named_shapes)
-    size = state_bytes if cfg.transfer_dtype == "native" else comm.DTYPES[cfg.transfer_dtype].itemsize
-    per_step = d * comm_reduction(r) * size
-    return {"sent": per_step, "recv": per_step}
+FAMILY = Family(
+    key="local",
+    options=Config,
+    presets=PRESETS,
+    build=build,
+    r_bytes=local_r_bytes,
+    check=check,
+    summary="parameters every Kx, first moments every K_j, second moment every Kv steps (DES-LOC, MT-DAO, "
+    "Local Adam, DiLoCo)",
+)

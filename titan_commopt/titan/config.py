@@ -2,14 +2,14 @@
 
 ``[commopt]`` holds options common to every family; each family's own options live in a sub-table
 named after the family key of the registry (``[commopt.demo]``, ``[commopt.local]``,
-``[commopt.dion]``), whose dataclass is the family module's ``Config``. On the command line:
-``--commopt.demo.chunk 32``.
+``[commopt.dion]``), whose dataclass is the family's ``options``. On the command line:
+``--commopt.demo.chunk 32``. :func:`user_set_keys` tells which keys the user set (TOML or command
+line), so that a preset fills only the others.
 
 No ``from __future__ import annotations`` here: torchtitan merges config classes by reading each
 field's type as a class.
 """
 
-import importlib
 import sys
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Optional
@@ -38,11 +38,7 @@ class CommonOptions:
 
 
 def _family_fields() -> list[tuple[str, type, Any]]:
-    out = []
-    for family, module_name in FAMILIES.items():
-        cls = importlib.import_module(module_name).Config
-        out.append((family, cls, field(default_factory=cls)))
-    return out
+    return [(key, family.options, field(default_factory=family.options)) for key, family in FAMILIES.items()]
 
 
 CommOpt = make_dataclass(
@@ -90,3 +86,51 @@ def commopt_of(job_config: Any) -> Any:
 
 def family_config(job_config: Any, family: str) -> Any:
     return getattr(commopt_of(job_config), family)
+
+
+# ---- which keys did the user set? ----------------------------------------------------------------
+def config_file_of(argv: list[str]) -> Optional[str]:
+    """The ``--job.config_file`` named on the command line (either spelling, ``=`` or a separate word)."""
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        if key in ("--job.config_file", "--job.config-file"):
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return None
+
+
+def read_toml(path: Optional[str]) -> dict:
+    if not path:
+        return {}
+    import tomli
+
+    with open(path, "rb") as handle:
+        return tomli.load(handle)
+
+
+def user_set_keys(argv: list[str], toml: Optional[dict] = None) -> dict[str, set[str]]:
+    """``{family: keys}`` the user set in ``[commopt.<family>]`` of the TOML or with
+    ``--commopt.<family>.<key>`` (also ``--commopt.<family>.no-<key>`` / ``no_<key>`` for a false
+    boolean, dashes for underscores). A preset fills every other key."""
+    toml = read_toml(config_file_of(argv)) if toml is None else toml
+    tables = toml.get("commopt", {})
+    out = {family: set(tables.get(family, {})) for family in FAMILIES}
+    for arg in argv:
+        parts = arg.partition("=")[0].split(".")
+        if len(parts) != 3 or parts[0] != "--commopt" or parts[1] not in out:
+            continue
+        key = parts[2]
+        for negation in ("no-", "no_"):
+            if key.startswith(negation) and key[len(negation):].replace("-", "_") in _option_names(parts[1]):
+                key = key[len(negation):]
+        out[parts[1]].add(key.replace("-", "_"))
+    return out
+
+
+def _option_names(family: str) -> set[str]:
+    return {f.name for f in fields(FAMILIES[family].options)}
+
+
+def given_options(job_config: Any, family: str, argv: list[str], toml: Optional[dict] = None) -> dict[str, Any]:
+    """The values of the keys the user set in ``[commopt.<family>]`` (as parsed by torchtitan)."""
+    table = family_config(job_config, family)
+    return {key: getattr(table, key) for key in sorted(user_set_keys(argv, toml)[family]) if hasattr(table, key)}

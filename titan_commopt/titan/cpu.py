@@ -1,7 +1,7 @@
 """Everything torchtitan 0.2.2 assumes about CUDA, handled in one place.
 
 torchtitan picks ``device_type = "cuda"`` when no accelerator exists and several modules copy
-``device_type`` / ``device_module`` at import time (TORCHTITAN_NOTES.md §2). On a machine without an
+``device_type`` / ``device_module`` at import time (found by trial on torchtitan 0.2.2). On a machine without an
 accelerator :func:`use_cpu_if_no_accelerator` points all of them at ``"cpu"`` and at
 :class:`CpuDeviceModule`, a stand-in for the ``torch.cuda``-like module they call. Once
 ``device_type`` is ``"cpu"``, torchtitan's backend selection picks gloo by itself.

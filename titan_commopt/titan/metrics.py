@@ -11,9 +11,11 @@ Each log step adds to the scalars torchtitan writes (same run, same ``tb/`` fold
 
 ``R`` and ``S`` include FSDP2/HSDP's own collectives as estimates from parameter sizes;
 ``comm/R_estimated_sent_bytes`` shows the estimated part separately. ``commopt/skipped_steps`` counts
-optimizer steps skipped by every rank together because some rank had a non-finite gradient.
+optimizer steps skipped by every rank together because some rank had a non-finite gradient. The
+run's resolved optimizer options are written once as the text entry ``commopt/resolved_options``.
 """
 
+import json
 from typing import Any, Optional
 
 from titan_commopt import comm
@@ -60,6 +62,12 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f}GB"
 
 
+def _tensorboard_writers(metric_logger: Any) -> list[Any]:
+    """The SummaryWriters behind torchtitan's metric logger (a container of loggers, or one)."""
+    loggers = getattr(metric_logger, "_loggers", [metric_logger])
+    return [lg.writer for lg in loggers if hasattr(lg, "writer")]
+
+
 def build_metrics_processor(job_config: Any, parallel_dims: Any, model_args: Any = None, tag: Optional[str] = None) -> Any:
     """``build_metrics_processor_fn``: torchtitan's MetricsProcessor plus the ``comm/*`` scalars."""
     from torchtitan.components.metrics import MetricsProcessor
@@ -70,9 +78,22 @@ def build_metrics_processor(job_config: Any, parallel_dims: Any, model_args: Any
             super().__init__(*args, **kwargs)
             self._since: dict[str, float] = {}
             self._steps_at_last_log = 0
+            self._options_written = False
+
+        def _write_options(self, step: int) -> None:
+            """The run's resolved optimizer options, once, as a TensorBoard text entry."""
+            self._options_written = True
+            resolved = getattr(self.optimizers, "resolved", None)
+            if resolved is None:
+                return
+            text = "```\n" + json.dumps(resolved.record(), indent=1, sort_keys=True) + "\n```"
+            for writer in _tensorboard_writers(self.logger):
+                writer.add_text("commopt/resolved_options", text, step)
 
         def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):  # type: ignore[override]
             container = self.optimizers
+            if not self._options_written:
+                self._write_options(step)
             ledger = comm.get_ledger()
             steps = ledger.steps - self._steps_at_last_log
             scalars = comm_scalars(

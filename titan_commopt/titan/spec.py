@@ -17,7 +17,8 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 from . import data
 from .cpu import force_sum_reduction, on_cpu
 from .metrics import build_metrics_processor
-from .optimizers import build_optimizers, wrap_parallelize
+from .optimizers import build_optimizers
+from .parallelize import wrap_parallelize
 
 COMMOPT_SPEC = "llama3_commopt"
 REFERENCE_SPEC = "llama3_reference"

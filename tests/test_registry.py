@@ -1,0 +1,104 @@
+"""The registry and the family values: one resolution per run, loud failures for incomplete families,
+one shard-shape record for every byte formula."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from titan_commopt.optim import (
+    FAMILIES, CommOptimizer, Family, ShardShape, available_names, build_optimizer, family_of, resolve,
+)
+from titan_commopt.optim.common import BaseHParams
+from titan_commopt.optim.traffic import adamw_hsdp_r_bytes, fsdp_traffic
+from titan_commopt.options import ConfigError
+from titan_commopt.topology import Topology
+from tests.dist_utils import run_distributed
+
+
+def test_every_name_belongs_to_one_family():
+    names = [n for f in FAMILIES.values() for n in f.presets]
+    assert len(names) == len(set(names))
+    assert set(available_names()) == {"AdamW", "Adam", *names}
+    for family in FAMILIES.values():
+        assert isinstance(family, Family) and family.section == f"commopt.{family.key}"
+        for name in family.presets:
+            assert family_of(name) is family
+
+
+def test_a_family_optimizer_must_say_whether_params_are_replica_local():
+    with pytest.raises(TypeError, match="params_replica_local"):
+        class Forgetful(CommOptimizer):  # noqa: F841
+            pass
+
+    class Careful(CommOptimizer):
+        params_replica_local = False
+
+    assert Careful([torch.zeros(1, requires_grad=True)], {"lr": 0.1}).replicas_in_sync()
+
+
+def test_build_refuses_a_plain_torch_optimizer():
+    base = resolve("DeMo")
+    family = Family("demo", base.family.options, base.family.presets,
+                    build=lambda named, topo, res: torch.optim.SGD([p for _, p in named], lr=0.1),
+                    r_bytes=base.family.r_bytes)
+    rogue = type(base)(base.name, family, base.options, base.hparams)
+    with pytest.raises(TypeError, match="not a CommOptimizer"):
+        build_optimizer(list(nn.Linear(2, 2).named_parameters()), Topology.single(), rogue)
+
+
+def test_resolve_reports_every_problem_once_with_did_you_mean():
+    with pytest.raises(ConfigError) as e:
+        resolve("DeMo", {"chnk": 32})
+    assert "did you mean 'chunk'" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        resolve("DeMo", {"chunk": 0, "beta": 1.5})
+    lines = str(e.value).splitlines()
+    assert len(lines) == 2 and all(line.startswith("[commopt.demo]") for line in lines)
+    with pytest.raises(ConfigError, match="allowed is one of"):
+        resolve("Adamw")
+
+
+@pytest.mark.parametrize("name", [n for f in FAMILIES.values() for n in f.presets])
+def test_resolved_record_is_plain_data_and_names_the_preset_keys(name):
+    resolved = resolve(name, hparams=BaseHParams(lr=1e-3))
+    record = json.loads(json.dumps(resolved.record()))
+    assert record["optimizer"] == name and record["hparams"]["lr"] == 1e-3
+    assert record["from_preset"] == sorted(resolved.family.presets[name])
+    assert all(f"({'preset' if k in record['from_preset'] else 'default'})" in line
+               for k, line in zip(record["options"], resolved.describe().splitlines()[1:]))
+
+
+def test_shard_shape_from_plain_and_fsdp_layouts():
+    s = ShardShape.of("w", torch.zeros(6, 4, dtype=torch.float64))
+    assert (s.local, s.shape, s.row_split, s.itemsize, s.numel) == ((6, 4), (6, 4), (0, 1), 8, 24)
+    assert [ShardShape.fsdp("w", (7, 3), 4, r).local for r in range(4)] == [(2, 3), (2, 3), (2, 3), (1, 3)]
+    assert ShardShape.fsdp("w", (7, 3), 4, 3).row_split == (3, 4)
+
+
+def test_shared_byte_formulas():
+    shards = [ShardShape.fsdp("a", (8, 4), 2), ShardShape.fsdp("b", (5,), 2)]  # 16 + 3 local elements
+    assert adamw_hsdp_r_bytes(shards, 2).sent == 19 * 4 and adamw_hsdp_r_bytes(shards, 1).sent == 0
+    t = fsdp_traffic(shards, 2, 2, param_bytes=2, reduce_bytes=4, gathers=2, hsdp_r_sync=True)
+    assert (t.s_all_gather_sent, t.s_all_gather_recv, t.s_reduce_scatter, t.r_all_reduce) == (76, 76, 76, 76)
+    assert t.s_bytes.sent == 152
+    assert fsdp_traffic(shards, 1, 2).s_bytes.sent == 0 and fsdp_traffic(shards, 2, 2).r_all_reduce == 0
+
+
+def _dtensor_shapes(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
+    rows = distribute_tensor(torch.zeros(9, 4), mesh, [Shard(0), Shard(0)])  # rows over fsdp, then tp
+    cols = distribute_tensor(torch.zeros(9, 4), mesh, [Shard(0), Shard(1)])
+    return [(s.local, s.shape, s.row_split) for s in (ShardShape.of("r", rows), ShardShape.of("c", cols))]
+
+
+def test_shard_shape_of_dtensors_on_a_2x2_mesh():
+    got = run_distributed(_dtensor_shapes, 4)
+    # rank = 2·fsdp + tp; rows split over both dims (mixed radix, fsdp first), columns over tp only
+    assert [g[0][2] for g in got] == [(0, 4), (1, 4), (2, 4), (3, 4)]
+    assert [g[1][2] for g in got] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert [g[1][0] for g in got] == [(5, 2), (5, 2), (4, 2), (4, 2)] and got[0][0][1] == (9, 4)

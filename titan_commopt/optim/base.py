@@ -1,0 +1,47 @@
+"""The base class of every titan_commopt optimizer: what the torchtitan adapter asks of one.
+
+An optimizer that owns the replicate (R) sync keeps state that differs between replicas, and may
+let the parameters themselves differ between syncs. The adapter needs two answers from it:
+
+- ``params_replica_local``: do the parameters differ across replicas between syncs? Then a
+  checkpoint keeps every replica's own parameters (not only replica 0's model weights). Every
+  subclass must say so explicitly: a family that forgets it would be checkpointed wrongly with no
+  error, so leaving it out fails at class creation.
+- ``replicas_in_sync()``: do all replicas hold bit-identical parameters *now*? The drift check runs
+  only then. Default: always (the family syncs parameters, or their updates, every step).
+
+Parameters are passed as torch's named parameters (``(fqn, param)`` pairs, also inside param-group
+dicts), so every family finds a parameter's name in ``group["param_names"]`` the same way.
+"""
+
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["CommOptimizer", "named_params"]
+
+
+class CommOptimizer(torch.optim.Optimizer):
+    params_replica_local: bool  # required of every subclass (class attribute or property)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not hasattr(cls, "params_replica_local"):
+            raise TypeError(
+                f"{cls.__name__} must define params_replica_local (True when its parameters differ "
+                "across replicas between syncs, so checkpoints keep each replica's copy)"
+            )
+
+    def replicas_in_sync(self) -> bool:
+        """Whether every replica holds the same parameters now (when the drift check may run)."""
+        return True
+
+
+def named_params(param_groups: list[dict]) -> Iterator[tuple[dict, str, torch.Tensor]]:
+    """``(group, fqn, param)`` over all param groups. A parameter passed without a name is called
+    ``param<i>``, ``i`` its position over all groups, so names (and what is seeded by them) differ."""
+    index = 0
+    for group in param_groups:
+        names = group.get("param_names") or [f"param{index + i}" for i in range(len(group["params"]))]
+        index += len(group["params"])
+        yield from ((group, name, p) for name, p in zip(names, group["params"]))

@@ -1,0 +1,147 @@
+"""A family is a value: its options, presets, builder, byte formula and checks in one object.
+
+The registry (``titan_commopt.optim``) imports each family module and lists its ``FAMILY``. From
+``[optimizer]`` + ``[commopt.<family>]`` + the name's preset it makes one :class:`Resolved` value —
+validated once — that both ``Family.build`` and ``Family.r_bytes`` take. A preset fills only the
+keys the user did not set: "set" is tracked by key (what the TOML or the command line named), never
+by comparing a value with its default, so a user who sets a key to the family default keeps it.
+
+:class:`ShardShape` is the one description of a parameter shard every byte formula reads: the
+container fills it from the live DTensors, the comm report from a meta-device model.
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from .common import BaseHParams, NamedParams
+
+__all__ = ["Family", "Resolved", "ShardShape", "Bytes"]
+
+
+@dataclass(frozen=True)
+class Bytes:
+    """Payload per rank per step, in bytes (periodic syncs averaged over their period)."""
+
+    sent: float = 0.0
+    recv: float = 0.0
+
+    def __add__(self, other: "Bytes") -> "Bytes":
+        return Bytes(self.sent + other.sent, self.recv + other.recv)
+
+
+@dataclass(frozen=True)
+class ShardShape:
+    """One parameter as this rank holds it.
+
+    ``row_split = (index, count)``: the parameter's rows (dim 0) are split over ``count`` ranks of
+    the S/T meshes (FSDP2's ``Shard(0)``, TP's column-wise layers) and this rank holds the
+    ``index``-th part, mixed radix with the first sharding mesh dim most significant. ``itemsize``:
+    bytes per element of the parameter (what a family that sends parameter-dtype tensors sends).
+    """
+
+    fqn: str
+    local: tuple[int, ...]
+    shape: tuple[int, ...]
+    row_split: tuple[int, int] = (0, 1)
+    itemsize: int = 4
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.local)
+
+    @classmethod
+    def of(cls, fqn: str, p: torch.Tensor) -> "ShardShape":
+        """From a live parameter (a DTensor on the S/T mesh, or a plain tensor)."""
+        to_local = getattr(p, "to_local", None)
+        if to_local is None:
+            return cls(fqn, tuple(p.shape), tuple(p.shape), (0, 1), p.element_size())
+        index, count = 0, 1
+        mesh = p.device_mesh
+        for dim, placement in enumerate(p.placements):
+            size = mesh.size(dim)
+            if size > 1 and placement.is_shard() and placement.dim == 0:
+                index, count = index * size + mesh.get_local_rank(dim), count * size
+        return cls(fqn, tuple(to_local().shape), tuple(p.shape), (index, count), p.element_size())
+
+    @classmethod
+    def fsdp(cls, fqn: str, shape: Sequence[int], shards: int, rank: int = 0, itemsize: int = 4) -> "ShardShape":
+        """Rank ``rank``'s FSDP2 shard of a parameter of global ``shape``: dim 0 in ceil-sized chunks."""
+        shape = tuple(shape)
+        if shards <= 1 or not shape:
+            return cls(fqn, shape, shape, (0, 1), itemsize)
+        chunk = math.ceil(shape[0] / shards)
+        local = (max(0, min(chunk, shape[0] - rank * chunk)), *shape[1:])
+        return cls(fqn, local, shape, (rank, shards), itemsize)
+
+
+def no_problems(options: Any, hparams: BaseHParams) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class Family:
+    """One optimizer family.
+
+    - ``key``: its ``[commopt.<key>]`` table; ``options``: that table's dataclass (fields made with
+      ``titan_commopt.options.option``);
+    - ``presets``: ``{optimizer name: {option: value}}``, the names it registers;
+    - ``build(named_params, topology, resolved)``: the optimizer (a ``CommOptimizer``);
+    - ``r_bytes(shards, resolved, replicate_size)``: the analytic R payload per rank per step
+      (a :class:`Bytes`), the formula the ledger is tested against and the comm report prints;
+    - ``check(options, hparams)``: cross-field rules, one problem line each (no collectives);
+    - ``summary``: one line for the docs.
+    """
+
+    key: str
+    options: type
+    presets: Mapping[str, Mapping[str, Any]]
+    build: Callable[[NamedParams, Any, "Resolved"], torch.optim.Optimizer]
+    r_bytes: Callable[[Sequence[ShardShape], "Resolved", int], Bytes]
+    check: Callable[[Any, BaseHParams], list[str]] = no_problems
+    summary: str = ""
+
+    @property
+    def section(self) -> str:
+        return f"commopt.{self.key}"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """``[optimizer]`` + ``[commopt.<family>]`` + the preset of ``name``: what a run trains with.
+
+    ``options`` is the family's options dataclass with the preset filled in where the user left a
+    key unset (``user_set`` names the keys the user set); ``hparams`` are ``[optimizer]``'s.
+    """
+
+    name: str
+    family: Family
+    options: Any
+    hparams: BaseHParams
+    user_set: frozenset[str] = frozenset()
+
+    def preset_keys(self) -> list[str]:
+        """Keys whose value came from the preset (not set by the user)."""
+        return sorted(set(self.family.presets[self.name]) - self.user_set)
+
+    def record(self) -> dict[str, Any]:
+        """Plain-data form, for the log, TensorBoard and the checkpoint."""
+        return {
+            "optimizer": self.name,
+            "family": self.family.key,
+            "options": dataclasses.asdict(self.options),
+            "hparams": dataclasses.asdict(self.hparams),
+            "from_preset": self.preset_keys(),
+        }
+
+    def describe(self) -> str:
+        """One line per option, marking where each value came from."""
+        preset = set(self.preset_keys())
+        lines = [f"{self.name} ([{self.family.section}], [optimizer] {dataclasses.asdict(self.hparams)}):"]
+        for f in dataclasses.fields(self.options):
+            source = "set" if f.name in self.user_set else "preset" if f.name in preset else "default"
+            lines.append(f"  {f.name} = {getattr(self.options, f.name)!r} ({source})")
+        return "\n".join(lines)

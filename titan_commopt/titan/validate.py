@@ -1,0 +1,94 @@
+"""One pass over a job config: ``[optimizer]`` + ``[commopt]`` → the run's resolved optimizer.
+
+:func:`resolve_job` checks ``[optimizer] name``, every ``[commopt]`` value, the chosen family's
+cross-field rules and the torchtitan settings our optimizers refuse, and returns the
+:class:`~titan_commopt.optim.Resolved` value ``build_optimizers`` trains with (``None`` for
+torchtitan's own AdamW/Adam). Every problem is one line; nothing touches a process group, so
+``titan_commopt.train`` runs it before torchtitan starts.
+"""
+
+import sys
+from typing import Any, Optional
+
+from titan_commopt.optim import BaseHParams, Resolved, family_of, owns_replicate_sync, resolve
+from titan_commopt.options import ConfigError, problems as option_problems
+
+from . import config
+
+__all__ = ["resolve_job", "hparams_of", "remember", "resolved_for"]
+
+_preflight: dict[str, Optional[Resolved]] = {}  # the pre-flight check's result, by optimizer name
+
+
+def hparams_of(optimizer_config: Any) -> BaseHParams:
+    return BaseHParams(
+        lr=optimizer_config.lr,
+        beta1=optimizer_config.beta1,
+        beta2=optimizer_config.beta2,
+        eps=optimizer_config.eps,
+        weight_decay=optimizer_config.weight_decay,
+    )
+
+
+# Settings of torchtitan that the optimizers owning R have not been built or tested for: refused
+# rather than silently wrong. (key path, the value that is refused, why)
+_UNSUPPORTED_WITH_OWN_R_SYNC = (
+    ("optimizer.early_step_in_backward", True, "the optimizer must step once per step, after backward"),
+    ("parallelism.pipeline_parallel_degree", lambda v: v > 1, "pipeline parallelism is not supported yet"),
+    ("parallelism.expert_parallel_degree", lambda v: v > 1, "expert parallelism is not supported yet"),
+    ("training.enable_cpu_offload", True, "FSDP CPU offload is not supported yet"),
+    ("fault_tolerance.enable", True, "torchft replicas would bypass the optimizer's own R sync"),
+)
+
+
+def _lookup(job_config: Any, path: str) -> Any:
+    value = job_config
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _unsupported(job_config: Any, name: str) -> list[str]:
+    out = []
+    for path, refused, why in _UNSUPPORTED_WITH_OWN_R_SYNC:
+        value = _lookup(job_config, path)
+        if refused(value) if callable(refused) else value == refused:
+            section, key = path.rsplit(".", 1)
+            out.append(f"[{section}] {key} = {value!r} with [optimizer] name = {name!r}: {why}")
+    return out
+
+
+def resolve_job(job_config: Any, argv: Optional[list[str]] = None) -> Optional[Resolved]:
+    """The run's resolved optimizer (``None`` for torchtitan's own), or ``ConfigError`` listing
+    every problem. ``argv`` (default ``sys.argv[1:]``) tells which ``[commopt]`` keys the user set."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name = job_config.optimizer.name
+    section = config.commopt_of(job_config)
+    found = option_problems(section, "commopt")  # every table as given, the chosen one resolved below
+    if not owns_replicate_sync(name):
+        if found:
+            raise ConfigError("\n".join(found))
+        return None
+    family = family_of(name)  # an unknown name fails here, listing what exists
+    found = [line for line in found if not line.startswith(f"[{family.section}]")]
+    found += _unsupported(job_config, name)
+    try:
+        resolved = resolve(name, config.given_options(job_config, family.key, argv), hparams_of(job_config.optimizer))
+    except ConfigError as error:
+        found.append(str(error))
+    if found:
+        raise ConfigError("\n".join(found))
+    return resolved
+
+
+def remember(job_config: Any, resolved: Optional[Resolved]) -> None:
+    """Keep the pre-flight check's result for :func:`resolved_for` (``titan_commopt.train``)."""
+    _preflight.clear()
+    _preflight[job_config.optimizer.name] = resolved
+
+
+def resolved_for(job_config: Any) -> Optional[Resolved]:
+    """The pre-flight check's result when there was one in this process (resolved once), else
+    :func:`resolve_job` now (launched through ``torchtitan.train`` with our custom import)."""
+    name = job_config.optimizer.name
+    return _preflight[name] if name in _preflight else resolve_job(job_config)
