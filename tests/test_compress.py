@@ -9,7 +9,7 @@ import torch
 from titan_commopt.compress.dct import Chunker, chunk_size, dct_basis, scatter_chunks, topk_per_chunk
 from titan_commopt.compress.packing import (bits_bytes, from_bytes, pack_bits, pack_ternary, to_bytes,
                                             unpack_bits, unpack_ternary)
-from titan_commopt.compress.replicators import KINDS, Replicator
+from titan_commopt.compress.replicators import KINDS, make_replicator
 from titan_commopt.optim.demo import Config
 
 
@@ -90,7 +90,7 @@ CASES = [dict(replicator=k, pack=p, sign_before_sync=s, transfer_dtype=d)
 def test_replicator_payload_size_and_self_aggregate(kw):
     cfg = _cfg(**kw)
     shape = (24, 16)
-    rep = Replicator(cfg.replicator, shape, "layer.w", cfg)
+    rep = make_replicator(cfg, shape, "layer.w")
     x = torch.randn(shape)
     for step in range(1, 5):
         q, payload = rep.extract(x, step)
@@ -114,26 +114,26 @@ def test_replicator_payload_size_and_self_aggregate(kw):
 
 def test_demo_replicator_sizes():
     cfg = Config()  # s = 64, k = 32, bf16, packed
-    rep = Replicator("demo", (4096, 4096), "w", cfg)
-    assert rep.index_bits == 12 and rep.n_values == 4096 * 32
+    rep = make_replicator(cfg, (4096, 4096), "w")
+    assert rep.index_codec.bits == 12 and rep.n_values == 4096 * 32
     assert rep.payload_bytes(1) == 4096 * 32 * 2 + 4096 * 32 * 12 // 8
-    unpacked = Replicator("demo", (4096, 4096), "w", dataclasses.replace(cfg, pack=False, transfer_dtype="fp32"))
+    unpacked = make_replicator(dataclasses.replace(cfg, pack=False, transfer_dtype="fp32"), (4096, 4096), "w")
     assert unpacked.payload_bytes(1) == 4096 * 32 * (4 + 8)
 
 
 def test_shared_indices_agree_without_being_sent():
     cfg = _cfg(replicator="random")
-    a, b = Replicator("random", (40, 10), "blk.w", cfg), Replicator("random", (40, 10), "blk.w", cfg)
-    other = Replicator("random", (40, 10), "blk.v", cfg)
+    a, b = make_replicator(cfg, (40, 10), "blk.w"), make_replicator(cfg, (40, 10), "blk.w")
+    other = make_replicator(cfg, (40, 10), "blk.v")
     ia, ib = a.indices(3, "cpu"), b.indices(3, "cpu")
     assert torch.equal(ia, ib) and ia.numel() == 100 and ia.unique().numel() == 100
     assert not torch.equal(ia, a.indices(4, "cpu")) and not torch.equal(ia, other.indices(3, "cpu"))
-    s = Replicator("striding", (40, 10), "w", _cfg(replicator="striding"))  # stride 4
+    s = make_replicator(_cfg(replicator="striding"), (40, 10), "w")  # stride 4
     seen = torch.cat([s.indices(t, "cpu") for t in range(1, 5)])
     assert s.n_values == 100 and torch.equal(seen.sort().values, torch.arange(400))  # offsets rotate
     assert torch.equal(s.indices(1, "cpu")[:3], torch.tensor([1, 5, 9]))
 
 
 def test_diloco_sends_every_period():
-    rep = Replicator("diloco", (8, 8), "w", _cfg(replicator="diloco"))  # rate 1/4
+    rep = make_replicator(_cfg(replicator="diloco"), (8, 8), "w")  # rate 1/4
     assert [rep.sends(t) for t in range(1, 9)] == [False, False, False, True] * 2

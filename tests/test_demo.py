@@ -16,7 +16,7 @@ from torch import nn
 
 from titan_commopt import comm
 from titan_commopt.compress.dct import Chunker
-from titan_commopt.compress.replicators import Replicator
+from titan_commopt.compress.replicators import make_replicator
 from titan_commopt.optim import demo
 from titan_commopt.optim.common import BaseHParams, local
 from titan_commopt.topology import Topology
@@ -162,7 +162,7 @@ def _extract(cfg, x, t, name, st):
     if cfg.replicator in ("random", "striding"):
         stride = round(1 / cfg.compression_rate)
         if cfg.replicator == "random":
-            idx = Replicator("random", x.shape, name, cfg).indices(t, "cpu")
+            idx = make_replicator(cfg, x.shape, name).indices(t, "cpu")
         else:
             idx = t % stride + stride * torch.arange(numel // stride)
         q = torch.zeros(numel)

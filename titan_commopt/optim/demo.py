@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from titan_commopt import comm
-from titan_commopt.compress.replicators import KINDS, Replicator
+from titan_commopt.compress.replicators import KINDS, Replicator, make_replicator
 from titan_commopt.options import ConfigError, option
 from titan_commopt.topology import R, Topology
 
@@ -109,7 +109,7 @@ class DeMo(torch.optim.Optimizer):
         key = id(p)
         if key not in self._replicators:
             name = self._names.get(key, f"param{len(self._replicators)}")
-            self._replicators[key] = Replicator(self.cfg.replicator, x.shape, name, self.cfg, device=x.device)
+            self._replicators[key] = make_replicator(self.cfg, x.shape, name, device=x.device)
         return self._replicators[key]
 
     def _init_state(self, p: torch.Tensor) -> dict:
@@ -208,6 +208,6 @@ def r_bytes_per_step(named_shapes, cfg: Config, replicate_size: int) -> dict[str
     for fqn, shape in named_shapes:
         if math.prod(shape) == 0:
             continue
-        rep = Replicator(cfg.replicator, shape, fqn, cfg)
+        rep = make_replicator(cfg, shape, fqn)
         sent += sum(rep.payload_bytes(t) for t in range(1, rep.period + 1)) / rep.period
     return {"sent": sent, "recv": (replicate_size - 1) * sent}
