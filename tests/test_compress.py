@@ -82,6 +82,18 @@ def _cfg(**kw):
     return dataclasses.replace(Config(chunk=8, topk=5, compression_rate=0.25), **kw)
 
 
+def _received(rep, cfg, x, q):
+    """Dense picture of what one replica contributes to the mean: ``q``, or its sign with
+    ``sign_before_sync`` (for DeMo the sign of the kept DCT coefficients, not of ``q``)."""
+    if not cfg.sign_before_sync:
+        return q
+    if cfg.replicator != "demo":
+        return q.sign()
+    c = rep.chunker
+    vals, idx = topk_per_chunk(c.encode(x), rep.k)
+    return c.decode(scatter_chunks(vals.sign(), idx, c.L))
+
+
 CASES = [dict(replicator=k, pack=p, sign_before_sync=s, transfer_dtype=d)
          for k in KINDS for p in (True, False) for s in (True, False) for d in ("fp32", "bf16")]
 
@@ -102,12 +114,7 @@ def test_replicator_payload_size_and_self_aggregate(kw):
         assert q.norm() <= x.norm() * (1 + 1e-5)
         # two identical replicas: the mean is their common transmitted part
         Q = rep.aggregate(torch.stack([payload, payload]), step)
-        expect = q.sign() if cfg.sign_before_sync else q
-        if cfg.replicator == "demo" and cfg.sign_before_sync:
-            # the sign is taken of the DCT coefficients, not of q
-            c = rep.chunker
-            vals, idx = topk_per_chunk(c.encode(x), rep.k)
-            expect = c.decode(scatter_chunks(vals.sign(), idx, c.L))
+        expect = _received(rep, cfg, x, q)
         atol = 1e-2 if cfg.transfer_dtype == "bf16" and not cfg.sign_before_sync else 1e-5
         assert torch.allclose(Q, expect, atol=atol * max(1.0, expect.abs().max().item()))
 
@@ -130,10 +137,52 @@ def test_shared_indices_agree_without_being_sent():
     assert not torch.equal(ia, a.indices(4, "cpu")) and not torch.equal(ia, other.indices(3, "cpu"))
     s = make_replicator(_cfg(replicator="striding"), (40, 10), "w")  # stride 4
     seen = torch.cat([s.indices(t, "cpu") for t in range(1, 5)])
-    assert s.n_values == 100 and torch.equal(seen.sort().values, torch.arange(400))  # offsets rotate
+    assert s.count(1) == 100 and torch.equal(seen.sort().values, torch.arange(400))  # offsets rotate
     assert torch.equal(s.indices(1, "cpu")[:3], torch.tensor([1, 5, 9]))
 
 
 def test_diloco_sends_every_period():
     rep = make_replicator(_cfg(replicator="diloco"), (8, 8), "w")  # rate 1/4
     assert [rep.sends(t) for t in range(1, 9)] == [False, False, False, True] * 2
+
+
+@pytest.mark.parametrize("sign", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_replicas_aggregate_to_the_mean_of_what_they_selected(kind, sign):
+    cfg = _cfg(replicator=kind, sign_before_sync=sign, transfer_dtype="fp32")
+    rep = make_replicator(cfg, (24, 16), "layer.w")
+    for step in range(1, rep.period + 1):
+        xs = [torch.randn(24, 16) for _ in range(2)]
+        sent = [rep.extract(x, step) for x in xs]
+        if not rep.sends(step):
+            assert sent == [(None, None)] * 2 and rep.aggregate(torch.empty(2, 0, dtype=torch.uint8), step) is None
+            continue
+        Q = rep.aggregate(torch.stack([payload for _, payload in sent]), step)
+        expect = sum(_received(rep, cfg, x, q) for x, (q, _) in zip(xs, sent)) / 2
+        torch.testing.assert_close(Q, expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape, rate", [((100,), 1 / 64), ((7,), 1 / 8), ((10, 13), 1 / 8), ((40, 10), 1 / 4),
+                                         ((3,), 1 / 64), ((1,), 1 / 2), ((5, 3), 1.0)])
+def test_striding_sends_every_entry_once_per_period(shape, rate):
+    """Each entry is sent exactly once in any ``period`` consecutive steps, including the last
+    ``numel mod period`` ones and shards smaller than the period; the byte count follows the step."""
+    rep = make_replicator(_cfg(replicator="striding", compression_rate=rate), shape, "w")
+    assert rep.period == round(1 / rate)
+    numel = math.prod(shape)
+    for start in (1, 6):
+        steps = range(start, start + rep.period)
+        seen = torch.cat([rep.indices(t, "cpu") for t in steps])
+        assert torch.equal(seen.sort().values, torch.arange(numel))
+        x = torch.randn(shape)
+        sent_q, produced = torch.zeros(shape), 0
+        for t in steps:
+            q, payload = rep.extract(x, t)
+            if payload is None:
+                assert q is None and rep.payload_bytes(t) == 0
+                continue
+            assert payload.numel() == rep.payload_bytes(t) > 0
+            sent_q += q
+            produced += payload.numel()
+        assert produced == sum(rep.payload_bytes(t) for t in steps)
+        assert torch.equal(sent_q, x)  # over one period the replicator transmits all of x

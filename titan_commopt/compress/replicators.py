@@ -15,8 +15,8 @@ the ``[commopt.demo]`` options):
 
 Kinds: ``demo`` (DCT-II chunks, top-k, values + indices), ``random`` (indices drawn from a generator
 seeded by (seed, step, parameter name): identical on every replica, never sent), ``striding`` (every
-``1/c``-th entry, offset rotating with the step), ``diloco`` (everything, every ``1/c`` steps), ``full``
-(everything, every step). Random/Striding/DiLoCo/Full work on the flat local shard.
+``1/c``-th entry, offset rotating with the step: each entry once per ``1/c`` steps), ``diloco``
+(everything, every ``1/c`` steps), ``full`` (everything, every step). Random/Striding/DiLoCo/Full work on the flat local shard.
 
 What is selected is the replicator's; how it is written is the codecs' (``packing.ValueCodec`` for
 values — ternary or floats —, ``packing.IndexCodec`` for DeMo's indices).
@@ -163,20 +163,21 @@ class RandomReplicator(_FlatReplicator):
 
 
 class StridingReplicator(_FlatReplicator):
-    """Every ``period``-th entry, the offset rotating with the step."""
+    """At step ``t`` the entries ``i ≡ t (mod period)`` of the flat shard: every entry is sent exactly
+    once in any ``period`` consecutive steps, the last ``numel mod period`` ones included, so the
+    count is ``ceil(numel / period)`` or one less, depending on the step. A shard smaller than the
+    period keeps the same cadence: it sends one entry on ``numel`` steps of each period and nothing
+    (no bytes, no update) on the others."""
 
     def __init__(self, shape, value_codec: ValueCodec, period: int):
         super().__init__(shape, value_codec)
         self.period = period
-        self.n_values = max(1, self.numel // period) if self.numel else 0
 
     def count(self, step: int) -> int:
-        return self.n_values
+        return len(range(step % self.period, self.numel, self.period))
 
     def indices(self, step: int, device) -> torch.Tensor:
-        if self.numel < self.period:
-            return torch.tensor([step % self.numel], device=device)
-        return step % self.period + self.period * torch.arange(self.n_values, device=device)
+        return step % self.period + self.period * torch.arange(self.count(step), device=device)
 
 
 class DiLoCoReplicator(_FlatReplicator):
