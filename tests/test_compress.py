@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from titan_commopt.compress.dct import Chunker, chunk_size, dct_basis, scatter_chunks, topk_per_chunk
-from titan_commopt.compress.packing import (bits_bytes, from_bytes, pack_bits, pack_ternary, to_bytes,
-                                            unpack_bits, unpack_ternary)
+from titan_commopt.compress.packing import (IndexCodec, ValueCodec, bits_bytes, from_bytes, pack_bits,
+                                            pack_ternary, to_bytes, unpack_bits, unpack_ternary)
 from titan_commopt.compress.replicators import KINDS, make_replicator
 from titan_commopt.optim.demo import Config
 
@@ -76,6 +76,26 @@ def test_ternary_and_float_round_trip():
     x = torch.randn(50).to(torch.bfloat16).float()  # bf16-representable: the wire is exact
     assert torch.equal(from_bytes(to_bytes(x, torch.bfloat16), torch.bfloat16).float(), x)
     assert to_bytes(x, torch.bfloat16).numel() == 100
+
+
+@pytest.mark.parametrize("sign, dtype, pack", [(True, torch.float32, True), (True, torch.bfloat16, False),
+                                               (False, torch.bfloat16, True), (False, torch.float16, False)])
+def test_value_codec_sizes_and_round_trip(sign, dtype, pack):
+    codec = ValueCodec(sign, dtype, pack)
+    x = torch.randn(101).to(dtype).float()  # representable in the wire dtype
+    data = codec.encode(x)
+    assert data.dtype == torch.uint8 and data.numel() == codec.nbytes(101)
+    assert data.numel() == (math.ceil(101 / 4) if sign and pack else 101 * torch.finfo(dtype).bits // 8)
+    assert torch.equal(codec.decode(data, 101), x.sign() if sign else x)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_index_codec_sizes_and_round_trip(pack):
+    codec = IndexCodec(4096, pack)  # a 64 x 64 chunk: 12-bit indices
+    idx = torch.randint(0, 4096, (77,))
+    data = codec.encode(idx)
+    assert data.numel() == codec.nbytes(77) == (math.ceil(77 * 12 / 8) if pack else 77 * 8)
+    assert torch.equal(codec.decode(data, 77), idx)
 
 
 def _cfg(**kw):

@@ -16,7 +16,8 @@ the ``[commopt.demo]`` options):
 Kinds: ``demo`` (DCT-II chunks, top-k, values + indices), ``random`` (indices drawn from a generator
 seeded by (seed, step, parameter name): identical on every replica, never sent), ``striding`` (every
 ``1/c``-th entry, offset rotating with the step: each entry once per ``1/c`` steps), ``diloco``
-(everything, every ``1/c`` steps), ``full`` (everything, every step). Random/Striding/DiLoCo/Full work on the flat local shard.
+(everything, every ``1/c`` steps), ``full`` (everything, every step). Random/Striding/DiLoCo/Full
+work on the flat local shard.
 
 What is selected is the replicator's; how it is written is the codecs' (``packing.ValueCodec`` for
 values — ternary or floats —, ``packing.IndexCodec`` for DeMo's indices).
