@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from titan_commopt.compress.dct import Chunker, chunk_size, dct_basis, scatter_chunks, topk_per_chunk
-from titan_commopt.compress.packing import (bits_bytes, from_bytes, pack_bits, pack_ternary, to_bytes,
-                                            unpack_bits, unpack_ternary)
-from titan_commopt.compress.replicators import KINDS, Replicator
+from titan_commopt.compress.packing import (IndexCodec, ValueCodec, bits_bytes, from_bytes, pack_bits,
+                                            pack_ternary, to_bytes, unpack_bits, unpack_ternary)
+from titan_commopt.compress.replicators import KINDS, make_replicator
 from titan_commopt.optim.demo import Config
 
 
@@ -78,8 +78,40 @@ def test_ternary_and_float_round_trip():
     assert to_bytes(x, torch.bfloat16).numel() == 100
 
 
+@pytest.mark.parametrize("sign, dtype, pack", [(True, torch.float32, True), (True, torch.bfloat16, False),
+                                               (False, torch.bfloat16, True), (False, torch.float16, False)])
+def test_value_codec_sizes_and_round_trip(sign, dtype, pack):
+    codec = ValueCodec(sign, dtype, pack)
+    x = torch.randn(101).to(dtype).float()  # representable in the wire dtype
+    data = codec.encode(x)
+    assert data.dtype == torch.uint8 and data.numel() == codec.nbytes(101)
+    assert data.numel() == (math.ceil(101 / 4) if sign and pack else 101 * torch.finfo(dtype).bits // 8)
+    assert torch.equal(codec.decode(data, 101), x.sign() if sign else x)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_index_codec_sizes_and_round_trip(pack):
+    codec = IndexCodec(4096, pack)  # a 64 x 64 chunk: 12-bit indices
+    idx = torch.randint(0, 4096, (77,))
+    data = codec.encode(idx)
+    assert data.numel() == codec.nbytes(77) == (math.ceil(77 * 12 / 8) if pack else 77 * 8)
+    assert torch.equal(codec.decode(data, 77), idx)
+
+
 def _cfg(**kw):
     return dataclasses.replace(Config(chunk=8, topk=5, compression_rate=0.25), **kw)
+
+
+def _received(rep, cfg, x, q):
+    """Dense picture of what one replica contributes to the mean: ``q``, or its sign with
+    ``sign_before_sync`` (for DeMo the sign of the kept DCT coefficients, not of ``q``)."""
+    if not cfg.sign_before_sync:
+        return q
+    if cfg.replicator != "demo":
+        return q.sign()
+    c = rep.chunker
+    vals, idx = topk_per_chunk(c.encode(x), rep.k)
+    return c.decode(scatter_chunks(vals.sign(), idx, c.L))
 
 
 CASES = [dict(replicator=k, pack=p, sign_before_sync=s, transfer_dtype=d)
@@ -90,7 +122,7 @@ CASES = [dict(replicator=k, pack=p, sign_before_sync=s, transfer_dtype=d)
 def test_replicator_payload_size_and_self_aggregate(kw):
     cfg = _cfg(**kw)
     shape = (24, 16)
-    rep = Replicator(cfg.replicator, shape, "layer.w", cfg)
+    rep = make_replicator(cfg, shape, "layer.w")
     x = torch.randn(shape)
     for step in range(1, 5):
         q, payload = rep.extract(x, step)
@@ -102,38 +134,75 @@ def test_replicator_payload_size_and_self_aggregate(kw):
         assert q.norm() <= x.norm() * (1 + 1e-5)
         # two identical replicas: the mean is their common transmitted part
         Q = rep.aggregate(torch.stack([payload, payload]), step)
-        expect = q.sign() if cfg.sign_before_sync else q
-        if cfg.replicator == "demo" and cfg.sign_before_sync:
-            # the sign is taken of the DCT coefficients, not of q
-            c = rep.chunker
-            vals, idx = topk_per_chunk(c.encode(x), rep.k)
-            expect = c.decode(scatter_chunks(vals.sign(), idx, c.L))
+        expect = _received(rep, cfg, x, q)
         atol = 1e-2 if cfg.transfer_dtype == "bf16" and not cfg.sign_before_sync else 1e-5
         assert torch.allclose(Q, expect, atol=atol * max(1.0, expect.abs().max().item()))
 
 
 def test_demo_replicator_sizes():
     cfg = Config()  # s = 64, k = 32, bf16, packed
-    rep = Replicator("demo", (4096, 4096), "w", cfg)
-    assert rep.index_bits == 12 and rep.n_values == 4096 * 32
+    rep = make_replicator(cfg, (4096, 4096), "w")
+    assert rep.index_codec.bits == 12 and rep.n_values == 4096 * 32
     assert rep.payload_bytes(1) == 4096 * 32 * 2 + 4096 * 32 * 12 // 8
-    unpacked = Replicator("demo", (4096, 4096), "w", dataclasses.replace(cfg, pack=False, transfer_dtype="fp32"))
+    unpacked = make_replicator(dataclasses.replace(cfg, pack=False, transfer_dtype="fp32"), (4096, 4096), "w")
     assert unpacked.payload_bytes(1) == 4096 * 32 * (4 + 8)
 
 
 def test_shared_indices_agree_without_being_sent():
     cfg = _cfg(replicator="random")
-    a, b = Replicator("random", (40, 10), "blk.w", cfg), Replicator("random", (40, 10), "blk.w", cfg)
-    other = Replicator("random", (40, 10), "blk.v", cfg)
+    a, b = make_replicator(cfg, (40, 10), "blk.w"), make_replicator(cfg, (40, 10), "blk.w")
+    other = make_replicator(cfg, (40, 10), "blk.v")
     ia, ib = a.indices(3, "cpu"), b.indices(3, "cpu")
     assert torch.equal(ia, ib) and ia.numel() == 100 and ia.unique().numel() == 100
     assert not torch.equal(ia, a.indices(4, "cpu")) and not torch.equal(ia, other.indices(3, "cpu"))
-    s = Replicator("striding", (40, 10), "w", _cfg(replicator="striding"))  # stride 4
+    s = make_replicator(_cfg(replicator="striding"), (40, 10), "w")  # stride 4
     seen = torch.cat([s.indices(t, "cpu") for t in range(1, 5)])
-    assert s.n_values == 100 and torch.equal(seen.sort().values, torch.arange(400))  # offsets rotate
+    assert s.count(1) == 100 and torch.equal(seen.sort().values, torch.arange(400))  # offsets rotate
     assert torch.equal(s.indices(1, "cpu")[:3], torch.tensor([1, 5, 9]))
 
 
 def test_diloco_sends_every_period():
-    rep = Replicator("diloco", (8, 8), "w", _cfg(replicator="diloco"))  # rate 1/4
+    rep = make_replicator(_cfg(replicator="diloco"), (8, 8), "w")  # rate 1/4
     assert [rep.sends(t) for t in range(1, 9)] == [False, False, False, True] * 2
+
+
+@pytest.mark.parametrize("sign", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_replicas_aggregate_to_the_mean_of_what_they_selected(kind, sign):
+    cfg = _cfg(replicator=kind, sign_before_sync=sign, transfer_dtype="fp32")
+    rep = make_replicator(cfg, (24, 16), "layer.w")
+    for step in range(1, rep.period + 1):
+        xs = [torch.randn(24, 16) for _ in range(2)]
+        sent = [rep.extract(x, step) for x in xs]
+        if not rep.sends(step):
+            assert sent == [(None, None)] * 2 and rep.aggregate(torch.empty(2, 0, dtype=torch.uint8), step) is None
+            continue
+        Q = rep.aggregate(torch.stack([payload for _, payload in sent]), step)
+        expect = sum(_received(rep, cfg, x, q) for x, (q, _) in zip(xs, sent)) / 2
+        torch.testing.assert_close(Q, expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape, rate", [((100,), 1 / 64), ((7,), 1 / 8), ((10, 13), 1 / 8), ((40, 10), 1 / 4),
+                                         ((3,), 1 / 64), ((1,), 1 / 2), ((5, 3), 1.0)])
+def test_striding_sends_every_entry_once_per_period(shape, rate):
+    """Each entry is sent exactly once in any ``period`` consecutive steps, including the last
+    ``numel mod period`` ones and shards smaller than the period; the byte count follows the step."""
+    rep = make_replicator(_cfg(replicator="striding", compression_rate=rate), shape, "w")
+    assert rep.period == round(1 / rate)
+    numel = math.prod(shape)
+    for start in (1, 6):
+        steps = range(start, start + rep.period)
+        seen = torch.cat([rep.indices(t, "cpu") for t in steps])
+        assert torch.equal(seen.sort().values, torch.arange(numel))
+        x = torch.randn(shape)
+        sent_q, produced = torch.zeros(shape), 0
+        for t in steps:
+            q, payload = rep.extract(x, t)
+            if payload is None:
+                assert q is None and rep.payload_bytes(t) == 0
+                continue
+            assert payload.numel() == rep.payload_bytes(t) > 0
+            sent_q += q
+            produced += payload.numel()
+        assert produced == sum(rep.payload_bytes(t) for t in steps)
+        assert torch.equal(sent_q, x)  # over one period the replicator transmits all of x

@@ -16,8 +16,8 @@ from torch import nn
 
 from titan_commopt import comm
 from titan_commopt.compress.dct import Chunker
-from titan_commopt.compress.replicators import Replicator
-from titan_commopt.optim import ShardShape, demo, make, resolve, traffic
+from titan_commopt.compress.replicators import make_replicator
+from titan_commopt.optim import ShardShape, build_optimizer, demo, make, resolve, traffic
 from titan_commopt.optim.common import BaseHParams, local
 from titan_commopt.topology import Topology
 from tests.dist_utils import run_distributed
@@ -162,9 +162,9 @@ def _extract(cfg, x, t, name, st):
     if cfg.replicator in ("random", "striding"):
         stride = round(1 / cfg.compression_rate)
         if cfg.replicator == "random":
-            idx = Replicator("random", x.shape, name, cfg).indices(t, "cpu")
+            idx = make_replicator(cfg, x.shape, name).indices(t, "cpu")
         else:
-            idx = t % stride + stride * torch.arange(numel // stride)
+            idx = torch.arange(t % stride, numel, stride)  # every entry once per stride steps
         q = torch.zeros(numel)
         q[idx] = x.reshape(-1)[idx]
         q = q.view_as(x)
@@ -311,3 +311,40 @@ def test_ddp_style_equals_simulation():
         for res in results:
             for n, p in res[name].items():
                 torch.testing.assert_close(p, ref[n], atol=2e-5, rtol=1e-4, msg=f"{name} {n}")
+
+
+STRIDING_STEPS = 640
+
+
+def _striding_worker(rank, world):
+    """Two replicas, |S| = 1, striding at rate 1/64 on shards that are not multiples of 64 (one
+    smaller than it), β = 0.999, a constant gradient per replica."""
+    import torch.distributed as dist
+
+    params = {"w": nn.Parameter(torch.zeros(100)), "b": nn.Parameter(torch.zeros(3))}
+    cfg = dataclasses.replace(demo.Config(), replicator="striding", compression_rate=1 / 64, beta=0.999)
+    resolved = resolve("FlexDeMo", dataclasses.asdict(cfg), BaseHParams(lr=1e-3, weight_decay=0.0))
+    opt = build_optimizer(list(params.items()), Topology(replicate=dist.group.WORLD), resolved)
+    sent = 0.0
+    with comm.use_ledger(comm.CommLedger()) as ledger:
+        for _ in range(STRIDING_STEPS):
+            for p in params.values():
+                p.grad = torch.full_like(p, rank + 1.0)
+            opt.step()
+            sent += ledger.end_step().get("R_sent", 0.0)
+    formula = traffic.demo_r_bytes([ShardShape.of(n, p) for n, p in params.items()], resolved, 2).sent
+    return dict(momentum={n: opt.state[p]["momentum"].clone() for n, p in params.items()},
+                params={n: p.detach().clone() for n, p in params.items()}, sent=sent, formula=formula)
+
+
+def test_striding_syncs_every_entry_and_keeps_momentum_bounded():
+    """Regression: striding used to skip the last ``numel mod 64`` entries of a shard, which were never
+    updated and whose momentum grew towards g/(1 − β) (≈ 473·g after 640 steps)."""
+    results = run_distributed(_striding_worker, 2)
+    bound = 2.0 * sum(0.999**k for k in range(64))  # every entry is subtracted once per 64 steps; |g| <= 2
+    for res in results:
+        for n in ("w", "b"):
+            assert res["momentum"][n].abs().max() <= bound, n
+            assert (res["params"][n] != 0).all(), n  # every entry was updated
+            assert torch.equal(res["params"][n], results[0]["params"][n])
+        assert res["sent"] == pytest.approx(res["formula"] * STRIDING_STEPS)
