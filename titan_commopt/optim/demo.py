@@ -35,6 +35,7 @@ from titan_commopt.compress.replicators import KINDS, Replicator
 from titan_commopt.options import ConfigError, option
 from titan_commopt.topology import R, Topology
 
+from . import kernels
 from .common import BaseHParams, NamedParams, local
 
 __all__ = ["Config", "PRESETS", "DeMo", "build", "r_bytes_per_step", "check", "newton_schulz"]
@@ -147,15 +148,12 @@ class DeMo(torch.optim.Optimizer):
                 t = int(state["step"].item())
                 g = self.topology.replica_grad(local(p.grad)).float()
                 if self.cfg.base == "sgd":
-                    x = local(state["momentum"])
-                    x.mul_(group["beta"]).add_(g)  # eq. 2
+                    x = kernels.heavy_ball_(local(state["momentum"]), g, group["beta"])  # eq. 2, x is m itself
                 else:
-                    b1, b2 = group["betas"]
-                    m, v = local(state["exp_avg"]), local(state["exp_avg_sq"])
-                    m.lerp_(g, 1 - b1)
-                    v.mul_(b2).addcmul_(g, g, value=1 - b2)
                     # decoupled AdamW: moments stay local, the replicator sees the bias-corrected update
-                    x = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt_().add_(group["eps"]))
+                    b1, b2 = group["betas"]
+                    x = kernels.adam_direction_(g, local(state["exp_avg"]), local(state["exp_avg_sq"]),
+                                                beta1=b1, beta2=b2, eps=group["eps"], step=t)
                 if x.numel() == 0:
                     continue
                 if W == 1:  # nobody to sync with: the base optimizer on this shard
@@ -180,10 +178,7 @@ class DeMo(torch.optim.Optimizer):
 
     def _apply(self, p: torch.Tensor, group: dict, update: torch.Tensor) -> None:
         x = local(p)
-        lr, wd = group["lr"], group["weight_decay"]
-        if wd:
-            x.mul_(1 - lr * wd)  # decoupled weight decay
-        x.add_(self._phi(update).to(x.dtype), alpha=-lr)
+        kernels.descend_(x, self._phi(update).to(x.dtype), group["lr"], group["weight_decay"])  # eq. 7
 
 
 # ---- registry entry points --------------------------------------------------------------------------

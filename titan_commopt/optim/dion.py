@@ -65,6 +65,7 @@ from titan_commopt import comm
 from titan_commopt.options import option
 from titan_commopt.topology import R, S, T, Topology
 
+from . import kernels
 from .common import BaseHParams, NamedParams, local
 
 try:  # FSDP2 over TP shards an already row-sharded dim again: a strided row split
@@ -535,23 +536,14 @@ class Dion(torch.optim.Optimizer):
 
     def _scalar_update(self, p: torch.Tensor, group: dict, g: torch.Tensor) -> None:
         state = self.state[p] or self._init_scalar_state(p, group["algorithm"])
-        lr, wd = group["lr"], group["weight_decay"]
-        beta1, beta2 = group["betas"]
+        (beta1, beta2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
         x, m = local(p), local(state["exp_avg"])
         state["step"] += 1
-        x.mul_(1 - lr * wd)  # decoupled weight decay
         if group["algorithm"] == "lion":
-            # Lion: x -= lr·sign(β1·m + (1−β1)·g); m ← β2·m + (1−β2)·g
-            x.add_(torch.sign(m.lerp(g, 1 - beta1)), alpha=-lr)
-            m.lerp_(g, 1 - beta2)
+            kernels.lion_(x, g, m, lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd)
             return
-        v = local(state["exp_avg_sq"])
-        step = float(state["step"])
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        bias1, bias2 = 1 - beta1**step, 1 - beta2**step
-        denom = (v.sqrt() / math.sqrt(bias2)).add_(group["eps"])
-        x.addcdiv_(m, denom, value=-lr / bias1)
+        kernels.adamw_(x, g, m, local(state["exp_avg_sq"]), lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                       weight_decay=wd, step=float(state["step"]))
 
     def _dion_update(self, matrices: list) -> None:
         topo = self.topology
@@ -579,8 +571,7 @@ class Dion(torch.optim.Optimizer):
             norm = sq.sqrt()
             # Q = colnorm(R); a column with R = 0 keeps its old direction instead of dying at 0.
             Q.copy_(torch.where(norm > 0, Rm / (norm + self.cfg.colnorm_eps), Q))
-            x = local(p)
-            x.mul_(1 - lr * wd)  # decoupled weight decay
+            x = kernels.decoupled_decay_(local(p), lr, wd)
             x.addmm_(P, Q.T, alpha=-lr * math.sqrt(lay.m / lay.n))  # X −= η sqrt(m/n) P Qᵀ
 
 

@@ -395,7 +395,8 @@ class LocalAdaptive(torch.optim.Optimizer):
         x = local(p)
         g = g.to(x.dtype)
         moments = [local(state[self._moment_key(j)]) for j in range(len(group["betas1"]))]
-        hp = dict(lr=group["lr"], betas1=group["betas1"], omegas=group["omegas"], weight_decay=group["weight_decay"])
+        hp = dict(lr=group["lr"], betas1=group["betas1"], omegas=group["omegas"],
+                  weight_decay=group["weight_decay"])
         if self.base == "sgdm":
             kernels.sgdm_(x, g, moments, **hp)
             return
