@@ -37,6 +37,7 @@ from titan_commopt.topology import R, Topology
 
 from . import kernels
 from .common import BaseHParams, NamedParams, local
+from .orthogonalize import newton_schulz
 
 __all__ = ["Config", "PRESETS", "DeMo", "build", "r_bytes_per_step", "check", "newton_schulz"]
 
@@ -79,20 +80,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 def check(cfg: Config, hparams: BaseHParams | None = None) -> None:
     if cfg.replicator == "demo" and cfg.topk > cfg.chunk**2:
         raise ConfigError(f"[commopt.demo] topk = {cfg.topk} exceeds chunk^2 = {cfg.chunk**2}")
-
-
-def newton_schulz(x: torch.Tensor, steps: int) -> torch.Tensor:
-    """Muon's quintic Newton–Schulz orthogonalization of ``x`` viewed as ``(d0, rest)``."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    X = x.reshape(x.shape[0], -1) if x.ndim >= 2 else x.reshape(1, -1)
-    rows, cols = X.shape
-    X = X.T if rows > cols else X
-    X = X / (X.norm() + 1e-7)  # spectral norm <= 1 so the iteration converges
-    for _ in range(steps):
-        A = X @ X.T
-        X = a * X + (b * A + c * A @ A) @ X
-    X = X.T if rows > cols else X
-    return (X * max(1.0, rows / cols) ** 0.5).reshape(x.shape)  # Muon's shape scale
 
 
 class DeMo(torch.optim.Optimizer):
