@@ -126,7 +126,9 @@ def adam_direction_(
 
 
 # ---- sign, momentum and ADOPT --------------------------------------------------------------------
-def lion_(x: Tensor, g: Tensor, m: Tensor, *, lr: float, beta1: float, beta2: float, weight_decay: float) -> None:
+def lion_(
+    x: Tensor, g: Tensor, m: Tensor, *, lr: float, beta1: float, beta2: float, weight_decay: float
+) -> None:
     """Lion (Chen et al. 2023): x ← x·(1−ηλ) − η·sign(β1·m + (1−β1)·g), then m ← β2·m + (1−β2)·g.
     The step interpolates with β1, the momentum tracks with β2."""
     descend_(x, torch.sign(m.lerp(g, 1 - beta1)), lr, weight_decay)
