@@ -40,6 +40,7 @@ __all__ = [
     "all_gather_object",
     "reduce_scatter",
     "broadcast",
+    "group_rank",
     "record_estimate",
     "nbytes",
     "DTYPES",
@@ -147,6 +148,11 @@ def use_ledger(ledger: CommLedger) -> Iterator[CommLedger]:
 
 def _active(group: Optional[dist.ProcessGroup]) -> bool:
     return group is not None and dist.get_world_size(group) > 1
+
+
+def group_rank(group: Optional[dist.ProcessGroup]) -> int:
+    """This process's index inside ``group`` (0 in a group of one or ``None``). A query, no traffic."""
+    return dist.get_rank(group) if _active(group) else 0
 
 
 def _timed(ledger: Optional[CommLedger], role: str, op: str, sent: int, recv: int, fn):

@@ -35,9 +35,11 @@ from titan_commopt.compress.replicators import KINDS, Replicator, make_replicato
 from titan_commopt.options import ConfigError, option
 from titan_commopt.topology import R, Topology
 
+from . import kernels
 from .base import CommOptimizer, named_params
 from .common import BaseHParams, NamedParams, local
 from .family import Family, Resolved
+from .orthogonalize import newton_schulz
 from .traffic import demo_r_bytes
 
 __all__ = ["Config", "PRESETS", "DeMo", "FAMILY", "build", "check", "newton_schulz"]
@@ -83,20 +85,6 @@ def check(cfg: Config, hparams: BaseHParams | None = None) -> list[str]:
     if cfg.replicator == "demo" and cfg.topk > cfg.chunk**2:
         return [f"[commopt.demo] topk = {cfg.topk}: allowed is at most chunk^2 = {cfg.chunk**2} (chunk = {cfg.chunk})"]
     return []
-
-
-def newton_schulz(x: torch.Tensor, steps: int) -> torch.Tensor:
-    """Muon's quintic Newton–Schulz orthogonalization of ``x`` viewed as ``(d0, rest)``."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    X = x.reshape(x.shape[0], -1) if x.ndim >= 2 else x.reshape(1, -1)
-    rows, cols = X.shape
-    X = X.T if rows > cols else X
-    X = X / (X.norm() + 1e-7)  # spectral norm <= 1 so the iteration converges
-    for _ in range(steps):
-        A = X @ X.T
-        X = a * X + (b * A + c * A @ A) @ X
-    X = X.T if rows > cols else X
-    return (X * max(1.0, rows / cols) ** 0.5).reshape(x.shape)  # Muon's shape scale
 
 
 class DeMo(CommOptimizer):
@@ -158,15 +146,12 @@ class DeMo(CommOptimizer):
                 t = int(state["step"].item())
                 g = self.topology.replica_grad(local(p.grad)).float()
                 if self.cfg.base == "sgd":
-                    x = local(state["momentum"])
-                    x.mul_(group["beta"]).add_(g)  # eq. 2
+                    x = kernels.heavy_ball_(local(state["momentum"]), g, group["beta"])  # eq. 2, x is m itself
                 else:
-                    b1, b2 = group["betas"]
-                    m, v = local(state["exp_avg"]), local(state["exp_avg_sq"])
-                    m.lerp_(g, 1 - b1)
-                    v.mul_(b2).addcmul_(g, g, value=1 - b2)
                     # decoupled AdamW: moments stay local, the replicator sees the bias-corrected update
-                    x = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt_().add_(group["eps"]))
+                    b1, b2 = group["betas"]
+                    x = kernels.adam_direction_(g, local(state["exp_avg"]), local(state["exp_avg_sq"]),
+                                                beta1=b1, beta2=b2, eps=group["eps"], step=t)
                 if x.numel() == 0:
                     continue
                 if W == 1:  # nobody to sync with: the base optimizer on this shard
@@ -191,10 +176,7 @@ class DeMo(CommOptimizer):
 
     def _apply(self, p: torch.Tensor, group: dict, update: torch.Tensor) -> None:
         x = local(p)
-        lr, wd = group["lr"], group["weight_decay"]
-        if wd:
-            x.mul_(1 - lr * wd)  # decoupled weight decay
-        x.add_(self._phi(update).to(x.dtype), alpha=-lr)
+        kernels.descend_(x, self._phi(update).to(x.dtype), group["lr"], group["weight_decay"])  # eq. 7
 
 
 # ---- the family ------------------------------------------------------------------------------------

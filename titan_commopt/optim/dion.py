@@ -65,9 +65,12 @@ from titan_commopt import comm
 from titan_commopt.options import option
 from titan_commopt.topology import R, S, T, Topology
 
+from . import kernels
 from .base import CommOptimizer, named_params
 from .common import BaseHParams, NamedParams, local
 from .family import Family, Resolved
+from .orthogonalize import cholesky_qr2, orthogonalize
+from .shard_groups import Groups, buckets as _buckets, sum_over as _sum_over
 from .traffic import dion_r_bytes
 
 try:  # FSDP2 over TP shards an already row-sharded dim again: a strided row split
@@ -174,9 +177,6 @@ def r_slice(n_loc: int, row_split: tuple[int, int]) -> tuple[int, int]:
 
 
 # ---- sharding layout of one matrix -----------------------------------------------------------------
-Groups = list[tuple[str, Any]]  # (role, process group) pairs to reduce over, in mesh-dim order
-
-
 @dataclass
 class _Layout:
     fqn: str
@@ -234,30 +234,7 @@ def _layout(fqn: str, p: torch.Tensor, topology: Topology, cfg: Config) -> _Layo
     return lay
 
 
-# ---- orthogonalization -----------------------------------------------------------------------------
-def _key(groups: Groups) -> tuple:
-    return tuple((role, id(group)) for role, group in groups)
-
-
-def _buckets(groups_of: Sequence[Groups]) -> list[tuple[Groups, list[int]]]:
-    """Indices of the entries sharing the same non-empty groups, bucket by bucket: one fused
-    collective per bucket (every rank holds the same matrices in the same order, so buckets and
-    their order agree across the ranks of a group)."""
-    buckets: dict[tuple, tuple[Groups, list[int]]] = {}
-    for i, groups in enumerate(groups_of):
-        if groups:
-            buckets.setdefault(_key(groups), (groups, []))[1].append(i)
-    return list(buckets.values())
-
-
-def _sum_over(tensors: Sequence[torch.Tensor], groups_of: Sequence[Groups]) -> None:
-    """In-place all-reduce-sum of each tensor over its groups: one fused collective per group for
-    all tensors that share the same groups."""
-    for groups, members in _buckets(groups_of):
-        for role, group in groups:
-            comm.all_reduce_fused([tensors[i] for i in members], role, group, op="sum")
-
-
+# ---- the R reduction -------------------------------------------------------------------------------
 def _scatter_level(buffers: list[torch.Tensor], role: str, group: Any) -> list[torch.Tensor]:
     """One fused reduce-scatter over ``group`` for all the flat ``buffers``: each keeps this rank's
     1/W block, summed over the group."""
@@ -314,80 +291,13 @@ def _reduce_r(Rs: list[torch.Tensor], lays: list[_Layout], replicate: Any, syncs
             Rs[i].copy_(buf[: Rs[i].numel()].view_as(Rs[i]))
 
 
-def _cqr2(Ps: list[torch.Tensor], rows: list[Groups], dtype: torch.dtype) -> list[Optional[torch.Tensor]]:
-    out: list[Optional[torch.Tensor]] = [P.to(dtype) for P in Ps]
-    limit = 0.1 / math.sqrt(torch.finfo(dtype).eps)  # CholeskyQR2 is accurate for cond(P) ≲ u^(-1/2)
-    todo = list(range(len(Ps)))
-    for first in (True, False):
-        grams = [out[i].T @ out[i] for i in todo]  # type: ignore[union-attr]
-        _sum_over(grams, [rows[i] for i in todo])  # r×r per matrix over the row shards
-        keep = []
-        for i, gram in zip(todo, grams):
-            L, info = torch.linalg.cholesky_ex(gram)
-            d = L.diagonal()
-            # diag(L)'s spread is a lower bound of cond(P): a cheap, rank-consistent test.
-            if int(info) != 0 or (first and not bool(d.min() * limit > d.max())):
-                out[i] = None
-                continue
-            out[i] = torch.linalg.solve_triangular(L.T, out[i], upper=True, left=False)
-            keep.append(i)
-        todo = keep
-    return [None if o is None else o.to(P.dtype) for o, P in zip(out, Ps)]
-
-
-def _cholesky_qr_many(Ps: list[torch.Tensor], rows: list[Groups]) -> list[Optional[torch.Tensor]]:
-    """CholeskyQR2 of row-distributed P's: two passes of P ← P L⁻ᵀ with L Lᵀ = Σ_i P_iᵀ P_i.
-
-    First in P's own dtype; the ones too ill-conditioned for it are retried in float64 (the Gram
-    squares cond(P)). An entry is None where even that fails — on every rank alike, since the Gram
-    is identical on all ranks after the all-reduce.
-    """
-    if not Ps:
-        return []
-    dtype = torch.promote_types(Ps[0].dtype, torch.float32)  # no Cholesky in bf16/fp16
-    out = _cqr2(Ps, rows, dtype)
-    retry = [i for i, o in enumerate(out) if o is None]
-    if retry and dtype != torch.float64:
-        for i, o in zip(retry, _cqr2([Ps[i] for i in retry], [rows[i] for i in retry], torch.float64)):
-            out[i] = o
-    return out
-
-
+# Single-matrix forms of the orthogonalization, which tests/test_dion.py reaches for.
 def _cholesky_qr(P: torch.Tensor, rows: Groups) -> Optional[torch.Tensor]:
-    return _cholesky_qr_many([P], [rows])[0]
-
-
-def _gather_rows(P: torch.Tensor, rows: Groups) -> tuple[torch.Tensor, int]:
-    """All rows of P over the row groups (m×r; shards may be uneven), and where ours start."""
-    block, start = P, 0
-    for role, group in rows:
-        counts = comm.all_gather(torch.tensor([block.shape[0]], dtype=torch.int64, device=block.device), role, group)[:, 0]
-        cap = int(counts.max())
-        padded = torch.zeros(cap, block.shape[1], dtype=block.dtype, device=block.device)
-        padded[: block.shape[0]] = block
-        gathered = comm.all_gather(padded, role, group)
-        me = dist.get_rank(group)
-        start += int(counts[:me].sum())
-        block = torch.cat([gathered[i, : int(c)] for i, c in enumerate(counts.tolist())])
-    return block, start
-
-
-def _qr(P: torch.Tensor, rows: Groups) -> torch.Tensor:
-    if not rows:
-        return torch.linalg.qr(P).Q
-    full, start = _gather_rows(P, rows)
-    return torch.linalg.qr(full).Q[start : start + P.shape[0]].contiguous()
-
-
-def _orthogonalize_many(Ps: list[torch.Tensor], rows: list[Groups], method: str) -> list[torch.Tensor]:
-    out = _cholesky_qr_many(Ps, rows) if method == "cholesky_qr" else [None] * len(Ps)
-    # A P whose second Cholesky failed is partly orthogonalized: same column space, so its QR factor
-    # is still P's (up to column signs, which Dion's update does not see).
-    return [o if o is not None else _qr(P, r) for o, P, r in zip(out, Ps, rows)]
+    return cholesky_qr2([P], [rows])[0]
 
 
 def _orthogonalize(P: torch.Tensor, rows: Groups, method: str) -> torch.Tensor:
-    return _orthogonalize_many([P], [rows], method)[0]
+    return orthogonalize([P], [rows], method)[0]
 
 
 # ---- the optimizer ---------------------------------------------------------------------------------
@@ -506,23 +416,14 @@ class Dion(CommOptimizer):
 
     def _scalar_update(self, p: torch.Tensor, group: dict, g: torch.Tensor) -> None:
         state = self.state[p] or self._init_scalar_state(p, group["algorithm"])
-        lr, wd = group["lr"], group["weight_decay"]
-        beta1, beta2 = group["betas"]
+        (beta1, beta2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
         x, m = local(p), local(state["exp_avg"])
         state["step"] += 1
-        x.mul_(1 - lr * wd)  # decoupled weight decay
         if group["algorithm"] == "lion":
-            # Lion: x -= lr·sign(β1·m + (1−β1)·g); m ← β2·m + (1−β2)·g
-            x.add_(torch.sign(m.lerp(g, 1 - beta1)), alpha=-lr)
-            m.lerp_(g, 1 - beta2)
+            kernels.lion_(x, g, m, lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd)
             return
-        v = local(state["exp_avg_sq"])
-        step = float(state["step"])
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        bias1, bias2 = 1 - beta1**step, 1 - beta2**step
-        denom = (v.sqrt() / math.sqrt(bias2)).add_(group["eps"])
-        x.addcdiv_(m, denom, value=-lr / bias1)
+        kernels.adamw_(x, g, m, local(state["exp_avg_sq"]), lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                       weight_decay=wd, step=float(state["step"]))
 
     def _dion_update(self, matrices: list) -> None:
         topo = self.topology
@@ -539,7 +440,7 @@ class Dion(CommOptimizer):
         # E_DP[P̂]: (m_loc × r) per compressed matrix, one collective for all of them.
         comm.all_reduce_fused([P for P, lay in zip(Ps, lays) if lay.compressed], R, topo.replicate, op="mean")
         _sum_over(Ps, [lay.cols for lay in lays])  # P = Σ_j B_j Q_j over column shards
-        Ps = _orthogonalize_many(Ps, [lay.rows for lay in lays], self.cfg.orthogonalize)
+        Ps = orthogonalize(Ps, [lay.rows for lay in lays], self.cfg.orthogonalize)
         Rs = [B.T @ P for B, P in zip(Bs, Ps)]  # R̂ = B̂ᵀ P: local columns, partial over row shards
         _reduce_r(Rs, lays, topo.replicate, topo.replicate_size > 1)  # R = E_DP[Σ_i B_iᵀ P_i]
         sqs = [(Rm * Rm).sum(dim=0) for Rm in Rs]
@@ -550,8 +451,7 @@ class Dion(CommOptimizer):
             norm = sq.sqrt()
             # Q = colnorm(R); a column with R = 0 keeps its old direction instead of dying at 0.
             Q.copy_(torch.where(norm > 0, Rm / (norm + self.cfg.colnorm_eps), Q))
-            x = local(p)
-            x.mul_(1 - lr * wd)  # decoupled weight decay
+            x = kernels.decoupled_decay_(local(p), lr, wd)
             x.addmm_(P, Q.T, alpha=-lr * math.sqrt(lay.m / lay.n))  # X −= η sqrt(m/n) P Qᵀ
 
 

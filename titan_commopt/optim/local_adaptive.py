@@ -69,6 +69,7 @@ from titan_commopt import comm
 from titan_commopt.options import ConfigError, option, resolve_auto_period
 from titan_commopt.topology import R, S, T, Topology
 
+from . import kernels
 from .base import CommOptimizer
 from .common import BaseHParams, NamedParams, local
 from .family import Family, Resolved
@@ -396,55 +397,21 @@ class LocalAdaptive(CommOptimizer):
         return loss
 
     def _update(self, group: dict, p: torch.Tensor, g: torch.Tensor, state: dict, n: int) -> None:
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        betas1, omegas, beta2 = group["betas1"], group["omegas"], group["beta2"]
         x = local(p)
         g = g.to(x.dtype)
-        moments = [local(state[self._moment_key(j)]) for j in range(len(betas1))]
-
-        if self.base == "adopt":
-            v = local(state["exp_avg_sq"])
-            if n == 1:
-                v.addcmul_(g, g)  # ADOPT: the first step only initializes v = g²
-                return
-            gn = g / v.sqrt().clamp_(min=eps)  # normalized by the *previous* v
-            if self.adopt_clip:
-                c = (n - 1) ** 0.25
-                gn.clamp_(-c, c)
-            for u, b in zip(moments, betas1):
-                u.lerp_(gn, 1 - b)  # u_j ← β1_j u_j + (1−β1_j) ĝ
-            delta = gn * (1 - sum(omegas))  # Δ = (1−Σω) ĝ + Σ ω_j u_j
-            for u, w in zip(moments, omegas):
-                delta.add_(u, alpha=w)
-            x.mul_(1 - lr * wd)
-            x.add_(delta, alpha=-lr)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v last (ADOPT's order)
-            return
-
-        for u, b in zip(moments, betas1):
-            u.lerp_(g, 1 - b)  # u_j ← β1_j u_j + (1−β1_j) g
-        x.mul_(1 - lr * wd)  # decoupled weight decay, as torch AdamW (before the update)
-
+        moments = [local(state[self._moment_key(j)]) for j in range(len(group["betas1"]))]
+        hp = dict(lr=group["lr"], betas1=group["betas1"], omegas=group["omegas"],
+                  weight_decay=group["weight_decay"])
         if self.base == "sgdm":
-            delta = g * (1 - sum(omegas))  # Δ = (1−Σω) g + Σ ω_j u_j
-            for u, w in zip(moments, omegas):
-                delta.add_(u, alpha=w)
-            x.add_(delta, alpha=-lr)
+            kernels.sgdm_(x, g, moments, **hp)
             return
-
         v = local(state["exp_avg_sq"])
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v ← β2 v + (1−β2) g²
-        bc2 = 1 - beta2**n if self.bias_correction else 1.0
-        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)  # √v̂ + ε, the same rounding as torch AdamW
-        if len(moments) == 1 and omegas[0] == 1.0:
-            bc1 = 1 - betas1[0] ** n if self.bias_correction else 1.0
-            x.addcdiv_(moments[0], denom, value=-lr / bc1)  # plain Adam: torch's exact expression
-            return
-        num = g * (1 - sum(omegas))  # (1−Σω) g + Σ ω_j û_j
-        for u, b, w in zip(moments, betas1, omegas):
-            bc1 = 1 - b**n if self.bias_correction else 1.0
-            num.add_(u, alpha=w / bc1)
-        x.addcdiv_(num, denom, value=-lr)
+        if self.base == "adopt":
+            kernels.adopt_(x, g, moments, v, **hp, beta2=group["beta2"], eps=group["eps"], step=n,
+                           clip=self.adopt_clip)
+        else:
+            kernels.qh_adamw_(x, g, moments, v, **hp, beta2=group["beta2"], eps=group["eps"], step=n,
+                              bias_correction=self.bias_correction)
 
     def _nesterov(self, x: torch.Tensor, state: dict) -> None:
         """DiLoCo outer step; ``x`` already holds mean_R(x)."""

@@ -1,0 +1,169 @@
+"""Scalar update kernels: the per-element math of every optimizer family, written once.
+
+In the spirit of torch's ``optim/adamw.py`` (its single-tensor path) and microsoft/dion's
+``scalar_opts.py``: plain functions on *local* tensors (the shard behind a DTensor, see
+``common.local``), no collectives, no state dicts. A family fetches its shards, calls a kernel and
+does its own communication around it. A trailing ``_`` means the function writes into its tensor
+arguments (the parameter ``x`` and the optimizer states).
+
+Notation of the comments: x parameter, g gradient, m or u_j first moment(s), v second moment,
+η learning rate, λ decoupled weight decay, t the 1-based step, m̂ = m/(1−β1^t), v̂ = v/(1−β2^t).
+
+Rounding: :func:`adamw_` performs torch AdamW's single-tensor operations in torch's order (moments
+by ``lerp_``/``addcmul_``, ``denom = √v / (1−β2^t) ** 0.5 + ε`` — Python's ``** 0.5``, as torch, not
+``math.sqrt``, which rounds differently on about 0.1 % of steps — and ``x += (−η/(1−β1^t))·m/denom``),
+so one LocalAdaptive replica and Dion's scalar AdamW match ``torch.optim.Adam``/``AdamW`` to the
+last bit. Kernels are not interchangeable bit for bit: a quasi-hyperbolic step with one momentum
+and ω = 1 *is* :func:`adamw_` for that reason.
+"""
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "decoupled_decay_", "descend_", "ema_", "ema_sq_", "heavy_ball_", "quasi_hyperbolic",
+    "adam_denominator", "adamw_", "qh_adamw_", "adam_direction_", "lion_", "sgdm_", "adopt_",
+]
+
+
+# ---- building blocks -----------------------------------------------------------------------------
+def _correction(beta: float, step: float, enabled: bool = True) -> float:
+    """1 − β^t: the weight an EMA started at zero has gathered after t steps (1 when disabled)."""
+    return 1 - beta**step if enabled else 1.0
+
+
+def decoupled_decay_(x: Tensor, lr: float, weight_decay: float) -> Tensor:
+    """x ← x·(1 − η·λ): weight decay decoupled from the gradient (Loshchilov & Hutter, AdamW)."""
+    if weight_decay != 0:  # skipped like torch does; multiplying by 1.0 would not change a bit anyway
+        x.mul_(1 - lr * weight_decay)
+    return x
+
+
+def descend_(x: Tensor, update: Tensor, lr: float, weight_decay: float = 0.0) -> Tensor:
+    """x ← x·(1 − η·λ) − η·update: the last line of every optimizer here except Adam's."""
+    decoupled_decay_(x, lr, weight_decay)
+    return x.add_(update, alpha=-lr)
+
+
+def ema_(avg: Tensor, value: Tensor, beta: float) -> Tensor:
+    """avg ← β·avg + (1−β)·value, as torch's Adam computes its first moment (``lerp_``)."""
+    return avg.lerp_(value, 1 - beta)
+
+
+def ema_sq_(v: Tensor, g: Tensor, beta2: float) -> Tensor:
+    """v ← β2·v + (1−β2)·g², as torch's Adam computes its second moment."""
+    return v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+
+
+def heavy_ball_(m: Tensor, g: Tensor, beta: float) -> Tensor:
+    """m ← β·m + g: torch SGD's undampened momentum buffer, DeMo's eq. 2 (from zero: the first step
+    gives m = g exactly, as torch's ``clone`` of the first gradient)."""
+    return m.mul_(beta).add_(g)
+
+
+def quasi_hyperbolic(
+    g: Tensor, moments: Sequence[Tensor], omegas: Sequence[float], corrections: Optional[Sequence[float]] = None
+) -> Tensor:
+    """(1 − Σω_j)·g + Σ_j ω_j·u_j/c_j, a new tensor: QHM's mix of the gradient with N momenta
+    (c_j = 1 unless ``corrections`` gives Adam's 1 − β1_j^t, making u_j/c_j = û_j)."""
+    out = g * (1 - sum(omegas))
+    for j, (u, w) in enumerate(zip(moments, omegas)):
+        out.add_(u, alpha=w if corrections is None else w / corrections[j])
+    return out
+
+
+def adam_denominator(v: Tensor, beta2: float, step: float, eps: float, bias_correction: bool = True) -> Tensor:
+    """√v̂ + ε, a new tensor, rounded as torch's AdamW: √v / (1−β2^t) ** 0.5, then + ε."""
+    return (v.sqrt() / _correction(beta2, step, bias_correction) ** 0.5).add_(eps)
+
+
+# ---- Adam family ---------------------------------------------------------------------------------
+def adamw_(
+    x: Tensor, g: Tensor, m: Tensor, v: Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
+    weight_decay: float, step: float, bias_correction: bool = True,
+) -> None:
+    """One AdamW step (Adam at λ = 0; Kingma & Ba 2015, Loshchilov & Hutter 2019):
+    x ← x·(1−ηλ) − η·m̂/(√v̂+ε). torch's operations in torch's order (see the module docstring)."""
+    decoupled_decay_(x, lr, weight_decay)
+    ema_(m, g, beta1)  # m ← β1·m + (1−β1)·g
+    ema_sq_(v, g, beta2)  # v ← β2·v + (1−β2)·g²
+    denom = adam_denominator(v, beta2, step, eps, bias_correction)  # √v̂ + ε
+    x.addcdiv_(m, denom, value=-lr / _correction(beta1, step, bias_correction))  # − η/(1−β1^t) · m/denom
+
+
+def qh_adamw_(
+    x: Tensor, g: Tensor, moments: Sequence[Tensor], v: Tensor, *, lr: float, betas1: Sequence[float],
+    omegas: Sequence[float], beta2: float, eps: float, weight_decay: float, step: float,
+    bias_correction: bool = True,
+) -> None:
+    """Quasi-hyperbolic Adam with N first momenta (MT-DAO, Algorithm 1):
+    u_j ← β1_j·u_j + (1−β1_j)·g;  x ← x·(1−ηλ) − η·[(1−Σω)·g + Σ ω_j·û_j] / (√v̂ + ε).
+    One momentum with ω = 1 is plain AdamW and goes through :func:`adamw_` (torch's rounding)."""
+    if len(moments) == 1 and omegas[0] == 1.0:
+        adamw_(x, g, moments[0], v, lr=lr, beta1=betas1[0], beta2=beta2, eps=eps, weight_decay=weight_decay,
+               step=step, bias_correction=bias_correction)
+        return
+    decoupled_decay_(x, lr, weight_decay)
+    for u, b in zip(moments, betas1):
+        ema_(u, g, b)
+    ema_sq_(v, g, beta2)
+    denom = adam_denominator(v, beta2, step, eps, bias_correction)
+    corrections = [_correction(b, step, bias_correction) for b in betas1]
+    x.addcdiv_(quasi_hyperbolic(g, moments, omegas, corrections), denom, value=-lr)
+
+
+def adam_direction_(
+    g: Tensor, m: Tensor, v: Tensor, *, beta1: float, beta2: float, eps: float, step: float
+) -> Tensor:
+    """Update Adam's moments and return the bias-corrected direction m̂/(√v̂+ε) (a new tensor)
+    without applying it: DeMo's decoupled-AdamW base hands it to the replicator instead."""
+    ema_(m, g, beta1)
+    ema_sq_(v, g, beta2)
+    return torch.div(m, adam_denominator(v, beta2, step, eps)).div_(_correction(beta1, step))
+
+
+# ---- sign, momentum and ADOPT --------------------------------------------------------------------
+def lion_(
+    x: Tensor, g: Tensor, m: Tensor, *, lr: float, beta1: float, beta2: float, weight_decay: float
+) -> None:
+    """Lion (Chen et al. 2023): x ← x·(1−ηλ) − η·sign(β1·m + (1−β1)·g), then m ← β2·m + (1−β2)·g.
+    The step interpolates with β1, the momentum tracks with β2."""
+    descend_(x, torch.sign(m.lerp(g, 1 - beta1)), lr, weight_decay)
+    ema_(m, g, beta2)
+
+
+def sgdm_(
+    x: Tensor, g: Tensor, moments: Sequence[Tensor], *, lr: float, betas1: Sequence[float],
+    omegas: Sequence[float], weight_decay: float,
+) -> None:
+    """SGD with EMA momenta, quasi-hyperbolic (QHM; MT-DAO, Algorithm 3):
+    u_j ← β1_j·u_j + (1−β1_j)·g;  x ← x·(1−ηλ) − η·[(1−Σω)·g + Σ ω_j·u_j].
+    With one momentum and ω = 1 it is torch's SGD(momentum=β) at lr η·(1−β) (torch keeps u/(1−β))."""
+    for u, b in zip(moments, betas1):
+        ema_(u, g, b)
+    descend_(x, quasi_hyperbolic(g, moments, omegas), lr, weight_decay)
+
+
+def adopt_(
+    x: Tensor, g: Tensor, moments: Sequence[Tensor], v: Tensor, *, lr: float, betas1: Sequence[float],
+    omegas: Sequence[float], beta2: float, eps: float, weight_decay: float, step: int, clip: bool = True,
+) -> None:
+    """ADOPT (Taniguchi et al. 2024) with N quasi-hyperbolic momenta (MT-DAO, Algorithm 2).
+
+    The gradient is normalized by the *previous* second moment, ĝ = g / max(√v, ε) (clipped to
+    ±(t−1)^¼ when ``clip``), before it enters the momenta; then x ← x·(1−ηλ) − η·[(1−Σω)·ĝ + Σ ω_j·u_j]
+    and v is updated last. Step 1 only initializes v = g² (v must still be zero), no update.
+    """
+    if step == 1:
+        v.addcmul_(g, g)  # v = 0 + g²
+        return
+    gn = g / v.sqrt().clamp_(min=eps)  # ĝ = g / max(√v_{t−1}, ε)
+    if clip:
+        c = (step - 1) ** 0.25
+        gn.clamp_(-c, c)
+    for u, b in zip(moments, betas1):
+        ema_(u, gn, b)  # u_j ← β1_j·u_j + (1−β1_j)·ĝ
+    descend_(x, quasi_hyperbolic(gn, moments, omegas), lr, weight_decay)
+    ema_sq_(v, g, beta2)  # v last: ADOPT's order, which is what lets it converge for any β2
