@@ -59,3 +59,40 @@ def test_single_topology_is_noop():
     assert torch.equal(comm.all_gather(x, R, topo.replicate, ledger=ledger), x.unsqueeze(0))
     assert ledger.end_step() == {}
     assert (topo.replicate_size, topo.shard_size, topo.tp_size, topo.replica_index) == (1, 1, 1, 0)
+
+
+def _async_collectives(rank, world_size):
+    """Every collective with ``async_op=True``: issued first, waited for later, equal to the
+    synchronous form; bytes counted at issue, seconds at completion (no extra calls)."""
+    group = dist.group.WORLD
+    sync_ledger, async_ledger = comm.CommLedger(), comm.CommLedger()
+    x = torch.arange(6.0) * (rank + 1)
+    fused = [torch.full((3,), float(rank)), torch.full((2, 2), 2.0 * rank, dtype=torch.float64)]
+    stacked = torch.arange(8.0).view(2, 4) + rank
+
+    def run(ledger, async_op):
+        xs, fs = x.clone(), [t.clone() for t in fused]
+        issued = [
+            comm.all_reduce(xs, R, group, op="mean", ledger=ledger, async_op=async_op),
+            comm.all_gather(x, R, group, ledger=ledger, async_op=async_op),
+            comm.reduce_scatter(stacked, R, group, ledger=ledger, async_op=async_op),
+            comm.all_reduce_fused(fs, R, group, op="mean", ledger=ledger, async_op=async_op),
+        ]
+        if async_op:
+            at_issue = ledger.current()
+            issued = [p.wait() for p in issued]
+            return issued[:3], fs, at_issue, ledger.end_step()
+        return issued[:3], fs, None, ledger.end_step()
+
+    return run(sync_ledger, False), run(async_ledger, True)
+
+
+def test_async_collectives_equal_sync_and_are_counted_once():
+    for (sync_out, sync_fused, _, sync_step), (async_out, async_fused, at_issue, async_step) in \
+            run_distributed(_async_collectives, 2):
+        for a, b in zip(sync_out + sync_fused, async_out + async_fused):
+            assert torch.equal(a, b)
+        assert at_issue["R_sent"] == async_step["R_sent"] == sync_step["R_sent"]
+        assert at_issue.get("R_seconds", 0.0) == 0.0 and async_step["R_seconds"] > 0.0
+        assert async_step["R_calls"] == sync_step["R_calls"] == 4
+    assert async_fused[0][0] == 0.5  # mean of 0 and 1: gloo has no AVG, SUM then divide

@@ -13,8 +13,18 @@ DES-LOC's "d elements per sync"):
   (its contributions to the other ranks' chunks), received (W-1)·c (theirs to its own chunk);
 - broadcast of n bytes: the source sends n, every other rank receives n.
 
-A group of one (``None`` or size 1) is a no-op and records nothing. gloo has no AVG reduction,
-so ``op="mean"`` is a SUM followed by a division, on every backend (same numbers everywhere).
+A group of one (``None`` or size 1) is a no-op and records nothing. ``op="mean"`` is the backend's
+AVG where it has one (NCCL, and RCCL, which registers as "nccl"); gloo has none, so there it is a
+SUM followed by a division.
+
+Overlap: every collective takes ``async_op=True`` and then returns a :class:`Pending` at once;
+``Pending.wait()`` blocks until the collective has completed and returns its result (the mean
+division, the copy back into fused tensors: whatever the synchronous form would have done). Bytes
+are counted when a collective is issued, in the step that issues it. Seconds are counted when it
+completes, on the clock of its tensors' device: on CPU the host clock from issue to completion; on
+a GPU a pair of timing events around it, read by ``CommLedger.end_step`` only once the device has
+passed them (``Event.query``), so timing adds no host synchronization; such seconds land in the
+step that is being closed when they become readable.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Generic, Iterable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,6 +42,7 @@ import torch.distributed as dist
 __all__ = [
     "CommRecord",
     "CommLedger",
+    "Pending",
     "get_ledger",
     "use_ledger",
     "all_reduce",
@@ -58,6 +69,9 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+TIME_OP = "time"  # a record that carries only the seconds of a collective counted earlier
+
+
 @dataclass(frozen=True)
 class CommRecord:
     role: str
@@ -76,11 +90,29 @@ class CommLedger:
         self.totals: dict[str, float] = defaultdict(float)  # cumulative, see ``summarize`` keys
         self.steps = 0
         self.last_step: dict[str, float] = {}
+        self._device_timers: list[tuple[str, Any, Any]] = []  # (role, start event, end event)
 
     def record(
         self, role: str, op: str, sent: int, recv: int, seconds: float = 0.0, estimated: bool = False
     ) -> None:
         self.records.append(CommRecord(role, op, int(sent), int(recv), float(seconds), estimated))
+
+    def add_time(self, role: str, seconds: float) -> None:
+        """Seconds a collective took, counted apart from its bytes (it may complete in a later step)."""
+        self.records.append(CommRecord(role, TIME_OP, 0, 0, float(seconds)))
+
+    def add_device_timer(self, role: str, start: Any, end: Any) -> None:
+        """A collective timed by two device events: counted once the device has passed ``end``."""
+        self._device_timers.append((role, start, end))
+
+    def _read_device_timers(self) -> None:
+        waiting = []
+        for role, start, end in self._device_timers:
+            if end.query():  # non-blocking: never waits for the device
+                self.add_time(role, start.elapsed_time(end) / 1e3)
+            else:
+                waiting.append((role, start, end))
+        self._device_timers = waiting
 
     @staticmethod
     def summarize(records: Iterable[CommRecord]) -> dict[str, float]:
@@ -92,9 +124,10 @@ class CommLedger:
         out: dict[str, float] = defaultdict(float)
         for r in records:
             prefix = f"{r.role}_est" if r.estimated else r.role
-            out[f"{prefix}_sent"] += r.sent
-            out[f"{prefix}_recv"] += r.recv
-            out[f"{prefix}_calls"] += 1
+            if r.op != TIME_OP:
+                out[f"{prefix}_sent"] += r.sent
+                out[f"{prefix}_recv"] += r.recv
+                out[f"{prefix}_calls"] += 1
             if not r.estimated:
                 out[f"{r.role}_seconds"] += r.seconds
         return dict(out)
@@ -104,6 +137,7 @@ class CommLedger:
 
     def end_step(self) -> dict[str, float]:
         """Close the current step: return its summary and add it to the totals."""
+        self._read_device_timers()
         summary = self.current()
         for k, v in summary.items():
             self.totals[k] += v
@@ -155,11 +189,72 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_rank(group) if _active(group) else 0
 
 
-def _timed(ledger: Optional[CommLedger], role: str, op: str, sent: int, recv: int, fn):
-    start = time.perf_counter()
-    result = fn()
-    (ledger or _LEDGER).record(role, op, sent, recv, time.perf_counter() - start)
-    return result
+def has_avg(group: dist.ProcessGroup) -> bool:
+    """Whether the group's backend reduces with AVG itself (NCCL/RCCL); gloo does not."""
+    return dist.get_backend(group) == "nccl"
+
+
+T = TypeVar("T")
+_UNSET: Any = object()
+
+
+class Pending(Generic[T]):
+    """A collective in flight. ``wait()`` blocks until it has completed, then returns its result
+    (a second ``wait()`` returns the same result without waiting)."""
+
+    def __init__(self, work: Any, finish: Callable[[], T], timer: Optional["_Timer"]) -> None:
+        self._work, self._finish, self._timer = work, finish, timer
+        self._result = _UNSET
+
+    @classmethod
+    def ready(cls, result: T) -> "Pending[T]":
+        """A collective that needed no communication (a group of one)."""
+        return cls(None, lambda: result, None)
+
+    def wait(self) -> T:
+        if self._result is _UNSET:
+            if self._work is not None:
+                self._work.wait()
+            if self._timer is not None:
+                self._timer.stop()
+            self._result = self._finish()
+        return self._result
+
+
+class _Timer:
+    """The seconds of one collective on its tensors' device clock (see the module docstring)."""
+
+    def __init__(self, ledger: CommLedger, role: str, device: torch.device) -> None:
+        self.ledger, self.role = ledger, role
+        self.start_event = None
+        if device.type == "cuda":  # CUDA, and ROCm/HIP builds, which call their devices "cuda" too
+            self.start_event = torch.cuda.Event(enable_timing=True)
+            self.start_event.record()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.start_event is None:
+            self.ledger.add_time(self.role, time.perf_counter() - self.t0)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()  # after work.wait(): the current stream has waited for the collective
+        self.ledger.add_device_timer(self.role, self.start_event, end)
+
+
+def _issue(
+    ledger: Optional[CommLedger], role: str, op: str, sent: int, recv: int, device: torch.device,
+    launch: Callable[[bool], Any], finish: Callable[[], T], async_op: bool,
+) -> "T | Pending[T]":
+    """Count the bytes, start the clock, launch the collective; wait now unless ``async_op``."""
+    target = ledger or _LEDGER
+    target.record(role, op, sent, recv)
+    timer = _Timer(target, role, device)
+    pending = Pending(launch(async_op), finish, timer)  # a synchronous launch returns no work
+    return pending if async_op else pending.wait()
+
+
+def _finished(result: T, async_op: bool) -> "T | Pending[T]":
+    return Pending.ready(result) if async_op else result
 
 
 def all_reduce(
@@ -169,21 +264,28 @@ def all_reduce(
     *,
     op: str = "sum",
     ledger: Optional[CommLedger] = None,
-) -> torch.Tensor:
+    async_op: bool = False,
+) -> "torch.Tensor | Pending[torch.Tensor]":
     """In-place all-reduce of ``tensor`` over ``group``; ``op`` in sum/mean/max/min."""
     if not _active(group):
-        return tensor
+        return _finished(tensor, async_op)
+    divide = op == "mean" and not has_avg(group)
     reduce_op = {
         "sum": dist.ReduceOp.SUM,
-        "mean": dist.ReduceOp.SUM,
+        "mean": dist.ReduceOp.SUM if divide else dist.ReduceOp.AVG,
         "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN,
     }[op]
+    w = dist.get_world_size(group)
+
+    def finish() -> torch.Tensor:
+        return tensor.div_(w) if divide else tensor
+
     n = nbytes(tensor)
-    _timed(ledger, role, f"all_reduce_{op}", n, n, lambda: dist.all_reduce(tensor, reduce_op, group=group))
-    if op == "mean":
-        tensor.div_(dist.get_world_size(group))
-    return tensor
+    return _issue(
+        ledger, role, f"all_reduce_{op}", n, n, tensor.device,
+        lambda a: dist.all_reduce(tensor, reduce_op, group=group, async_op=a), finish, async_op,
+    )
 
 
 def all_reduce_fused(
@@ -194,22 +296,31 @@ def all_reduce_fused(
     op: str = "mean",
     dtype: Optional[torch.dtype] = None,
     ledger: Optional[CommLedger] = None,
-) -> None:
-    """All-reduce several tensors as one flat buffer (one collective), results written back in place.
+    async_op: bool = False,
+) -> "None | Pending[None]":
+    """All-reduce several tensors as one flat buffer (one collective), results written back in place
+    (with ``async_op``, when the returned :class:`Pending` is waited for).
 
     ``dtype`` is the transfer dtype (e.g. bf16); the reduction result is cast back to each
     tensor's own dtype. Tensors may have different dtypes and shapes.
     """
     if not _active(group) or not tensors:
-        return
+        return _finished(None, async_op)
     wire_dtype = dtype or tensors[0].dtype
     flat = torch.cat([t.reshape(-1).to(wire_dtype) for t in tensors])
-    all_reduce(flat, role, group, op=op, ledger=ledger)
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
-        offset += n
+    reduced = all_reduce(flat, role, group, op=op, ledger=ledger, async_op=True)
+
+    def finish() -> None:
+        reduced.wait()
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+    if not async_op:
+        return finish()
+    return Pending(None, finish, None)
 
 
 def all_gather(
@@ -218,22 +329,23 @@ def all_gather(
     group: Optional[dist.ProcessGroup],
     *,
     ledger: Optional[CommLedger] = None,
-) -> torch.Tensor:
+    async_op: bool = False,
+) -> "torch.Tensor | Pending[torch.Tensor]":
     """Gather equal-shaped tensors from every rank of ``group``: returns ``[W, *tensor.shape]``.
 
     A group of one returns ``tensor.unsqueeze(0)`` (no copy of data is sent anywhere).
     """
     if not _active(group):
-        return tensor.unsqueeze(0)
+        return _finished(tensor.unsqueeze(0), async_op)
     w = dist.get_world_size(group)
     out = torch.empty((w, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
     n = nbytes(tensor)
     src = tensor.contiguous()
-    _timed(
-        ledger, role, "all_gather", n, (w - 1) * n,
-        lambda: dist.all_gather(list(out.unbind(0)), src, group=group),
+    return _issue(
+        ledger, role, "all_gather", n, (w - 1) * n, tensor.device,
+        lambda a: dist.all_gather_into_tensor(out.view(-1), src.view(-1), group=group, async_op=a), lambda: out,
+        async_op,
     )
-    return out
 
 
 def reduce_scatter(
@@ -242,25 +354,26 @@ def reduce_scatter(
     group: Optional[dist.ProcessGroup],
     *,
     ledger: Optional[CommLedger] = None,
-) -> torch.Tensor:
+    async_op: bool = False,
+) -> "torch.Tensor | Pending[torch.Tensor]":
     """Sum ``tensor`` (shape ``[W, *chunk]``) over ``group`` and return this rank's ``chunk``: row i of
     the sum lands on the rank with index i. The inverse of :func:`all_gather` (``[W, *chunk]`` from
     ``chunk``); together they move what an all-reduce of ``tensor`` moves. A group of one returns
     ``tensor[0]``. gloo has it too (torch >= 2.13), so every backend runs the same collective.
     """
     if not _active(group):
-        return tensor[0]
+        return _finished(tensor[0], async_op)
     w = dist.get_world_size(group)
     if tensor.shape[0] != w:
         raise ValueError(f"reduce_scatter: leading dim {tensor.shape[0]} != group size {w}")
     out = torch.empty(tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
     c = nbytes(out)
     src = tensor.reshape(-1)  # the concatenated form: gloo takes no stacked input
-    _timed(
-        ledger, role, "reduce_scatter", (w - 1) * c, (w - 1) * c,
-        lambda: dist.reduce_scatter_single(out.view(-1), src, dist.ReduceOp.SUM, group=group),
+    return _issue(
+        ledger, role, "reduce_scatter", (w - 1) * c, (w - 1) * c, tensor.device,
+        lambda a: dist.reduce_scatter_single(out.view(-1), src, dist.ReduceOp.SUM, group=group, async_op=a),
+        lambda: out, async_op,
     )
-    return out
 
 
 def all_gather_object(obj: object, role: str, group: Optional[dist.ProcessGroup]) -> list[object]:
@@ -286,11 +399,10 @@ def broadcast(
         return tensor
     n = nbytes(tensor)
     is_src = dist.get_rank(group) == src_group_rank
-    _timed(
-        ledger, role, "broadcast", n if is_src else 0, 0 if is_src else n,
-        lambda: dist.broadcast(tensor, group_src=src_group_rank, group=group),
+    return _issue(
+        ledger, role, "broadcast", n if is_src else 0, 0 if is_src else n, tensor.device,
+        lambda a: dist.broadcast(tensor, group_src=src_group_rank, group=group, async_op=a), lambda: tensor, False,
     )
-    return tensor
 
 
 def record_estimate(
@@ -298,6 +410,14 @@ def record_estimate(
 ) -> None:
     """Record a collective that someone else (FSDP2) issues, estimated from tensor sizes."""
     (ledger or _LEDGER).record(role, op, sent, recv, 0.0, estimated=True)
+
+
+def control_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where a small control tensor (a flag, a fingerprint) must live for ``group``'s backend: the
+    current GPU for NCCL/RCCL, which takes no CPU tensors; the CPU otherwise."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def ceil_log2(n: int) -> int:

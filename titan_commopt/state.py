@@ -96,7 +96,7 @@ def any_nonfinite(grads: Iterable[Optional[torch.Tensor]], group: Optional[dist.
     """Whether any rank of ``group`` (default: all ranks) has a NaN/Inf gradient: one 4-byte
     all-reduce(max), so that every rank takes the same decision."""
     present = [local(g) for g in grads if g is not None]
-    device = present[0].device if present else torch.device("cpu")
+    device = present[0].device if present else comm.control_device(group)  # NCCL takes no CPU tensors
     # One flag computed on the device (no host sync per tensor), one all-reduce, one .item().
     flag = torch.zeros(1, device=device)
     for g in present:
