@@ -2,12 +2,13 @@
 R left to the optimizer (FSDP2 over fsdp only), loss goes down, replicas checked every step where
 they must agree, and R bytes below AdamW-HSDP's."""
 
+import json
 import math
 
 import pytest
 
 from titan_commopt.optim import available_names
-from tests.titan_utils import losses, run_train
+from tests.titan_utils import losses, read_texts, run_train
 
 NAMES = ["DeMo", "FlexDeMo", "DES-LOC", "MT-DAO", "LocalAdam", "DiLoCo", "Dion"]
 LR = {"Dion": "0.02", "DeMo": "0.003", "FlexDeMo": "0.003"}
@@ -39,3 +40,7 @@ def test_optimizer_trains_through_torchtitan_hsdp(tmp_path, name):
     assert 0 < ratio < 1, ratio
     assert tb["comm/R_sent_bytes_total"][-1][1] > 0
     assert tb["commopt/skipped_steps"][-1][1] == 0
+    # the resolved options, once, as text: what the run trained with and where each value came from
+    (text,) = read_texts(tmp_path / "out")["commopt/resolved_options/text_summary"]
+    record = json.loads(text.strip("`\n"))
+    assert record["optimizer"] == name and record["hparams"]["lr"] == float(LR.get(name, "0.003"))

@@ -41,6 +41,19 @@ def read_scalars(dump: Path) -> dict:
     return out
 
 
+def read_texts(dump: Path) -> dict:
+    """TensorBoard text entries: {tag: [text, ...]}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict = {}
+    for run in sorted(glob.glob(str(Path(dump) / "tb" / "*"))):
+        acc = EventAccumulator(run, size_guidance={"tensors": 0})
+        acc.Reload()
+        for tag in acc.Tags()["tensors"]:
+            out.setdefault(tag, []).extend(e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag))
+    return out
+
+
 def losses(scalars: dict) -> list[float]:
     return [v for _, v in sorted(scalars["loss_metrics/global_avg_loss"])]
 

@@ -184,9 +184,7 @@ def build(named_params: NamedParams, topology: Topology, resolved: Resolved) -> 
     cfg, hp = resolved.options, resolved.hparams
     opt = DeMo(named_params, topology, cfg, lr=hp.lr, weight_decay=hp.weight_decay, betas=(hp.beta1, hp.beta2),
                eps=hp.eps)
-    logger.info("%s: %s, replicator %s, base %s, rule %s, chunk %d, topk %d, sign_before_sync %s, pack %s",
-                resolved.name, topology.describe(), cfg.replicator, cfg.base, cfg.rule, cfg.chunk, cfg.topk,
-                cfg.sign_before_sync, cfg.pack)
+    logger.info("%s: %s", resolved.name, topology.describe())  # the options are logged once, resolved
     return opt
 
 
