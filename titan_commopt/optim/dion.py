@@ -65,7 +65,7 @@ from titan_commopt import comm
 from titan_commopt.options import option
 from titan_commopt.topology import R, S, T, Topology
 
-from .common import BaseHParams, NamedParams, local
+from .common import BaseHParams, NamedParams, local, replica_grad
 
 try:  # FSDP2 over TP shards an already row-sharded dim again: a strided row split
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -489,14 +489,8 @@ class Dion(torch.optim.Optimizer):
         return state
 
     def _replica_grad(self, p: torch.Tensor, needs_copy: bool) -> torch.Tensor:
-        grad = p.grad
-        if isinstance(grad, DTensor) and isinstance(p, DTensor) and grad.placements != p.placements:
-            # e.g. a Partial TP gradient: bring it to the parameter's layout first (T traffic).
-            grad = grad.redistribute(p.device_mesh, p.placements)
-        raw = local(grad)
-        g = self.topology.replica_grad(raw)
         # The fused R mean writes back in place; don't let it rewrite p.grad behind the caller.
-        return g.clone() if needs_copy and g is raw else g
+        return replica_grad(p, self.topology, copy=needs_copy)
 
     # -- step --------------------------------------------------------------------------------------
     @torch.no_grad()
