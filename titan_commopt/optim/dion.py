@@ -45,6 +45,10 @@ with weight decay 0 (the head with a smaller lr for Lion: ``1/sqrt(d_in)``), nor
 non-2-D tensor with the base weight decay. Their gradients are averaged over R (FSDP2 does not, the
 adapter hides R from it), fused in one collective with the full-gradient matrices.
 
+A Dion column whose R is exactly zero after every sum moves nothing (its P column is masked, its
+Q column kept): with B = M + G zero everywhere, X changes by weight decay alone (microsoft/dion's
+rule; the QR of an all-zero P would otherwise invent directions).
+
 Momenta (M, and the scalar optimizer's moments on the compressed path's siblings) differ across
 replicas on the compressed path — by design (decoupled momentum); checkpoints must keep them per
 replica. Gradient scale: ``topology.replica_grad`` (see topology.py).
@@ -569,10 +573,18 @@ class Dion(torch.optim.Optimizer):
         _sum_over(sqs, [lay.cols for lay in lays])  # squared column norms over column shards: r numbers
         for (p, group, lay, _), B, Q, P, Rm, sq in zip(matrices, Bs, Qs, Ps, Rs, sqs):
             lr, wd, mu = group["lr"], group["weight_decay"], group["mu"]
+            # A column whose R is exactly zero (every column, when B = M + G is zero on every replica
+            # and shard: then P = 0 and "orthogonalizing" it only invents directions) carries nothing:
+            # masked out of the error feedback and the update, its Q column kept. Decided from the
+            # column norms after every R/S/T sum, so all ranks agree, on the device (no host sync).
+            # An all-zero B therefore leaves X to weight decay alone, as microsoft/dion does.
+            live = sq > 0
+            P = torch.where(live, P, 0.0)
+            Rm = torch.where(live, Rm, 0.0)
             B.addmm_(P, Rm.T, alpha=-(1 - mu))  # M = B − (1−μ) P Rᵀ (error feedback)
             norm = sq.sqrt()
             # Q = colnorm(R); a column with R = 0 keeps its old direction instead of dying at 0.
-            Q.copy_(torch.where(norm > 0, Rm / (norm + self.cfg.colnorm_eps), Q))
+            Q.copy_(torch.where(live, Rm / (norm + self.cfg.colnorm_eps), Q))
             x = local(p)
             x.mul_(1 - lr * wd)  # decoupled weight decay
             x.addmm_(P, Q.T, alpha=-lr * math.sqrt(lay.m / lay.n))  # X −= η sqrt(m/n) P Qᵀ
