@@ -353,3 +353,25 @@ def test_replicas_x_tp_layouts_and_t_traffic(rt_results):
     # ... while the norm's gradient was Partial: summed over T by replica_grad, and counted
     for case in ALL_CASES:
         assert rt_results[0]["out"][case]["T_sent"] > 0, case
+
+
+# ---- R×S×T: 2 replicas × FSDP2 over 2 × TP over 2 (8 processes) -----------------------------------
+@pytest.fixture(scope="module")
+def rst_results():
+    return run_distributed(_worker, 8, (2, 2, 2), ALL_CASES)
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_replicas_x_fsdp_x_tp_equal_simulation(rst_results, case):
+    _check(rst_results, case, 8)
+
+
+def test_replicas_x_fsdp_x_tp_layouts(rst_results):
+    o = rst_results[0]["out"]["DeMo"]
+    # FSDP2 shards on top of TP: strided rows where TP already split them
+    assert o["placements"] == {
+        "tok_embeddings.weight": (("_StridedShard", 0), ("Shard", 0)),
+        "norm.weight": (("Shard", 0), ("Replicate", None)),
+        "w1.weight": (("_StridedShard", 0), ("Shard", 0)),
+        "w2.weight": (("Shard", 0), ("Shard", 1)),
+    }
