@@ -55,3 +55,15 @@ def test_resume_with_other_replica_count_fails_clearly(tmp_path):
     )
     assert proc.returncode != 0
     assert "holds optimizer state for 2 replicas and this run has 1" in proc.stdout + proc.stderr
+
+
+# Replicas x tensor parallelism: per-replica state and DES-LOC's replica-local parameters (no sync
+# within 8 steps at its preset's Kx = 32) are TP-sharded DTensors. (FlexDeMo resumed the same way when
+# tried; one family keeps the suite short.)
+TP = ["--parallelism.tensor_parallel_degree", "2"]
+
+
+def test_resume_equals_uninterrupted_with_tp(tmp_path):
+    uninterrupted, resumed = _resume_pair(tmp_path, "DES-LOC", TP)
+    assert len(uninterrupted) == 8 and len(resumed) == 4
+    assert resumed == uninterrupted[4:]

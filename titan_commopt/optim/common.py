@@ -1,15 +1,19 @@
 """Pieces every optimizer family shares: hyper-parameters from torchtitan's ``[optimizer]``,
-local views of DTensor shards, and the contract of a family's ``build`` function."""
+local views of DTensor shards, the gradient each family steps on (:func:`replica_grad`), and the
+contract of a family's ``build`` function."""
 
+import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from titan_commopt.topology import Topology
+from titan_commopt import comm
+from titan_commopt.topology import S, T, Topology
 
-__all__ = ["BaseHParams", "local", "FamilyBuilder", "NamedParams"]
+__all__ = ["BaseHParams", "local", "replica_grad", "FamilyBuilder", "NamedParams"]
 
 NamedParams = list[tuple[str, nn.Parameter]]
 
@@ -29,6 +33,80 @@ def local(t: torch.Tensor) -> torch.Tensor:
     """The rank-local tensor behind a DTensor (a view: in-place ops write through), or ``t``."""
     to_local = getattr(t, "to_local", None)
     return t if to_local is None else to_local()
+
+
+def _dim_role(mesh, dim: int, topology: Topology) -> str:
+    """T for the tensor-parallel mesh dim (named ``tp`` or the topology's T group), S otherwise
+    (R is never part of a parameter's mesh: the optimizer syncs it itself)."""
+    names = mesh.mesh_dim_names or ()
+    if dim < len(names) and names[dim] == "tp":
+        return T
+    if topology.tp is not None and dist.get_process_group_ranks(topology.tp) == dist.get_process_group_ranks(
+        mesh.get_group(dim)
+    ):
+        return T
+    return S
+
+
+def _redistribute_counted(grad, p, topology: Topology, ledger: Optional["comm.CommLedger"]):
+    """``grad.redistribute`` to ``p``'s placements one mesh dim at a time, each change recorded in
+    the ledger with the payload convention of ``comm`` (the collective is DTensor's own)."""
+    mesh = p.device_mesh
+    current = list(grad.placements)
+    for dim, want in enumerate(p.placements):
+        have = current[dim]
+        if have == want:
+            continue
+        current[dim] = want
+        before = comm.nbytes(grad.to_local())
+        start = time.perf_counter()
+        grad = grad.redistribute(mesh, tuple(current))
+        after = comm.nbytes(grad.to_local())
+        w = mesh.size(dim)
+        if have.is_partial() and want.is_replicate():
+            sent, recv = before, before  # all-reduce
+        elif have.is_partial():
+            sent = recv = (w - 1) * after  # reduce-scatter
+        elif have.is_replicate():
+            sent = recv = 0  # Replicate -> Shard (or Partial): a local slice
+        elif want.is_replicate():
+            sent, recv = before, (w - 1) * before  # all-gather
+        else:
+            sent, recv = before, after  # reshard between dims (all-to-all)
+        if w > 1 and (sent or recv):
+            (ledger or comm.get_ledger()).record(
+                _dim_role(mesh, dim, topology), "grad_redistribute", sent, recv, time.perf_counter() - start
+            )
+    return grad
+
+
+def replica_grad(
+    p: torch.Tensor, topology: Topology, *, copy: bool = False, ledger: Optional["comm.CommLedger"] = None
+) -> torch.Tensor:
+    """The local tensor of this replica's mean gradient ``g`` of ``p``, laid out like ``local(p)``.
+
+    Under tensor parallelism (and without FSDP2, which redistributes gradients itself) a DTensor
+    gradient may carry other placements than its parameter: ``Partial`` over ``tp`` for a
+    replicated parameter fed by sequence-parallel activations (norm weights), ``Replicate`` for a
+    row-sharded embedding. It is redistributed to the parameter's placements first (S/T traffic,
+    recorded in the ledger), so that its local tensor matches ``local(p)`` element for element;
+    then ``topology.replica_grad`` applies the gradient scale (``topology.py``).
+
+    ``copy``: never return ``p.grad``'s own storage (for callers that modify the result in place,
+    e.g. a fused R mean, while ``p.grad`` must stay what backward produced).
+    """
+    grad = p.grad
+    if grad is None:
+        raise ValueError("replica_grad: the parameter has no gradient")
+    placements = getattr(p, "placements", None)
+    if placements is not None and getattr(grad, "placements", placements) != placements:
+        grad = _redistribute_counted(grad, p, topology, ledger)
+    raw = local(grad)
+    wait = getattr(raw, "wait", None)  # an AsyncCollectiveTensor from DTensor's functional collectives
+    if callable(wait):
+        raw = wait()
+    g = topology.replica_grad(raw)
+    return g.clone() if copy and g is raw else g
 
 
 class FamilyBuilder(Protocol):

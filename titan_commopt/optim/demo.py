@@ -21,6 +21,14 @@ state: checkpoints keep it per replica).
 
 Shapes: a tensor with ≥ 2 dims is chunked as the matrix ``(d0, prod(rest))`` of its local shard, a
 vector 1-D (see ``compress/dct.py``). The byte formula is ``traffic.demo_r_bytes``.
+
+Tensor parallelism (T) and FSDP (S) only change which local shard a rank works on: the gradient is
+first brought to the parameter's placements (``common.replica_grad``: a ``Partial`` norm-weight
+gradient is summed over T, a ``Replicate`` embedding gradient sliced), and everything above —
+chunking, top-k, the replicators' indices, the sign — acts on that shard. A parameter replicated
+over T is processed identically on every T rank (same gradient, same bytes), so its copies stay
+equal. ``rule = "muon"`` orthogonalizes each local shard on its own: Muon proper only where the
+parameter is whole (|S| = |T| = 1), a per-shard Newton–Schulz otherwise.
 """
 
 import logging
@@ -37,7 +45,7 @@ from titan_commopt.topology import R, Topology
 
 from . import kernels
 from .base import CommOptimizer, named_params
-from .common import BaseHParams, NamedParams, local
+from .common import BaseHParams, NamedParams, local, replica_grad
 from .family import Family, Resolved
 from .orthogonalize import newton_schulz
 from .traffic import demo_r_bytes
@@ -144,7 +152,7 @@ class DeMo(CommOptimizer):
                 state = self._init_state(p)
                 state["step"] += 1
                 t = int(state["step"].item())
-                g = self.topology.replica_grad(local(p.grad)).float()
+                g = replica_grad(p, self.topology).float()
                 if self.cfg.base == "sgd":
                     x = kernels.heavy_ball_(local(state["momentum"]), g, group["beta"])  # eq. 2, x is m itself
                 else:

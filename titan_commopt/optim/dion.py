@@ -45,6 +45,10 @@ with weight decay 0 (the head with a smaller lr for Lion: ``1/sqrt(d_in)``), nor
 non-2-D tensor with the base weight decay. Their gradients are averaged over R (FSDP2 does not, the
 adapter hides R from it), fused in one collective with the full-gradient matrices.
 
+A Dion column whose R is exactly zero after every sum moves nothing (its P column is masked, its
+Q column kept): with B = M + G zero everywhere, X changes by weight decay alone (microsoft/dion's
+rule; the QR of an all-zero P would otherwise invent directions).
+
 Momenta (M, and the scalar optimizer's moments on the compressed path's siblings) differ across
 replicas on the compressed path — by design (decoupled momentum); checkpoints must keep them per
 replica. Gradient scale: ``topology.replica_grad`` (see topology.py).
@@ -67,7 +71,7 @@ from titan_commopt.topology import R, S, T, Topology
 
 from . import kernels
 from .base import CommOptimizer, named_params
-from .common import BaseHParams, NamedParams, local
+from .common import BaseHParams, NamedParams, local, replica_grad
 from .family import Family, Resolved
 from .orthogonalize import cholesky_qr2, orthogonalize
 from .shard_groups import Groups, buckets as _buckets, sum_over as _sum_over
@@ -370,14 +374,8 @@ class Dion(CommOptimizer):
         return state
 
     def _replica_grad(self, p: torch.Tensor, needs_copy: bool) -> torch.Tensor:
-        grad = p.grad
-        if isinstance(grad, DTensor) and isinstance(p, DTensor) and grad.placements != p.placements:
-            # e.g. a Partial TP gradient: bring it to the parameter's layout first (T traffic).
-            grad = grad.redistribute(p.device_mesh, p.placements)
-        raw = local(grad)
-        g = self.topology.replica_grad(raw)
         # The fused R mean writes back in place; don't let it rewrite p.grad behind the caller.
-        return g.clone() if needs_copy and g is raw else g
+        return replica_grad(p, self.topology, copy=needs_copy)
 
     # -- step --------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -447,10 +445,18 @@ class Dion(CommOptimizer):
         _sum_over(sqs, [lay.cols for lay in lays])  # squared column norms over column shards: r numbers
         for (p, group, lay, _), B, Q, P, Rm, sq in zip(matrices, Bs, Qs, Ps, Rs, sqs):
             lr, wd, mu = group["lr"], group["weight_decay"], group["mu"]
+            # A column whose R is exactly zero (every column, when B = M + G is zero on every replica
+            # and shard: then P = 0 and "orthogonalizing" it only invents directions) carries nothing:
+            # masked out of the error feedback and the update, its Q column kept. Decided from the
+            # column norms after every R/S/T sum, so all ranks agree, on the device (no host sync).
+            # An all-zero B therefore leaves X to weight decay alone, as microsoft/dion does.
+            live = sq > 0
+            P = torch.where(live, P, 0.0)
+            Rm = torch.where(live, Rm, 0.0)
             B.addmm_(P, Rm.T, alpha=-(1 - mu))  # M = B − (1−μ) P Rᵀ (error feedback)
             norm = sq.sqrt()
             # Q = colnorm(R); a column with R = 0 keeps its old direction instead of dying at 0.
-            Q.copy_(torch.where(norm > 0, Rm / (norm + self.cfg.colnorm_eps), Q))
+            Q.copy_(torch.where(live, Rm / (norm + self.cfg.colnorm_eps), Q))
             x = kernels.decoupled_decay_(local(p), lr, wd)
             x.addmm_(P, Q.T, alpha=-lr * math.sqrt(lay.m / lay.n))  # X −= η sqrt(m/n) P Qᵀ
 

@@ -71,7 +71,7 @@ from titan_commopt.topology import R, S, T, Topology
 
 from . import kernels
 from .base import CommOptimizer
-from .common import BaseHParams, NamedParams, local
+from .common import BaseHParams, NamedParams, local, replica_grad
 from .family import Family, Resolved
 from .traffic import local_r_bytes
 
@@ -227,10 +227,12 @@ def _due(step: int, period: int) -> bool:
     return period > 0 and step % period == 0
 
 
-def _replication(p: torch.Tensor) -> int:
-    """How many ranks of the parameter's mesh hold the same local values (Replicate dims)."""
+def _replication(p: torch.Tensor, topology: Topology) -> int:
+    """How many ranks of this replica's S×T group hold the same local values of ``p`` (after
+    :func:`replica_grad`, its gradient is laid out like it): the product of the mesh dims the
+    DTensor is ``Replicate`` on — e.g. a norm weight under TP — or all of S×T for a plain tensor."""
     if not isinstance(p, DTensor):
-        return 1
+        return topology.shard_size * topology.tp_size
     return math.prod(
         p.device_mesh.size(i) for i, pl in enumerate(p.placements) if isinstance(pl, Replicate)
     )
@@ -342,7 +344,7 @@ class LocalAdaptive(CommOptimizer):
         device = grads[0].device if grads else torch.device("cpu")
         sq = torch.zeros((), dtype=torch.float64, device=device)  # on the grads' device (NCCL)
         for g, p in zip(grads, params):
-            sq += g.double().pow(2).sum() / _replication(p)
+            sq += g.double().pow(2).sum() / _replication(p, self.topology)
         comm.all_reduce(sq, S, self.topology.shard, op="sum", ledger=self.ledger)
         comm.all_reduce(sq, T, self.topology.tp, op="sum", ledger=self.ledger)
         norm = float(sq.sqrt())
@@ -360,7 +362,7 @@ class LocalAdaptive(CommOptimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                work.append((group, p, self.topology.replica_grad(local(p.grad))))
+                work.append((group, p, replica_grad(p, self.topology, ledger=self.ledger)))
 
         if self.clip == "coordinate":
             work = [(grp, p, g.clamp(-self.clip_threshold, self.clip_threshold)) for grp, p, g in work]
