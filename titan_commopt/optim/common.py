@@ -1,10 +1,10 @@
 """Pieces every optimizer family shares: hyper-parameters from torchtitan's ``[optimizer]``,
-local views of DTensor shards, the gradient each family steps on (:func:`replica_grad`), and the
-contract of a family's ``build`` function."""
+local views of DTensor shards, and the gradient each family steps on (:func:`replica_grad`). The
+contract of a family lives in ``family.py``."""
 
 import time
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -13,7 +13,7 @@ from torch import nn
 from titan_commopt import comm
 from titan_commopt.topology import S, T, Topology
 
-__all__ = ["BaseHParams", "local", "replica_grad", "FamilyBuilder", "NamedParams"]
+__all__ = ["BaseHParams", "local", "replica_grad", "NamedParams"]
 
 NamedParams = list[tuple[str, nn.Parameter]]
 
@@ -107,17 +107,3 @@ def replica_grad(
         raw = wait()
     g = topology.replica_grad(raw)
     return g.clone() if copy and g is raw else g
-
-
-class FamilyBuilder(Protocol):
-    """``optim/<family>.py`` exposes ``build(name, named_params, topology, hparams, cfg)``.
-
-    ``named_params`` are the model's trainable parameters with their FQNs (DTensors on the S/T mesh
-    when FSDP2/TP is on; R is never part of their mesh: the optimizer syncs R itself through
-    ``titan_commopt.comm``). ``cfg`` is the family's options dataclass (``[commopt.<family>]``)
-    with the preset of ``name`` applied. Returns a ``torch.optim.Optimizer``.
-    """
-
-    def __call__(
-        self, name: str, named_params: NamedParams, topology: Topology, hparams: BaseHParams, cfg: object
-    ) -> torch.optim.Optimizer: ...
