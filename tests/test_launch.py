@@ -1,0 +1,61 @@
+"""``python -m titan_commopt.run`` (torchrun that checks the config first): a bad config ends with
+our lines last on the console and exit status 2, whether the launcher finds the problem (before
+any worker starts) or the workers do (an elastic world size); a good config trains as torchrun would
+(the README's TOML, which names neither custom_config_module nor custom_import)."""
+
+import os
+import subprocess
+import sys
+
+from tests.titan_utils import CONFIG, LOSS_LINE, ROOT, readme_toml
+
+PREFIX = "titan_commopt: bad config: "
+
+
+def _launch(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("TITAN_COMMOPT_TRACEBACK", None)
+    return subprocess.run([sys.executable, "-m", "titan_commopt.run", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _last_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def test_launcher_refuses_a_bad_config_before_any_worker():
+    proc = _launch("--nproc_per_node=2", "--standalone", "-m", "titan_commopt.train", "--job.config_file", str(CONFIG),
+                   "--optimizer.lr", "nan", "--parallelism.data_parallel_replicate_degree", "3")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    lr = PREFIX + "[optimizer] lr = nan: allowed is a finite number >= 0"
+    mesh = PREFIX + "[parallelism] data_parallel_replicate_degree = 3: must divide WORLD_SIZE = 2"
+    assert out.count(lr) == 1 and out.count(mesh) == 1
+    assert _last_line(proc).startswith(mesh)
+    assert "Traceback" not in out and "ChildFailedError" not in out
+
+
+def test_launcher_reports_a_problem_only_the_workers_see(tmp_path):
+    # An elastic node count: the world size is known only after the rendezvous, in the workers.
+    proc = _launch("--nnodes", "1:2", "--rdzv-conf", "last_call_timeout=1", "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", "localhost:0", "--nproc_per_node=1", "-m", "titan_commopt.train",
+                   "--job.config_file", str(CONFIG), "--job.dump_folder", str(tmp_path),
+                   "--parallelism.data_parallel_replicate_degree", "3")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    line = PREFIX + "[parallelism] data_parallel_replicate_degree = 3: must divide WORLD_SIZE = 1"
+    assert out.count(line) == 1  # the worker recorded it, the launcher printed it
+    assert _last_line(proc).startswith(line)
+    assert "Traceback" not in out and "ChildFailedError" not in out
+
+
+def test_readme_toml_trains_as_written(tmp_path):
+    config = tmp_path / "my.toml"
+    config.write_text(readme_toml())
+    proc = _launch("--nproc_per_node=2", "--standalone", "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
+                   "-m", "titan_commopt.train", "--job.config_file", str(config), "--job.dump_folder", str(tmp_path / "out"),
+                   "--training.steps", "2", "--metrics.log_freq", "1", "--metrics.disable_color_printing")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert len(LOSS_LINE.findall(proc.stdout)) == 2
+    assert "FlexDeMo" in proc.stdout and "R vs AdamW-HSDP" in proc.stdout
