@@ -59,3 +59,41 @@ def test_readme_toml_trains_as_written(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert len(LOSS_LINE.findall(proc.stdout)) == 2
     assert "FlexDeMo" in proc.stdout and "R vs AdamW-HSDP" in proc.stdout
+
+
+def test_known_cpu_noise_is_filtered_and_nothing_else():
+    """titan/console.py: the exact torchtitan/torch messages of a CPU quickstart, and their neighbours."""
+    import logging
+    import re
+
+    from titan_commopt.titan.console import NOISE_WARNINGS, _DropKnownNoise
+
+    drop = _DropKnownNoise()
+
+    def kept(message: str) -> bool:
+        return drop.filter(logging.LogRecord("root", logging.WARNING, __file__, 1, message, None, None))
+
+    for noise in (
+        "HF assets path bundled does not exist!",
+        "HF assets path  does not exist!",
+        "model.safetensors.index.json not found at hf_assets_path: bundled/model.safetensors.index.json.  Defaulting ...",
+        "Error running lspci: [Errno 2] No such file or directory: 'lspci', fallback to use device_name",
+        "Peak flops undefined for: cpu, fallback to A100",
+        "Peak FLOPS used for computing MFU: 3.120e+14",
+        "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = 1 will be overridden to 3 based on job config",
+    ):
+        assert not kept(noise), noise
+    for signal in (
+        "HF assets path ./assets/hf/Llama-3.1-8B does not exist!",  # a user's real path
+        "model.safetensors.index.json not found at hf_assets_path: ./assets/hf/x/model.safetensors.index.json",
+        "Dataset commopt_tiny is being re-looped",
+        "step:  1  loss:  7.51985",
+    ):
+        assert kept(signal), signal
+    for message in (
+        "DTensor random operators may not have complete support on cpu device mesh",
+        "DTensor manual_seed() may not have complete support on cpu device mesh",
+        "In CPU autocast, but the target dtype is not supported. Disabling autocast.\nCPU Autocast only supports ...",
+        "'set_vital' is deprecated, please do not call",
+    ):
+        assert any(re.match(pattern, message) for pattern in NOISE_WARNINGS), message

@@ -11,8 +11,9 @@ torchtitan log lines (its root logger; the message must match from its start):
   tokenizer (``titan/data.py``), not a directory;
 - ``model.safetensors.index.json not found at hf_assets_path: bundled/...``: same reason, and only
   HF-format checkpoint export reads that file;
-- ``Error running lspci: ...`` and ``Peak flops undefined for: cpu, fallback to A100``: the MFU
-  estimate looks for a GPU (MFU means nothing on a CPU);
+- ``Error running lspci: ...``, ``Peak flops undefined for: cpu, fallback to A100`` and ``Peak FLOPS
+  used for computing MFU: ...`` (an A100's figure): the MFU estimate looks for a GPU (MFU means
+  nothing on a CPU);
 - ``ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = ... will be overridden``: NCCL is not used on CPU (gloo).
 
 Python warnings (``UserWarning``):
@@ -36,6 +37,7 @@ NOISE_LOG_LINES = (
     r"model\.safetensors\.index\.json not found at hf_assets_path: bundled/",
     r"Error running lspci: ",
     r"Peak flops undefined for: cpu, fallback to A100",
+    r"Peak FLOPS used for computing MFU: ",
     r"ENV\[TORCH_NCCL_ASYNC_ERROR_HANDLING\] = \S+ will be overridden",
 )
 
