@@ -261,3 +261,10 @@ def test_readme_toml_validates_as_written(tmp_path):
     path.write_text(toml)
     job, resolved = check_config(["--job.config_file", str(path)], world_size=2)
     assert job.model.name == "llama3_commopt" and resolved.name == "FlexDeMo" and job.commopt.demo.chunk == 32
+
+
+def test_list_options_take_separate_words():  # docs/options.md's `--commopt.local.Ku 16 64`
+    _, resolved = check_config(["--job.config_file", str(CONFIG), "--optimizer.name", "MT-DAO", "--commopt.local.Ku", "16", "64",
+                                "--commopt.local.beta1", "0.9", "0.99", "--commopt.local.omega", "0.5", "0.3"])
+    assert (resolved.options.Ku, resolved.options.beta1, resolved.options.omega) == ([16, 64], [0.9, 0.99], [0.5, 0.3])
+    assert {"Ku", "beta1", "omega"} <= resolved.user_set
