@@ -23,3 +23,6 @@ def test_config_validates(path):
         assert job.optimizer.name.lower().replace("-", "_") == path.stem.removeprefix("llama3_8b_")
         assert (job.parallelism.data_parallel_replicate_degree, job.parallelism.data_parallel_shard_degree) == (2, 8)
         assert job.model.flavor == "8B"
+        # docs/multinode.md: TensorBoard under outputs/llama3_8b_<[optimizer] name>/tb
+        assert (job.job.dump_folder, job.metrics.save_tb_folder) == (f"./outputs/llama3_8b_{job.optimizer.name}", "tb")
+        assert job.metrics.enable_tensorboard
