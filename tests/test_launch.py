@@ -97,3 +97,46 @@ def test_known_cpu_noise_is_filtered_and_nothing_else():
         "'set_vital' is deprecated, please do not call",
     ):
         assert any(re.match(pattern, message) for pattern in NOISE_WARNINGS), message
+
+
+def test_a_worker_records_its_lines_for_torchruns_summary(tmp_path, monkeypatch, capsys):
+    """Under plain torchrun the agent's failure summary shows the worker's error file: our lines."""
+    import pytest
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from titan_commopt.options import ConfigError
+    from titan_commopt.run import _root_config_error
+    from titan_commopt.train import report_config_error
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("RANK", "1")  # not rank 0: records, does not print
+    monkeypatch.delenv("TITAN_COMMOPT_LAUNCHER", raising=False)
+    with pytest.raises(SystemExit) as info:
+        report_config_error(ConfigError("[training] seq_len = 0: allowed is an integer >= 1"))
+    assert info.value.code == 2 and capsys.readouterr().err == ""
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    line = PREFIX + "[training] seq_len = 0: allowed is an integer >= 1"
+    assert line in ChildFailedError("titan_commopt.train", {0: failure}).format_msg()
+    assert _root_config_error(failure) == line  # what titan_commopt.run prints instead of the summary
+
+
+def test_traceback_only_when_asked(monkeypatch, capsys):
+    import pytest
+
+    from titan_commopt.options import ConfigError
+    from titan_commopt.train import report_config_error
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    monkeypatch.delenv("TITAN_COMMOPT_LAUNCHER", raising=False)
+    for asked in ("", "1"):
+        monkeypatch.setenv("TITAN_COMMOPT_TRACEBACK", asked)
+        try:
+            raise ConfigError("[optimizer] lr = nan: allowed is a finite number >= 0")
+        except ConfigError as error:
+            with pytest.raises(SystemExit):
+                report_config_error(error)
+        err = capsys.readouterr().err
+        assert ("Traceback" in err) == bool(asked)
+        assert err.strip().splitlines()[-1] == PREFIX + "[optimizer] lr = nan: allowed is a finite number >= 0"
