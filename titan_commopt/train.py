@@ -26,8 +26,6 @@ import time
 import traceback
 from typing import Any, Optional
 
-from .titan.parse import CONFIG_MODULE, CUSTOM_IMPORT, plugin_args  # noqa: F401  (public names)
-
 PREFIX = "titan_commopt: bad config: "  # every pre-flight line starts with it
 TRACEBACK_ENV = "TITAN_COMMOPT_TRACEBACK"  # =1: print the traceback of a pre-flight error too
 LAUNCHER_ENV = "TITAN_COMMOPT_LAUNCHER"  # set by titan_commopt.run: workers leave the printing to it
@@ -54,6 +52,8 @@ def _import_custom(job_config: Any) -> None:
     import importlib
 
     from titan_commopt.options import ConfigError
+
+    from .titan.parse import CUSTOM_IMPORT
 
     module = job_config.experimental.custom_import
     if module and module != CUSTOM_IMPORT:
