@@ -251,6 +251,15 @@ def test_tyro_messages_become_one_line():
     box = ("╭─ Value error ─────────────╮\n│ Error parsing --x.y: bad  │\n│ value 'z'                 │\n"
            "│ ───────────────────────── │\n│ Argument helptext:        │\n╰───────────────────────────╯\n")
     assert _squash(box) == "Error parsing --x.y: bad value 'z'"
+    plain = (" Unrecognized options               \n ---------------------------------- \n  Unrecognized options: 4           \n"
+             "  ----------------------------------\n  For full helptext, run -c --help  \n                                    \n")
+    assert _squash(plain) == "Unrecognized options: 4"
+
+
+def test_what_only_tyro_sees_is_one_line_too():
+    with pytest.raises(ConfigError) as info:
+        check_config(["--job.config_file", str(CONFIG), "--training.steps", "3", "4"])
+    assert str(info.value) == "command line: Unrecognized options: 4"
 
 
 def test_readme_toml_validates_as_written(tmp_path):

@@ -196,6 +196,11 @@ def _convert(text: str, tp: Any) -> bool:
     return True  # str, lists (several words), anything else: tyro decides
 
 
+def _takes_words(tp: Any) -> bool:
+    """Whether a field reads several command-line words (a list, possibly in a union)."""
+    return any(typing.get_origin(arm) in (list, tuple) or arm in (list, tuple) for arm in _arms(tp))
+
+
 def _all_keys(cls: type, prefix: str = "") -> list[str]:
     out = []
     for name, f in _fields(cls).items():
@@ -328,31 +333,43 @@ def cli_problems(argv: list[str], cls: type) -> list[str]:
                     f"(--{dotted} true|false, or the flags --{dotted} / --{section}.no-{name})"
                 )
             continue
+        if _takes_words(f.type):
+            continue  # tyro reads the words; [commopt] lists are checked after parsing
         if not eq:
-            if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and typing.get_origin(f.type) not in (list, tuple)):
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
                 out.append(f"[{section}] {name} (from {key}): needs a value, {type_text(f.type)}")
                 continue
             value = argv[i + 1]
-        if typing.get_origin(f.type) not in (list, tuple) and not _convert(value, f.type):
+        if not _convert(value, f.type):
             out.append(f"[{section}] {name} = {value!r} (from {key}): allowed is {type_text(f.type)}")
     return out
 
 
 # ---- tyro's own messages -------------------------------------------------------------------------
-_BOX = re.compile(r"[│╭╮╰╯─]+")
+_BOX_SIDES = re.compile(r"[│╭╮╰╯]")
+_RULE = re.compile(r"^[-─\s]*[-─]{3,}[-─\s]*$")
+_TITLE = re.compile(r"^[A-Z][a-z]+( [a-z]+){0,3}$")  # "Value error", "Unrecognized options", ...
 
 
 def _squash(text: str) -> str:
-    """tyro's boxed error → its first section, one line (the helptext after the rule is dropped)."""
-    lines = []
+    """tyro's error (a box on a terminal, dashed rules otherwise) → its message, one line: the
+    first section between rules that is not the title (the helptext after it is dropped)."""
+    sections: list[list[str]] = [[]]
     for raw in text.splitlines():
-        if "──" in raw and lines and not raw.lstrip().startswith("╭"):
-            break  # the rule between the message and the helptext
-        line = _BOX.sub(" ", raw).strip()
-        if line:
-            lines.append(line)
-    message = re.sub(r"^(Value error|Unrecognized options|Invalid choice|Parsing error|Required options)\s+", "", " ".join(lines))
-    return message or "tyro could not parse the command line"
+        if raw.lstrip().startswith(("╭", "╰")):  # a border, possibly holding the title
+            title = _BOX_SIDES.sub(" ", raw).replace("─", " ").strip()
+            sections += [[title], []] if title else [[]]
+            continue
+        line = _BOX_SIDES.sub(" ", raw).strip()
+        if _RULE.match(line):
+            sections.append([])
+        elif line:
+            sections[-1].append(line)
+    for section in sections:
+        message = " ".join(section)
+        if message and not _TITLE.match(message):
+            return message
+    return "tyro could not parse the command line"
 
 
 # ---- the whole parse -----------------------------------------------------------------------------
