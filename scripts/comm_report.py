@@ -169,9 +169,11 @@ def main(argv=None) -> int:
     p.add_argument("--optimizers", nargs="*", help="names (default: every registered one)")
     p.add_argument("--set", nargs="*", default=[], metavar="FAMILY.OPTION=VALUE", help="family options, e.g. demo.chunk=32 local.Kx=64")
     p.add_argument("--param-dtype", default="bfloat16", choices=_dtype_choices("mixed_precision_param"),
-                   help="[training] mixed_precision_param: FSDP2's all-gather dtype (S column); default torchtitan's, bfloat16")
+                   help="[training] mixed_precision_param: FSDP2's all-gather dtype (S column); "
+                   "default torchtitan's, bfloat16")
     p.add_argument("--reduce-dtype", default="float32", choices=_dtype_choices("mixed_precision_reduce"),
-                   help="[training] mixed_precision_reduce: gradient reduce dtype (S column, AdamW-HSDP's R); default torchtitan's, float32")
+                   help="[training] mixed_precision_reduce: gradient reduce dtype (S column, AdamW-HSDP's R); "
+                   "default torchtitan's, float32")
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     p.add_argument("--png", help="write a bar chart of R bytes")
     a = p.parse_args(argv)

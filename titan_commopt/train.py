@@ -77,7 +77,8 @@ def _write_elastic_error_file(text: str) -> None:
         return
     try:
         with open(path, "w") as handle:
-            json.dump({"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}, handle)
+            extra = {"py_callstack": text, "timestamp": str(int(time.time()))}
+            json.dump({"message": {"message": text, "extraInfo": extra}}, handle)
     except OSError:
         pass
 

@@ -29,7 +29,7 @@ import re
 import types
 import typing
 from contextlib import redirect_stderr, redirect_stdout
-from dataclasses import MISSING, Field, fields, is_dataclass
+from dataclasses import Field, fields, is_dataclass
 from typing import Any, Literal, Mapping, Optional, Union
 
 from titan_commopt.options import ConfigError

@@ -53,7 +53,8 @@ _RULES: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("lr_scheduler", "decay_ratio", lambda v: v is None or (_number(v) and 0 <= v <= 1), "a number >= 0 and <= 1 (or unset)"),
     ("lr_scheduler", "min_lr_factor", lambda v: _number(v) and 0 <= v <= 1, "a number >= 0 and <= 1"),
     ("training", "local_batch_size", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
-    ("training", "global_batch_size", lambda v: _integer(v) and (v == -1 or v >= 1), "-1 (local batch × data-parallel degree) or an integer >= 1"),
+    ("training", "global_batch_size", lambda v: _integer(v) and (v == -1 or v >= 1),
+     "-1 (local batch × data-parallel degree) or an integer >= 1"),
     ("training", "seq_len", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("training", "steps", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("training", "max_norm", lambda v: _number(v) and math.isfinite(v) and v >= 0, "a finite number >= 0"),
@@ -64,7 +65,8 @@ _RULES: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("comm", "init_timeout_seconds", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("comm", "train_timeout_seconds", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("parallelism", "data_parallel_replicate_degree", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
-    ("parallelism", "data_parallel_shard_degree", lambda v: _integer(v) and (v == -1 or v >= 1), "-1 (the rest of the world) or an integer >= 1"),
+    ("parallelism", "data_parallel_shard_degree", lambda v: _integer(v) and (v == -1 or v >= 1),
+     "-1 (the rest of the world) or an integer >= 1"),
     ("parallelism", "context_parallel_degree", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("parallelism", "tensor_parallel_degree", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("parallelism", "pipeline_parallel_degree", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
@@ -250,5 +252,6 @@ def torchtitan_problems(job_config: Any, world_size: Optional[int] = None) -> li
         lines_needed = dp or (1 if "parallelism" in bad else parallelism.data_parallel_replicate_degree)
         out += _dataset_problems("training", training.dataset, training.dataset_path, lines_needed)
         if job_config.validation.enable:
-            out += _dataset_problems("validation", job_config.validation.dataset, job_config.validation.dataset_path, lines_needed)
+            validation = job_config.validation
+            out += _dataset_problems("validation", validation.dataset, validation.dataset_path, lines_needed)
     return out
