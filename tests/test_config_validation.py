@@ -277,3 +277,17 @@ def test_list_options_take_separate_words():  # docs/options.md's `--commopt.loc
                                 "--commopt.local.beta1", "0.9", "0.99", "--commopt.local.omega", "0.5", "0.3"])
     assert (resolved.options.Ku, resolved.options.beta1, resolved.options.omega) == ([16, 64], [0.9, 0.99], [0.5, 0.3])
     assert {"Ku", "beta1", "omega"} <= resolved.user_set
+
+
+@pytest.mark.parametrize("path, expected", [
+    ("{tmp}/nope", "hf_assets_path = '{tmp}/nope': no such file or directory; allowed is \"bundled\""),
+    ("{tmp}", "hf_assets_path = '{tmp}': holds no tokenizer"),
+])
+def test_missing_tokenizer_is_one_line(tmp_path, path, expected):
+    path, expected = (x.replace("{tmp}", str(tmp_path)) for x in (path, expected))
+    with pytest.raises(ConfigError) as info:
+        check_config(["--job.config_file", str(CONFIG), "--model.hf_assets_path", path])
+    assert str(info.value).startswith("[model] " + expected) and len(str(info.value).splitlines()) == 1
+    (tmp_path / "tokenizer.json").write_text("{}")
+    if path == str(tmp_path):
+        check_config(["--job.config_file", str(CONFIG), "--model.hf_assets_path", path])  # a directory with a tokenizer: passes

@@ -4,7 +4,8 @@ torchtitan 0.2.2 checks few values up front: ``[optimizer] lr = nan`` trains to 
 step skipped, ``seq_len = 0`` or an unknown flavor dies in a traceback (``KeyError: '9B'``), a
 replicate degree that does not divide the world size is a bare ``AssertionError`` on every rank,
 and a ``textfile`` dataset that is empty hangs. :func:`torchtitan_problems` returns one line per
-bad value (key, value, what is allowed); ``titan/validate.py`` reports them together with the
+bad value (key, value, what is allowed), including a tokenizer directory or dataset file that does
+not exist; ``titan/validate.py`` reports them together with the
 ``[commopt]`` problems. The ranges follow what torchtitan or ``torch.optim`` would otherwise
 refuse later (``0 <= beta < 1``, ``eps >= 0``, ...), or what makes a run meaningless (a NaN).
 
@@ -177,6 +178,28 @@ def _model_problems(job_config: Any) -> tuple[list[str], Any]:
     return out, spec
 
 
+# ---- the tokenizer ---------------------------------------------------------------------------------
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # what the loaders read
+
+
+def _tokenizer_problems(model: Any, spec: Any) -> list[str]:
+    """Our specs' tokenizer (``titan/data.py: build_tokenizer``): ``bundled``, a SentencePiece
+    ``.model`` file, or a directory holding one of the files torchtitan's loader reads."""
+    if spec is None or getattr(spec, "build_tokenizer_fn", None) is not data.build_tokenizer:
+        return []
+    path = (model.hf_assets_path or "").strip()
+    if path in ("", "bundled") or (os.path.isfile(path) and path.endswith(".model")):
+        return []
+    allowed = ('allowed is "bundled" (the offline tokenizer), a directory with tokenizer.json (HuggingFace) '
+               "or tokenizer.model (SentencePiece), or a SentencePiece .model file")
+    where = f"[model] hf_assets_path = {model.hf_assets_path!r}"
+    if not os.path.exists(path):
+        return [f"{where}: no such file or directory; {allowed}"]
+    if not os.path.isdir(path) or not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        return [f"{where}: holds no tokenizer ({', '.join(_TOKENIZER_FILES)}); {allowed}"]
+    return []
+
+
 # ---- the data --------------------------------------------------------------------------------------
 def _nonblank_lines(path: str, at_least: int) -> int:
     """How many non-blank lines ``path`` has, counting no further than ``at_least``."""
@@ -247,7 +270,7 @@ def torchtitan_problems(job_config: Any, world_size: Optional[int] = None) -> li
     if "training" not in bad:
         out += _batch_problems(training, dp)
     models, spec = _model_problems(job_config)
-    out += models
+    out += models + _tokenizer_problems(job_config.model, spec)
     if _uses_text_datasets(spec):
         lines_needed = dp or (1 if "parallelism" in bad else parallelism.data_parallel_replicate_degree)
         out += _dataset_problems("training", training.dataset, training.dataset_path, lines_needed)
