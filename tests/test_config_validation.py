@@ -291,3 +291,12 @@ def test_missing_tokenizer_is_one_line(tmp_path, path, expected):
     (tmp_path / "tokenizer.json").write_text("{}")
     if path == str(tmp_path):
         check_config(["--job.config_file", str(CONFIG), "--model.hf_assets_path", path])  # a directory with a tokenizer: passes
+
+
+def test_user_set_keys_counts_every_accepted_form():
+    from titan_commopt.titan.config import user_set_keys
+
+    for argv in (["--commopt.demo.sign_before_sync", "false"], ["--commopt.demo.sign_before_sync=false"],
+                 ["--commopt.demo.no-sign_before_sync"], ["--commopt.demo.no_sign_before_sync"],
+                 ["--commopt.demo.sign-before-sync"], ["--commopt.demo.no-sign-before-sync"]):
+        assert user_set_keys(argv, {})["demo"] == {"sign_before_sync"}, argv

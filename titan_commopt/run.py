@@ -53,7 +53,7 @@ def _pre_flight(args) -> None:
     try:
         check_config(list(args.training_script_args), world_size_of(args))
     except ConfigError as error:
-        report_config_error(error)
+        report_config_error(error, launcher=True)
 
 
 def _root_config_error(failure) -> Optional[str]:

@@ -70,29 +70,32 @@ def format_error(error: BaseException) -> str:
     return "\n".join(PREFIX + line for line in str(error).splitlines() if line.strip())
 
 
-def _write_elastic_error_file(text: str) -> None:
-    """Tell torchrun's agent why this worker failed: its failure summary shows ``text``."""
+def _write_elastic_error_file(text: str) -> bool:
+    """Tell torchrun's agent why this worker failed: its failure summary shows ``text``.
+    Returns whether it did (there is no error file outside torchrun)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
-        return
+        return False
     try:
         with open(path, "w") as handle:
             extra = {"py_callstack": text, "timestamp": str(int(time.time()))}
             json.dump({"message": {"message": text, "extraInfo": extra}}, handle)
+        return True
     except OSError:
-        pass
+        return False
 
 
-def report_config_error(error: BaseException) -> None:
-    """Print the pre-flight lines once (rank 0, or nobody when ``titan_commopt.run`` prints them),
-    record them for torchrun's agent, and exit with status 2."""
+def report_config_error(error: BaseException, launcher: bool = False) -> None:
+    """Print the pre-flight lines once (rank 0, or nobody when ``titan_commopt.run`` prints them;
+    ``launcher``: this is that launcher), record them for torchrun's agent, and exit with status 2."""
     text = format_error(error)
-    _write_elastic_error_file(text)
-    if os.environ.get("RANK", "0") == "0" and not os.environ.get(LAUNCHER_ENV):
+    recorded = not launcher and _write_elastic_error_file(text)
+    if launcher or os.environ.get("RANK", "0") == "0":
         if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             traceback.print_exception(error)
-        sys.stdout.flush()
-        print(text, file=sys.stderr, flush=True)
+        if launcher or not (os.environ.get(LAUNCHER_ENV) and recorded):  # else the launcher prints it, last
+            sys.stdout.flush()
+            print(text, file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 
