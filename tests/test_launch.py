@@ -59,6 +59,7 @@ def test_readme_toml_trains_as_written(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert len(LOSS_LINE.findall(proc.stdout)) == 2
     assert "FlexDeMo" in proc.stdout and "R vs AdamW-HSDP" in proc.stdout
+    assert list((tmp_path / "out" / "tb").iterdir())  # TensorBoard on, as the README says
 
 
 def test_known_cpu_noise_is_filtered_and_nothing_else():
