@@ -155,9 +155,7 @@ def type_text(tp: Any) -> str:
     """What a field of type ``tp`` allows, in words."""
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
-        arms = [arm for arm in typing.get_args(tp) if arm is not type(None)]
-        if any(typing.get_origin(arm) is Literal for arm in arms) or len(arms) == 1:
-            return " or ".join(type_text(arm) for arm in arms)
+        arms = [arm for arm in typing.get_args(tp) if arm is not type(None)]  # None: TOML cannot say it
         if set(arms) == {float, int}:
             return "a number"
         return " or ".join(type_text(arm) for arm in arms)
