@@ -22,6 +22,14 @@ def flavor_args(flavor: str):
     return {**llama3_args, **EXTRA_FLAVORS}[flavor]
 
 
+def flavor_names() -> list[str]:
+    from torchtitan.models.llama3 import llama3_args
+
+    from titan_commopt.titan.spec import EXTRA_FLAVORS
+
+    return list({**llama3_args, **EXTRA_FLAVORS})
+
+
 def param_shapes(flavor: str) -> list[tuple[str, tuple[int, ...]]]:
     """(fqn, global shape) of every parameter of torchtitan's llama3 Transformer (meta device)."""
     from torchtitan.models.llama3 import Transformer
@@ -32,13 +40,24 @@ def param_shapes(flavor: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def parse_overrides(items: list[str]) -> dict[str, dict]:
-    """``["local.Kx=2", "demo.chunk=32"]`` → ``{"local": {"Kx": 2}, "demo": {"chunk": 32}}``."""
+    """``["local.Kx=2", "demo.chunk=32"]`` → ``{"local": {"Kx": 2}, "demo": {"chunk": 32}}``.
+    A malformed item or an unknown family: ``ConfigError`` with one line."""
     import ast
+    import difflib
+
+    from titan_commopt.optim import FAMILIES
+    from titan_commopt.options import ConfigError
 
     out: dict[str, dict] = {}
     for item in items or []:
-        key, value = item.split("=", 1)
-        family, option = key.split(".", 1)
+        key, eq, value = item.partition("=")
+        family, dot, option = key.partition(".")
+        if not eq or not dot or not family or not option:
+            raise ConfigError(f"--set {item!r}: allowed is FAMILY.OPTION=VALUE, e.g. demo.chunk=32")
+        if family not in FAMILIES:
+            close = difflib.get_close_matches(family, list(FAMILIES), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"--set {item!r}: unknown family {family!r}{hint} (known: {', '.join(FAMILIES)})")
         try:
             parsed = ast.literal_eval(value)
         except (ValueError, SyntaxError):

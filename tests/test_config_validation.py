@@ -1,11 +1,12 @@
 """Bad configs fail before any process group exists, one line each naming key, value and what is
-allowed. Table-driven: (optimizer name, TOML lines to add, CLI args, substrings the error must show)."""
+allowed. Table-driven: (optimizer name, TOML lines to add, CLI args, substrings the error must show);
+the torchtitan keys, files, sections and command-line forms in a second table further down."""
 
 import pytest
 
 from titan_commopt.options import ConfigError
 from titan_commopt.train import check_config
-from tests.titan_utils import CONFIG
+from tests.titan_utils import CONFIG, readme_toml
 
 BAD = [
     # [optimizer] name
@@ -65,8 +66,12 @@ def test_bad_config_is_refused_with_one_line_each(tmp_path, name, toml, cli, exp
     message = str(info.value)
     for piece in expected:
         assert piece in message, f"{piece!r} not in:\n{message}"
-    for line in message.splitlines():  # every line names a section/key
-        assert line.startswith("["), line
+    _one_line_each(message)
+
+
+def _one_line_each(message: str) -> None:
+    for line in message.splitlines():  # every line names a section/key (or the command line's option)
+        assert line.startswith(("[", "command line: ")), line
 
 
 def test_at_least_thirty_bad_configs():
@@ -96,3 +101,202 @@ def test_a_key_the_user_sets_beats_the_preset_even_at_the_default(tmp_path, name
     assert key not in resolved.preset_keys()
     others = set(resolved.family.presets[name]) - {key}
     assert others and all(getattr(resolved.options, k) == resolved.family.presets[name][k] for k in others)
+
+
+# ---- torchtitan keys, files, sections, the command line (titan/parse.py, titan/torchtitan_keys.py) --
+def _config(tmp_path, replace=(), extra="", name="job.toml"):
+    text = CONFIG.read_text()
+    for old, new in replace:
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / name
+    path.write_text(text + "\n" + extra + "\n")
+    return path
+
+
+def _text_file(tmp_path, content: str):
+    path = tmp_path / "corpus.txt"
+    path.write_text(content)
+    return str(path)
+
+
+# (TOML replacements, TOML to add, CLI args, world size, substrings of the error); "{tmp}" in a CLI
+# arg is the test's tmp_path.
+BAD_TORCHTITAN = [
+    # [optimizer]: finite and in range (torch.optim's own limits), from the CLI and from the TOML
+    ((), "", ["--optimizer.lr", "nan"], None, ["[optimizer] lr = nan", "finite number >= 0"]),
+    ((("lr = 3e-3", "lr = -1e-3"),), "", [], None, ["[optimizer] lr = -0.001", ">= 0"]),
+    ((), "", ["--optimizer.beta1", "1.5"], None, ["[optimizer] beta1 = 1.5", ">= 0 and < 1"]),
+    ((), "", ["--optimizer.beta2", "1.0"], None, ["[optimizer] beta2 = 1.0", "< 1"]),
+    ((("eps = 1e-8", "eps = -1e-8"),), "", [], None, ["[optimizer] eps = -1e-08", ">= 0"]),
+    ((), "", ["--optimizer.weight_decay", "inf"], None, ["[optimizer] weight_decay = inf", "finite"]),
+    ((("lr = 3e-3", 'lr = "fast"'),), "", [], None, ["[optimizer] lr = 'fast'", "a number"]),
+    ((("lr = 3e-3", 'lr = 3e-3\nimplementation = "fast"'),), "", [], None, ["implementation = 'fast'", "'foreach'"]),
+    # [training], [lr_scheduler], [metrics], [checkpoint]
+    ((), "", ["--training.seq_len", "0"], None, ["[training] seq_len = 0", "an integer >= 1"]),
+    ((), "", ["--training.local_batch_size", "-2"], None, ["[training] local_batch_size = -2", ">= 1"]),
+    ((), "", ["--training.global_batch_size", "0"], None, ["[training] global_batch_size = 0", "-1"]),
+    ((), "", ["--training.global_batch_size", "6"], 2, ["global_batch_size = 6", "multiple of", "4 × 2 = 8"]),
+    ((), "", ["--training.steps", "0"], None, ["[training] steps = 0", ">= 1"]),
+    ((), "", ["--training.max_norm", "-1"], None, ["[training] max_norm = -1", ">= 0"]),
+    ((), "", ["--training.gc_freq", "0"], None, ["[training] gc_freq = 0", ">= 1"]),
+    ((), "", ["--lr_scheduler.warmup_steps", "-5"], None, ["[lr_scheduler] warmup_steps = -5", ">= 0"]),
+    ((), "", ["--lr_scheduler.min_lr_factor", "2"], None, ["[lr_scheduler] min_lr_factor = 2.0", "<= 1"]),
+    ((), "", ["--metrics.log_freq", "0"], None, ["[metrics] log_freq = 0", ">= 1"]),
+    ((("enable = false", "enable = true"), ("interval = 20", "interval = 0")), "", [], None, ["[checkpoint] interval = 0", ">= 1"]),
+    # mixed precision: a dtype name torch knows by another spelling
+    ((('mixed_precision_param = "float32"', 'mixed_precision_param = "bf16"'),), "", [], None,
+     ["[training] mixed_precision_param = 'bf16'", "one of 'bfloat16', 'float32'"]),
+    ((), "", ["--training.mixed_precision_param", "bf16"], None,
+     ["mixed_precision_param = 'bf16' (from --training.mixed_precision_param)", "'bfloat16'"]),
+    ((('mixed_precision_param = "float32"', 'mixed_precision_param = "float32"\nmixed_precision_reduce = "bfloat16"'),), "", [], None,
+     ["mixed_precision_reduce = 'bfloat16'", "one of 'float32'"]),
+    # the model
+    ((), "", ["--model.flavor", "9B"], None, ["[model] flavor = '9B'", "cpu_small", "8B"]),
+    ((), "", ["--model.name", "llama3", "--optimizer.name", "DeMo"], None,
+     ["[model] name = 'llama3' with [optimizer] name = 'DeMo'", "'llama3_commopt'"]),
+    ((), "", ["--model.name", "llama3_reference", "--optimizer.name", "Dion"], None, ["[model] name = 'llama3_reference'"]),
+    ((), "", ["--model.name", "lama3"], None, ["[model] name = 'lama3'", "llama3_commopt"]),
+    # the mesh against WORLD_SIZE (torchrun's, known before any process group)
+    ((), "", ["--parallelism.data_parallel_replicate_degree", "3"], 2,
+     ["data_parallel_replicate_degree = 3", "must divide WORLD_SIZE = 2"]),
+    ((), "", ["--parallelism.data_parallel_shard_degree", "3"], 4,
+     ["data_parallel_shard_degree = 3 = 3 processes", "WORLD_SIZE = 4"]),
+    ((), "", ["--parallelism.data_parallel_replicate_degree", "0"], 2, ["data_parallel_replicate_degree = 0", ">= 1"]),
+    ((), "", ["--parallelism.data_parallel_shard_degree", "0"], None, ["data_parallel_shard_degree = 0", "-1"]),
+    # data: the textfile dataset and its file
+    ((), "", ["--training.dataset", "textfile"], None, ["[training] dataset = 'textfile' needs dataset_path"]),
+    ((), "", ["--training.dataset", "textfile", "--training.dataset_path", "{tmp}/missing.txt"], None,
+     ["dataset_path = '", "missing.txt': no such file"]),
+    ((), "", ["--training.dataset", "textfile", "--training.dataset_path", "{tmp}"], None, ["is a directory"]),
+    ((), "", ["--training.dataset", "textfile", "--training.dataset_path", "{tmp}/empty.txt"], None, ["empty.txt': has no text"]),
+    ((), "", ["--training.dataset", "textfile", "--training.dataset_path", "{tmp}/blank.txt"], None, ["blank.txt': has no text"]),
+    ((), "", ["--training.dataset", "textfile", "--training.dataset_path", "{tmp}/one.txt",
+              "--parallelism.data_parallel_replicate_degree", "2"], 2, ["has 1 non-blank line(s)", "data-parallel degree is 2"]),
+    ((), "", ["--training.dataset", "c5"], None, ["[training] dataset = 'c5'", "commopt_tiny", "textfile"]),
+    # the config file
+    ((), "", ["--job.config_file", "{tmp}/missing.toml"], None, ["[job] config_file = '", "missing.toml': no such file"]),
+    ((), "", ["--job.config_file", "{tmp}"], None, ["is a directory, not a TOML file"]),
+    ((), "", ["--job.config_file", "{tmp}/one.txt"], None, ["one.txt': not valid TOML"]),
+    # sections and keys: a did-you-mean for ours and torchtitan's
+    ((), "[comopt]\nhsdp_estimates = false", [], None, ["[comopt]: unknown section; did you mean [commopt]?"]),
+    ((), "[trainig]\nsteps = 3", [], None, ["[trainig]: unknown section; did you mean [training]?"]),
+    ((("steps = 40", "stepz = 40"),), "", [], None, ["[training] unknown key 'stepz'; did you mean 'steps'?"]),
+    ((), "[commopt.demo]\nchnk = 8", [], None, ["[commopt.demo] unknown key 'chnk'; did you mean 'chunk'?"]),
+    ((("[job]", "compile = 1\n[job]"),), "", [], None, ["[compile] = 1: allowed is a table"]),
+    # the command line
+    ((), "", ["--trainng.steps", "3"], None, ["command line: unknown option '--trainng.steps'; did you mean --training.steps?"]),
+    ((), "", ["--commopt.demo.chnk", "8"], None, ["did you mean --commopt.demo.chunk?"]),
+    ((), "", ["--training.steps", "ten"], None, ["[training] steps = 'ten' (from --training.steps): allowed is an integer"]),
+    ((), "", ["--training.steps"], None, ["[training] steps (from --training.steps): needs a value"]),
+    ((), "", ["--commopt.demo.sign_before_sync=maybe"], None, ["sign_before_sync = 'maybe'", "true or false"]),
+    ((), "", ["--commopt.dion.rank", "many"], None, ["[commopt.dion] rank = 'many' (from --commopt.dion.rank): allowed is an integer"]),
+    # several at once, across torchtitan's keys and ours
+    ((), "[commopt.dion]\nmu = 2.0", ["--optimizer.name", "Dion", "--optimizer.lr", "nan", "--training.seq_len", "0"], None,
+     ["lr = nan", "seq_len = 0", "mu = 2.0"]),
+]
+
+
+@pytest.mark.parametrize("replace,extra,cli,world_size,expected", BAD_TORCHTITAN, ids=[f"t{i:02d}" for i in range(len(BAD_TORCHTITAN))])
+def test_bad_torchtitan_setting_is_refused_with_one_line_each(tmp_path, replace, extra, cli, world_size, expected):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text("\n   \n\t\n")
+    (tmp_path / "one.txt").write_text("one document\n")
+    path = _config(tmp_path, replace, extra)
+    cli = [arg.replace("{tmp}", str(tmp_path)) for arg in cli]
+    if "--job.config_file" not in cli:
+        cli = ["--job.config_file", str(path), *cli]
+    with pytest.raises(ConfigError) as info:
+        check_config(cli, world_size=world_size)
+    message = str(info.value)
+    for piece in expected:
+        assert piece in message, f"{piece!r} not in:\n{message}"
+    _one_line_each(message)
+
+
+@pytest.mark.parametrize("cli, check", [
+    # docs/options.md's `--<section>.<key> v` form for booleans, ours and torchtitan's, next to tyro's flags
+    (["--commopt.demo.sign_before_sync", "false"], lambda j: j.commopt.demo.sign_before_sync is False),
+    (["--commopt.demo.sign_before_sync=False"], lambda j: j.commopt.demo.sign_before_sync is False),
+    (["--commopt.demo.sign_before_sync", "true"], lambda j: j.commopt.demo.sign_before_sync is True),
+    (["--commopt.demo.sign-before-sync"], lambda j: j.commopt.demo.sign_before_sync is True),
+    (["--commopt.hsdp_estimates", "false"], lambda j: j.commopt.hsdp_estimates is False),
+    (["--metrics.enable_tensorboard", "false"], lambda j: j.metrics.enable_tensorboard is False),
+    (["--checkpoint.enable=true"], lambda j: j.checkpoint.enable is True),
+    (["--checkpoint.enable", "true", "--training.steps", "3"], lambda j: j.checkpoint.enable is True and j.training.steps == 3),
+    (["--checkpoint.no-enable"], lambda j: j.checkpoint.enable is False),
+])
+def test_boolean_true_false_on_the_command_line(cli, check):
+    job, _ = check_config(["--job.config_file", str(CONFIG), "--optimizer.name", "FlexDeMo", *cli])
+    assert check(job)
+
+
+def test_a_boolean_given_as_true_false_counts_as_set():
+    # FlexDeMo's preset sets sign_before_sync = True; the user's `false` must win and be recorded as set
+    _, resolved = check_config(["--job.config_file", str(CONFIG), "--optimizer.name", "FlexDeMo",
+                                "--commopt.demo.sign_before_sync", "false"])
+    assert resolved.options.sign_before_sync is False and "sign_before_sync" in resolved.user_set
+
+
+def test_good_world_size_and_textfile_pass(tmp_path):
+    corpus = _text_file(tmp_path, "first document\n\nsecond document\n")
+    job, _ = check_config(["--job.config_file", str(CONFIG), "--training.dataset", "textfile", "--training.dataset_path", corpus,
+                           "--parallelism.data_parallel_replicate_degree", "2"], world_size=2)
+    assert job.training.dataset_path == corpus
+
+
+def test_tyro_messages_become_one_line():
+    from titan_commopt.titan.parse import _squash
+
+    box = ("╭─ Value error ─────────────╮\n│ Error parsing --x.y: bad  │\n│ value 'z'                 │\n"
+           "│ ───────────────────────── │\n│ Argument helptext:        │\n╰───────────────────────────╯\n")
+    assert _squash(box) == "Error parsing --x.y: bad value 'z'"
+    plain = (" Unrecognized options               \n ---------------------------------- \n  Unrecognized options: 4           \n"
+             "  ----------------------------------\n  For full helptext, run -c --help  \n                                    \n")
+    assert _squash(plain) == "Unrecognized options: 4"
+
+
+def test_what_only_tyro_sees_is_one_line_too():
+    with pytest.raises(ConfigError) as info:
+        check_config(["--job.config_file", str(CONFIG), "--training.steps", "3", "4"])
+    assert str(info.value) == "command line: Unrecognized options: 4"
+
+
+def test_readme_toml_validates_as_written(tmp_path):
+    """The README's example names neither custom_config_module nor custom_import: they are added."""
+    toml = readme_toml()
+    assert "custom_config_module" not in toml and "custom_import" not in toml
+    path = tmp_path / "my.toml"
+    path.write_text(toml)
+    job, resolved = check_config(["--job.config_file", str(path)], world_size=2)
+    assert job.model.name == "llama3_commopt" and resolved.name == "FlexDeMo" and job.commopt.demo.chunk == 32
+
+
+def test_list_options_take_separate_words():  # docs/options.md's `--commopt.local.Ku 16 64`
+    _, resolved = check_config(["--job.config_file", str(CONFIG), "--optimizer.name", "MT-DAO", "--commopt.local.Ku", "16", "64",
+                                "--commopt.local.beta1", "0.9", "0.99", "--commopt.local.omega", "0.5", "0.3"])
+    assert (resolved.options.Ku, resolved.options.beta1, resolved.options.omega) == ([16, 64], [0.9, 0.99], [0.5, 0.3])
+    assert {"Ku", "beta1", "omega"} <= resolved.user_set
+
+
+@pytest.mark.parametrize("path, expected", [
+    ("{tmp}/nope", "hf_assets_path = '{tmp}/nope': no such file or directory; allowed is \"bundled\""),
+    ("{tmp}", "hf_assets_path = '{tmp}': holds no tokenizer"),
+])
+def test_missing_tokenizer_is_one_line(tmp_path, path, expected):
+    path, expected = (x.replace("{tmp}", str(tmp_path)) for x in (path, expected))
+    with pytest.raises(ConfigError) as info:
+        check_config(["--job.config_file", str(CONFIG), "--model.hf_assets_path", path])
+    assert str(info.value).startswith("[model] " + expected) and len(str(info.value).splitlines()) == 1
+    (tmp_path / "tokenizer.json").write_text("{}")
+    if path == str(tmp_path):
+        check_config(["--job.config_file", str(CONFIG), "--model.hf_assets_path", path])  # a directory with a tokenizer: passes
+
+
+def test_user_set_keys_counts_every_accepted_form():
+    from titan_commopt.titan.config import user_set_keys
+
+    for argv in (["--commopt.demo.sign_before_sync", "false"], ["--commopt.demo.sign_before_sync=false"],
+                 ["--commopt.demo.no-sign_before_sync"], ["--commopt.demo.no_sign_before_sync"],
+                 ["--commopt.demo.sign-before-sync"], ["--commopt.demo.no-sign-before-sync"]):
+        assert user_set_keys(argv, {})["demo"] == {"sign_before_sync"}, argv

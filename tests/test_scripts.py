@@ -38,7 +38,7 @@ def test_comm_report_matches_ledger(tmp_path, name):
         "--optimizer.name", name, *cli_overrides(name, OVERRIDES),
     )
     scalars = read_scalars(dump)
-    (row,) = comm_report.report("cpu_tiny", 2, 2, [name], OVERRIDES)
+    (row,) = comm_report.report("cpu_tiny", 2, 2, [name], OVERRIDES, param_dtype="float32")  # debug_cpu.toml's
     r_total = scalars["comm/R_sent_bytes_total"][-1]
     assert r_total[0] == STEPS
     assert r_total[1] > 0
@@ -104,3 +104,36 @@ def test_bench_netns_runs_or_skips(tmp_path):
 
 def proc_ok(proc) -> bool:
     return proc.returncode == 0
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--optimizers", "Adamm"], "--optimizers 'Adamm': allowed is one of AdamW"),
+    (["--set", "local.Kx=-1"], "--set: [commopt.local] Kx = -1: allowed is an integer >= 0"),
+    (["--set", "demo.chnk=3"], "unknown key 'chnk'; did you mean 'chunk'?"),
+    (["--set", "dem.chunk=3"], "unknown family 'dem'; did you mean 'demo'?"),
+    (["--set", "chunk=3"], "--set 'chunk=3': allowed is FAMILY.OPTION=VALUE"),
+    (["--flavor", "9B"], "--flavor '9B': allowed is one of debugmodel"),
+    (["--replicate", "0"], "--replicate 0: allowed is an integer >= 1"),
+    (["--shard", "-1"], "--shard -1: allowed is an integer >= 1"),
+    (["--param-dtype", "bf16"], "argument --param-dtype: invalid choice: 'bf16'"),
+])
+def test_comm_report_bad_argument_is_one_line_exit_2(capsys, args, expected):
+    try:
+        rc = comm_report.main(args)
+    except SystemExit as exit_:  # argparse's own checks
+        rc = exit_.code
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], err
+
+
+def test_comm_report_param_dtype_changes_only_the_all_gathers():
+    bf16, fp32 = (comm_report.report("cpu_tiny", 2, 2, ["AdamW", "DeMo"], param_dtype=d) for d in ("bfloat16", "float32"))
+    for a, b in zip(bf16, fp32):
+        assert a["R_sent"] == b["R_sent"] and a["S_sent"] < b["S_sent"]
+    from titan_commopt.optim import ShardShape
+    from scripts._bench_common import param_shapes
+
+    shard_elements = sum(ShardShape.fsdp(n, s, 2).numel for n, s in param_shapes("cpu_tiny"))
+    assert fp32[0]["S_sent"] - bf16[0]["S_sent"] == 2 * shard_elements * 2  # 2 all-gathers x 2 bytes saved per element

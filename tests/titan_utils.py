@@ -59,3 +59,10 @@ def losses(scalars: dict) -> list[float]:
 
 
 LOSS_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s+R sent:")
+
+
+def readme_toml() -> str:
+    """The README's example TOML (its first ```toml block)."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```toml\n") + len("```toml\n")
+    return text[start: text.index("```", start)]

@@ -1,76 +1,112 @@
 """Entry point: torchtitan 0.2.2's own Trainer with titan_commopt plugged in.
 
-    torchrun --nproc_per_node=2 -m titan_commopt.train --job.config_file train_configs/debug_cpu.toml
+    python -m titan_commopt.run --nproc_per_node=2 -m titan_commopt.train --job.config_file train_configs/debug_cpu.toml
 
-Differences from ``python -m torchtitan.train``, all before torchtitan's Trainer starts:
+(``python -m titan_commopt.run`` is torchrun that checks the config first; plain ``torchrun`` works
+too.) Differences from ``python -m torchtitan.train``, all before torchtitan's Trainer starts:
 
-1. on a machine without an accelerator, torchtitan is pointed at the CPU (``titan/cpu.py``);
+1. on a machine without an accelerator, torchtitan is pointed at the CPU (``titan/cpu.py``) and its
+   known-harmless CPU warnings are filtered (``titan/console.py``);
 2. ``--job.custom_config_module`` / ``--experimental.custom_import`` default to ours, so the
    ``[commopt]`` section and our TrainSpecs exist whatever the TOML says;
-3. ``[optimizer] name`` and every ``[commopt]`` key/value are checked before any process group
-   exists: a bad value exits with status 2 and one line per problem (key, value, what is allowed).
+3. the config is checked before any process group exists (``titan/parse.py``: file, sections,
+   keys, types, command line; ``titan/validate.py``: values, the mesh against ``WORLD_SIZE``,
+   ``[optimizer]`` and every ``[commopt]`` key): a bad config exits with status 2 and one line per
+   problem (key, value, what is allowed), printed by rank 0 (by the launcher under
+   ``titan_commopt.run``), no traceback unless ``TITAN_COMMOPT_TRACEBACK=1``;
+4. torchtitan's ``main`` trains with the job config parsed and checked in step 3 (torchtitan's
+   ``ConfigManager.parse_args`` would otherwise read ``sys.argv`` as it was when torchtitan was
+   imported).
 """
 
+import json
 import os
 import sys
-from typing import Optional
+import time
+import traceback
+from typing import Any, Optional
 
-CONFIG_MODULE = "titan_commopt.titan.config"
-CUSTOM_IMPORT = "titan_commopt.titan"
-
-
-def _toml_of(argv: list[str]) -> dict:
-    from .titan.config import config_file_of, read_toml
-
-    return read_toml(config_file_of(argv))
+PREFIX = "titan_commopt: bad config: "  # every pre-flight line starts with it
+TRACEBACK_ENV = "TITAN_COMMOPT_TRACEBACK"  # =1: print the traceback of a pre-flight error too
+LAUNCHER_ENV = "TITAN_COMMOPT_LAUNCHER"  # set by titan_commopt.run: workers leave the printing to it
 
 
-def _has_flag(argv: list[str], names: tuple[str, ...]) -> bool:
-    return any(arg.partition("=")[0] in names for arg in argv)
-
-
-def plugin_args(argv: list[str], toml: dict) -> list[str]:
-    """``argv`` plus our config module and custom import unless the CLI or TOML names them."""
-    extra = []
-    if not _has_flag(argv, ("--job.custom_config_module", "--job.custom-config-module")) and not toml.get(
-        "job", {}
-    ).get("custom_config_module"):
-        extra += ["--job.custom_config_module", CONFIG_MODULE]
-    if not _has_flag(argv, ("--experimental.custom_import", "--experimental.custom-import")) and not toml.get(
-        "experimental", {}
-    ).get("custom_import"):
-        extra += ["--experimental.custom_import", CUSTOM_IMPORT]
-    return list(argv) + extra
-
-
-def check_config(argv: list[str]):
+def check_config(argv: list[str], world_size: Optional[int] = None):
     """Parse the job config and resolve its optimizer without touching torch.distributed.
     Returns ``(job_config, resolved)`` (``resolved`` is None for torchtitan's own optimizers);
-    raises ConfigError."""
-    from titan_commopt.options import ConfigError, check_keys
+    raises ConfigError listing every problem. ``world_size`` defaults to torchrun's ``WORLD_SIZE``
+    (unset: the mesh is not checked against it)."""
+    import titan_commopt.titan  # noqa: F401  (registers the TrainSpecs and datasets)
 
-    from .titan import config as commopt_config
+    from .titan.parse import parse_job
     from .titan.validate import resolve_job
 
-    toml = _toml_of(argv)
-    unknown = check_keys(toml.get("commopt", {}), commopt_config.CommOpt, "commopt")
-    if unknown:
-        raise ConfigError("\n".join(unknown))
-    from torchtitan.config import ConfigManager
+    job_config, args = parse_job(argv)
+    _import_custom(job_config)
+    return job_config, resolve_job(job_config, args, world_size)
 
-    args = plugin_args(argv, toml)
-    job_config = ConfigManager().parse_args(args)
-    return job_config, resolve_job(job_config, args)
+
+def _import_custom(job_config: Any) -> None:
+    """The user's ``[experimental] custom_import`` (torchtitan imports it in ``Trainer.__init__``):
+    needed now so that the model names it registers are known to the checks."""
+    import importlib
+
+    from titan_commopt.options import ConfigError
+
+    from .titan.parse import CUSTOM_IMPORT
+
+    module = job_config.experimental.custom_import
+    if module and module != CUSTOM_IMPORT:
+        try:
+            importlib.import_module(module)
+        except Exception as error:
+            raise ConfigError(
+                f"[experimental] custom_import = {module!r}: cannot import it ({type(error).__name__}: {error})"
+            ) from error
+
+
+def format_error(error: BaseException) -> str:
+    """One line per problem, each starting with :data:`PREFIX`."""
+    return "\n".join(PREFIX + line for line in str(error).splitlines() if line.strip())
+
+
+def _write_elastic_error_file(text: str) -> bool:
+    """Tell torchrun's agent why this worker failed: its failure summary shows ``text``.
+    Returns whether it did (there is no error file outside torchrun)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    try:
+        with open(path, "w") as handle:
+            extra = {"py_callstack": text, "timestamp": str(int(time.time()))}
+            json.dump({"message": {"message": text, "extraInfo": extra}}, handle)
+        return True
+    except OSError:
+        return False
+
+
+def report_config_error(error: BaseException, launcher: bool = False) -> None:
+    """Print the pre-flight lines once (rank 0, or nobody when ``titan_commopt.run`` prints them;
+    ``launcher``: this is that launcher), record them for torchrun's agent, and exit with status 2."""
+    text = format_error(error)
+    recorded = not launcher and _write_elastic_error_file(text)
+    if launcher or os.environ.get("RANK", "0") == "0":
+        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            traceback.print_exception(error)
+        if launcher or not (os.environ.get(LAUNCHER_ENV) and recorded):  # else the launcher prints it, last
+            sys.stdout.flush()
+            print(text, file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from .titan.console import quiet_known_noise
     from .titan.cpu import use_cpu_if_no_accelerator
 
+    quiet_known_noise()
     use_cpu_if_no_accelerator()
     from titan_commopt.options import ConfigError
-
-    import titan_commopt.titan  # noqa: F401  (registers the TrainSpecs)
 
     from .titan.validate import remember
 
@@ -78,10 +114,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         job_config, resolved = check_config(argv)
         remember(job_config, resolved)
     except ConfigError as error:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"titan_commopt: bad config:\n{error}", file=sys.stderr)
-        raise SystemExit(2)
+        report_config_error(error)
 
+    run_torchtitan(job_config)
+
+
+def run_torchtitan(job_config: Any) -> None:
+    """torchtitan's ``main`` (logging, training, seed checkpoints, shutdown), given our job config."""
     import torchtitan.train as torchtitan_train
 
     from .titan import config as commopt_config
@@ -93,7 +132,14 @@ def main(argv: Optional[list[str]] = None) -> None:
             commopt_config.set_current(job_config)
             super().__init__(job_config)
 
-    sys.argv = [sys.argv[0]] + plugin_args(argv, _toml_of(argv))
+    class ParsedConfig(torchtitan_train.ConfigManager):
+        """What ``torchtitan.train.main`` parses: the config already parsed and checked."""
+
+        def parse_args(self, args: Any = None) -> Any:
+            self.config = job_config
+            return job_config
+
+    torchtitan_train.ConfigManager = ParsedConfig  # main() looks the name up when it runs
     torchtitan_train.main(Trainer)
 
 

@@ -179,9 +179,23 @@ def build_tokenizer(job_config: Any) -> Any:
 
 # ---- dataset registration ----------------------------------------------------------------------
 def _lines_dataset(path: str | None) -> Any:
+    """``commopt_tiny``: the bundled corpus, or ``dataset_path`` when one is given."""
     from datasets import Dataset
 
     return Dataset.from_dict({"text": read_lines(path or corpus_path())})
+
+
+def _textfile_dataset(path: str | None) -> Any:
+    """``textfile``: ``dataset_path``, one document per line. No path, or a file without text, is an
+    error here (the pre-flight check says so first): torchtitan would re-loop an empty set forever."""
+    from datasets import Dataset
+
+    if not path:
+        raise ValueError('[training] dataset = "textfile" needs dataset_path = a UTF-8 text file, one document per line')
+    lines = read_lines(path)
+    if not lines:
+        raise ValueError(f"[training] dataset_path = {str(path)!r}: has no text (empty or only blank lines)")
+    return Dataset.from_dict({"text": lines})
 
 
 def _text(sample: dict[str, Any]) -> str:
@@ -194,7 +208,7 @@ def register_datasets() -> None:
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
     DATASETS.setdefault(CORPUS_NAME, DatasetConfig(path="", loader=_lines_dataset, sample_processor=_text))
-    DATASETS.setdefault(TEXTFILE_NAME, DatasetConfig(path="", loader=_lines_dataset, sample_processor=_text))
+    DATASETS.setdefault(TEXTFILE_NAME, DatasetConfig(path="", loader=_textfile_dataset, sample_processor=_text))
 
 
 if __name__ == "__main__":  # prebuild the cache: python -m titan_commopt.titan.data

@@ -1,9 +1,11 @@
 """One pass over a job config: ``[optimizer]`` + ``[commopt]`` → the run's resolved optimizer.
 
 :func:`resolve_job` checks ``[optimizer] name``, every ``[commopt]`` value, the chosen family's
-cross-field rules and the torchtitan settings our optimizers refuse, and returns the
-:class:`~titan_commopt.optim.Resolved` value ``build_optimizers`` trains with (``None`` for
-torchtitan's own AdamW/Adam). Every problem is one line; nothing touches a process group, so
+cross-field rules, the torchtitan settings our optimizers refuse, and the torchtitan values every
+run depends on (``titan/torchtitan_keys.py``: learning rate, betas, batch sizes, mesh against the
+world size, model flavor, dataset file, ...), and returns the :class:`~titan_commopt.optim.Resolved`
+value ``build_optimizers`` trains with (``None`` for torchtitan's own AdamW/Adam). Every problem is
+one line, all of them reported together; nothing touches a process group, so
 ``titan_commopt.train`` runs it before torchtitan starts.
 """
 
@@ -14,6 +16,7 @@ from titan_commopt.optim import BaseHParams, Resolved, family_of, owns_replicate
 from titan_commopt.options import ConfigError, problems as option_problems
 
 from . import config
+from .torchtitan_keys import torchtitan_problems, world_size_from_env
 
 __all__ = ["resolve_job", "hparams_of", "remember", "resolved_for"]
 
@@ -58,20 +61,30 @@ def _unsupported(job_config: Any, name: str) -> list[str]:
     return out
 
 
-def resolve_job(job_config: Any, argv: Optional[list[str]] = None) -> Optional[Resolved]:
+def resolve_job(
+    job_config: Any, argv: Optional[list[str]] = None, world_size: Optional[int] = None
+) -> Optional[Resolved]:
     """The run's resolved optimizer (``None`` for torchtitan's own), or ``ConfigError`` listing
-    every problem. ``argv`` (default ``sys.argv[1:]``) tells which ``[commopt]`` keys the user set."""
+    every problem. ``argv`` (default ``sys.argv[1:]``) tells which ``[commopt]`` keys the user set;
+    ``world_size`` (default: torchrun's ``WORLD_SIZE``, when set) is checked against the mesh."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    world_size = world_size_from_env() if world_size is None else world_size
     name = job_config.optimizer.name
     section = config.commopt_of(job_config)
-    found = option_problems(section, "commopt")  # every table as given, the chosen one resolved below
+    found = torchtitan_problems(job_config, world_size)
+    commopt = option_problems(section, "commopt")  # every table as given, the chosen one resolved below
     if not owns_replicate_sync(name):
+        found += commopt
         if found:
             raise ConfigError("\n".join(found))
         return None
-    family = family_of(name)  # an unknown name fails here, listing what exists
-    found = [line for line in found if not line.startswith(f"[{family.section}]")]
+    try:
+        family = family_of(name)
+    except ConfigError as error:  # an unknown name: listed with what exists
+        raise ConfigError("\n".join([str(error)] + found + commopt)) from None
+    found += [line for line in commopt if not line.startswith(f"[{family.section}]")]
     found += _unsupported(job_config, name)
+    resolved = None
     try:
         resolved = resolve(name, config.given_options(job_config, family.key, argv), hparams_of(job_config.optimizer))
     except ConfigError as error:

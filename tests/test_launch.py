@@ -1,0 +1,143 @@
+"""``python -m titan_commopt.run`` (torchrun that checks the config first): a bad config ends with
+our lines last on the console and exit status 2, whether the launcher finds the problem (before
+any worker starts) or the workers do (an elastic world size); a good config trains as torchrun would
+(the README's TOML, which names neither custom_config_module nor custom_import)."""
+
+import os
+import subprocess
+import sys
+
+from tests.titan_utils import CONFIG, LOSS_LINE, ROOT, readme_toml
+
+PREFIX = "titan_commopt: bad config: "
+
+
+def _launch(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("TITAN_COMMOPT_TRACEBACK", None)
+    return subprocess.run([sys.executable, "-m", "titan_commopt.run", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _last_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def test_launcher_refuses_a_bad_config_before_any_worker():
+    proc = _launch("--nproc_per_node=2", "--standalone", "-m", "titan_commopt.train", "--job.config_file", str(CONFIG),
+                   "--optimizer.lr", "nan", "--parallelism.data_parallel_replicate_degree", "3")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    lr = PREFIX + "[optimizer] lr = nan: allowed is a finite number >= 0"
+    mesh = PREFIX + "[parallelism] data_parallel_replicate_degree = 3: must divide WORLD_SIZE = 2"
+    assert out.count(lr) == 1 and out.count(mesh) == 1
+    assert _last_line(proc).startswith(mesh)
+    assert "Traceback" not in out and "ChildFailedError" not in out
+
+
+def test_launcher_reports_a_problem_only_the_workers_see(tmp_path):
+    # An elastic node count: the world size is known only after the rendezvous, in the workers.
+    proc = _launch("--nnodes", "1:2", "--rdzv-conf", "last_call_timeout=1", "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", "localhost:0", "--nproc_per_node=1", "-m", "titan_commopt.train",
+                   "--job.config_file", str(CONFIG), "--job.dump_folder", str(tmp_path),
+                   "--parallelism.data_parallel_replicate_degree", "3")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    line = PREFIX + "[parallelism] data_parallel_replicate_degree = 3: must divide WORLD_SIZE = 1"
+    assert out.count(line) == 1  # the worker recorded it, the launcher printed it
+    assert _last_line(proc).startswith(line)
+    assert "Traceback" not in out and "ChildFailedError" not in out
+
+
+def test_readme_toml_trains_as_written(tmp_path):
+    config = tmp_path / "my.toml"
+    config.write_text(readme_toml())
+    proc = _launch("--nproc_per_node=2", "--standalone", "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
+                   "-m", "titan_commopt.train", "--job.config_file", str(config), "--job.dump_folder", str(tmp_path / "out"),
+                   "--training.steps", "2", "--metrics.log_freq", "1", "--metrics.disable_color_printing")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert len(LOSS_LINE.findall(proc.stdout)) == 2
+    assert "FlexDeMo" in proc.stdout and "R vs AdamW-HSDP" in proc.stdout
+    assert list((tmp_path / "out" / "tb").iterdir())  # TensorBoard on, as the README says
+
+
+def test_known_cpu_noise_is_filtered_and_nothing_else():
+    """titan/console.py: the exact torchtitan/torch messages of a CPU quickstart, and their neighbours."""
+    import logging
+    import re
+
+    from titan_commopt.titan.console import NOISE_WARNINGS, _DropKnownNoise
+
+    drop = _DropKnownNoise()
+
+    def kept(message: str) -> bool:
+        return drop.filter(logging.LogRecord("root", logging.WARNING, __file__, 1, message, None, None))
+
+    for noise in (
+        "HF assets path bundled does not exist!",
+        "HF assets path  does not exist!",
+        "model.safetensors.index.json not found at hf_assets_path: bundled/model.safetensors.index.json.  Defaulting ...",
+        "Error running lspci: [Errno 2] No such file or directory: 'lspci', fallback to use device_name",
+        "Peak flops undefined for: cpu, fallback to A100",
+        "Peak FLOPS used for computing MFU: 3.120e+14",
+        "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = 1 will be overridden to 3 based on job config",
+    ):
+        assert not kept(noise), noise
+    for signal in (
+        "HF assets path ./assets/hf/Llama-3.1-8B does not exist!",  # a user's real path
+        "model.safetensors.index.json not found at hf_assets_path: ./assets/hf/x/model.safetensors.index.json",
+        "Dataset commopt_tiny is being re-looped",
+        "step:  1  loss:  7.51985",
+    ):
+        assert kept(signal), signal
+    for message in (
+        "DTensor random operators may not have complete support on cpu device mesh",
+        "DTensor manual_seed() may not have complete support on cpu device mesh",
+        "In CPU autocast, but the target dtype is not supported. Disabling autocast.\nCPU Autocast only supports ...",
+        "'set_vital' is deprecated, please do not call",
+    ):
+        assert any(re.match(pattern, message) for pattern in NOISE_WARNINGS), message
+
+
+def test_a_worker_records_its_lines_for_torchruns_summary(tmp_path, monkeypatch, capsys):
+    """Under plain torchrun the agent's failure summary shows the worker's error file: our lines."""
+    import pytest
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from titan_commopt.options import ConfigError
+    from titan_commopt.run import _root_config_error
+    from titan_commopt.train import report_config_error
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("RANK", "1")  # not rank 0: records, does not print
+    monkeypatch.delenv("TITAN_COMMOPT_LAUNCHER", raising=False)
+    with pytest.raises(SystemExit) as info:
+        report_config_error(ConfigError("[training] seq_len = 0: allowed is an integer >= 1"))
+    assert info.value.code == 2 and capsys.readouterr().err == ""
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    line = PREFIX + "[training] seq_len = 0: allowed is an integer >= 1"
+    assert line in ChildFailedError("titan_commopt.train", {0: failure}).format_msg()
+    assert _root_config_error(failure) == line  # what titan_commopt.run prints instead of the summary
+
+
+def test_traceback_only_when_asked(monkeypatch, capsys):
+    import pytest
+
+    from titan_commopt.options import ConfigError
+    from titan_commopt.train import report_config_error
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    monkeypatch.delenv("TITAN_COMMOPT_LAUNCHER", raising=False)
+    for asked in ("", "1"):
+        monkeypatch.setenv("TITAN_COMMOPT_TRACEBACK", asked)
+        try:
+            raise ConfigError("[optimizer] lr = nan: allowed is a finite number >= 0")
+        except ConfigError as error:
+            with pytest.raises(SystemExit):
+                report_config_error(error)
+        err = capsys.readouterr().err
+        assert ("Traceback" in err) == bool(asked)
+        assert err.strip().splitlines()[-1] == PREFIX + "[optimizer] lr = nan: allowed is a finite number >= 0"

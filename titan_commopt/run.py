@@ -1,0 +1,100 @@
+"""torchrun that checks a titan_commopt config before it starts any worker.
+
+    python -m titan_commopt.run --nproc_per_node=8 [any torchrun option] -m titan_commopt.train --job.config_file my.toml ...
+
+The arguments are exactly torchrun's (``torch.distributed.run``). When the training module is
+``titan_commopt.train``, the config is checked here first, with ``WORLD_SIZE`` = ``--nnodes`` ×
+``--nproc_per_node`` when ``--nnodes`` is a fixed number: a bad config prints one line per problem
+(key or file, value, what is allowed) and exits with status 2 before any worker starts. Otherwise
+(or when all is well) it runs torchrun unchanged; if the workers then stop on a pre-flight error
+(something only they can see), torchrun's ~40-line failure summary is replaced by that error's
+lines, last on the console, and the exit status is 2. Every other failure is reported by torchrun
+as usual. ``TITAN_COMMOPT_TRACEBACK=1`` adds the traceback of a pre-flight error.
+
+On a multi-node job each node's launcher checks the config on that node (same files as its workers).
+"""
+
+import os
+import sys
+from typing import Optional
+
+__all__ = ["main", "world_size_of"]
+
+TRAIN_MODULE = "titan_commopt.train"
+
+
+def world_size_of(args) -> Optional[int]:
+    """nnodes × nproc_per_node, or None when torchrun decides it later (an elastic ``MIN:MAX``)."""
+    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
+
+    try:
+        low, high = parse_min_max_nnodes(args.nnodes)
+        if low != high:
+            return None
+        return low * determine_local_world_size(args.nproc_per_node)
+    except (ValueError, RuntimeError):
+        return None  # torchrun will say what is wrong with its own arguments
+
+
+def _is_ours(args) -> bool:
+    script = args.training_script
+    return (args.module and script == TRAIN_MODULE) or (
+        not args.module and script.replace(os.sep, "/").endswith("titan_commopt/train.py")
+    )
+
+
+def _pre_flight(args) -> None:
+    from titan_commopt.options import ConfigError
+
+    from .titan.console import quiet_known_noise
+    from .train import check_config, report_config_error
+
+    quiet_known_noise()
+    try:
+        check_config(list(args.training_script_args), world_size_of(args))
+    except ConfigError as error:
+        report_config_error(error, launcher=True)
+
+
+def _root_config_error(failure) -> Optional[str]:
+    """The pre-flight lines a failed worker recorded (``train.report_config_error``), if any."""
+    from .train import PREFIX
+
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    if failure.exitcode == 2 and isinstance(message, str) and message.startswith(PREFIX):
+        return message
+    return None
+
+
+def _launch(args) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    from .train import LAUNCHER_ENV
+
+    os.environ[LAUNCHER_ENV] = "1"  # the workers leave printing a pre-flight error to us
+    try:
+        run(args)
+    except ChildFailedError as error:
+        text = _root_config_error(error.get_first_failure()[1])
+        if text is None:
+            raise
+        sys.stdout.flush()
+        print(text, file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.run import parse_args
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if _is_ours(args):
+        _pre_flight(args)
+    record(_launch)(args)  # as torchrun's own main: a worker's error file reaches the scheduler
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Known-harmless console noise of a CPU run, filtered in one place.
+
+A CPU run of torchtitan 0.2.2 prints warnings that say nothing about the run: they describe the
+absence of a GPU or of HuggingFace files that our offline setup does not use. On a machine without
+an accelerator :func:`quiet_known_noise` drops exactly these (and nothing else; with an accelerator
+it does nothing):
+
+torchtitan log lines (its root logger; the message must match from its start):
+
+- ``HF assets path bundled does not exist!`` (also for an empty path): ``bundled`` is our offline
+  tokenizer (``titan/data.py``), not a directory;
+- ``model.safetensors.index.json not found at hf_assets_path: bundled/...``: same reason, and only
+  HF-format checkpoint export reads that file;
+- ``Error running lspci: ...``, ``Peak flops undefined for: cpu, fallback to A100`` and ``Peak FLOPS
+  used for computing MFU: ...`` (an A100's figure): the MFU estimate looks for a GPU (MFU means
+  nothing on a CPU);
+- ``ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = ... will be overridden``: NCCL is not used on CPU (gloo).
+
+Python warnings (``UserWarning``):
+
+- ``DTensor random operators may not have complete support on cpu device mesh`` and ``DTensor
+  manual_seed() may not have complete support on cpu device mesh``: torchtitan seeds on every mesh;
+  our models initialize on each rank and replicas are made equal by a broadcast;
+- ``In CPU autocast, but the target dtype is not supported. Disabling autocast.``: float32 training on
+  CPU, where autocast has nothing to do;
+- ``'set_vital' is deprecated``: torchdata's dataloader calls a deprecated torch hook.
+"""
+
+import logging
+import re
+import warnings
+
+__all__ = ["quiet_known_noise", "NOISE_LOG_LINES", "NOISE_WARNINGS"]
+
+NOISE_LOG_LINES = (
+    r"HF assets path (bundled)? does not exist!",
+    r"model\.safetensors\.index\.json not found at hf_assets_path: bundled/",
+    r"Error running lspci: ",
+    r"Peak flops undefined for: cpu, fallback to A100",
+    r"Peak FLOPS used for computing MFU: ",
+    r"ENV\[TORCH_NCCL_ASYNC_ERROR_HANDLING\] = \S+ will be overridden",
+)
+
+NOISE_WARNINGS = (
+    r"DTensor random operators may not have complete support on cpu device mesh",
+    r"DTensor manual_seed\(\) may not have complete support on cpu device mesh",
+    r"In CPU autocast, but the target dtype is not supported",
+    r"'set_vital' is deprecated",
+)
+
+
+class _DropKnownNoise(logging.Filter):
+    pattern = re.compile("|".join(f"(?:{p})" for p in NOISE_LOG_LINES))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record is not ours to judge
+            return True
+        return not self.pattern.match(message)
+
+
+_installed = False
+
+
+def quiet_known_noise() -> bool:
+    """On a machine without an accelerator, drop the log lines and warnings listed in this module's
+    docstring (idempotent). Returns whether it did."""
+    global _installed
+    from .cpu import accelerator_available
+
+    if accelerator_available():
+        return False
+    if not _installed:
+        logging.getLogger().addFilter(_DropKnownNoise())  # torchtitan logs through the root logger
+        for message in NOISE_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        _installed = True
+    return True
