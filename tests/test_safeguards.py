@@ -196,3 +196,22 @@ def test_runtime_rules_on_two_replicas():
         assert out["diloco_hint"] == 3 and out["flexdemo_hint"] is None
         assert out["drift_step_r_sent"] == 8 * 2  # one int64 fingerprint per tensor, this step
         assert out["loaded_eps_lr"] == (1e-6, 8e-4)  # eps: this run's; lr: the checkpoint's (default)
+
+
+def test_persistent_nonfinite_gradients_stop_the_run(tmp_path):
+    """lr = 1e20 turns every weight into Inf after step 1: every later step is skipped, and the third
+    in a row stops the run with one line (rank 0), exit status 1, the skips on disk in TensorBoard."""
+    from tests.titan_utils import run_train
+
+    proc, scalars = run_train(
+        tmp_path, 2, "--optimizer.name", "DES-LOC", "--optimizer.lr", "1e20", "--model.flavor", "cpu_tiny",
+        "--parallelism.data_parallel_replicate_degree", "2", "--training.steps", "20",
+        "--commopt.max_consecutive_skips", "3", check=False, all_ranks=True,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    lines = [line for line in out.splitlines() if "titan_commopt: the last 3 optimizer steps" in line]
+    assert len(lines) == 1 and lines[0].startswith("[rank0]:"), out[-3000:]
+    assert "max_consecutive_skips = 3" in lines[0]
+    assert "failed (exitcode: 1)" in out and "titan_commopt/titan" not in out
+    assert sorted(scalars["commopt/skipped_steps"]) == [(1, 0.0), (2, 1.0), (3, 2.0)]
