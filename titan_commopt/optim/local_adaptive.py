@@ -119,8 +119,9 @@ class Config:
     outer_lr: float = option(0.7, "Outer (Nesterov) learning rate.", gt=0.0)
     outer_momentum: float = option(0.9, "Outer (Nesterov) momentum.", ge=0.0, lt=1.0)
     clip: str = option(
-        "none", "Gradient clipping before the momenta: coordinate-wise to ±clip_threshold "
-        "(DES-LOC) or by the replica's global gradient norm (MT-DAO).",
+        "none", "A second gradient clip inside the optimizer, after [training] max_norm: "
+        "coordinate-wise to ±clip_threshold (DES-LOC's algorithm) or by this replica's own gradient "
+        "norm.",
         choices=("none", "coordinate", "norm"),
     )
     clip_threshold: float = option(1.0, "Clipping radius ρ.", gt=0.0)
