@@ -52,7 +52,9 @@ def test_resume_with_other_replica_count_fails_clearly(tmp_path):
            "--optimizer.name", "Dion"]
     run_train(tmp_path, 2, *two, "--parallelism.data_parallel_replicate_degree", "2")
     shutil.rmtree(tmp_path / "out" / "checkpoint" / "step-5")  # model-only (last step): keep step 4
-    proc, _ = run_train(tmp_path, 2, *two, "--parallelism.data_parallel_replicate_degree", "1", check=False, all_ranks=True)
+    proc, _ = run_train(
+        tmp_path, 2, *two, "--parallelism.data_parallel_replicate_degree", "1", check=False, all_ranks=True
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     lines = [line for line in out.splitlines() if "titan_commopt: cannot resume" in line]
@@ -68,7 +70,9 @@ def _job(dump, name, load_step=-1, exclude=()):
 
     return SimpleNamespace(
         job=SimpleNamespace(dump_folder=str(dump)),
-        checkpoint=SimpleNamespace(enable=True, folder="checkpoint", load_step=load_step, exclude_from_loading=list(exclude)),
+        checkpoint=SimpleNamespace(
+            enable=True, folder="checkpoint", load_step=load_step, exclude_from_loading=list(exclude)
+        ),
         optimizer=SimpleNamespace(name=name),
     )
 
@@ -98,7 +102,8 @@ REFUSED = [
     ("FlexDeMo", {}, "DES-LOC", {}, "it holds the state of 'FlexDeMo' ([commopt.demo]), another family"),
     ("FlexDeMo", {}, "DeMo", {"base": "adamw"}, "[commopt.demo] base = sgd in the checkpoint, adamw in this run"),
     ("Dion", {"rank": 8}, "Dion", {"rank": 16}, "[commopt.dion] rank = 8 in the checkpoint, 16 in this run"),
-    ("Dion", {}, "Dion", {"scalar_optimizer": "lion"}, "[commopt.dion] scalar_optimizer = adamw in the checkpoint, lion"),
+    ("Dion", {}, "Dion", {"scalar_optimizer": "lion"},
+     "[commopt.dion] scalar_optimizer = adamw in the checkpoint, lion"),
     ("DES-LOC", {}, "DES-LOC", {"Ku": [96, 192], "beta1": [0.9, 0.99], "omega": [0.5, 0.5]},
      "[commopt.local] Ku (number of first momenta) = 1 in the checkpoint, 2 in this run"),
     ("DES-LOC", {}, "DiLoCo", {}, "[commopt.local] outer = average in the checkpoint, nesterov in this run"),
@@ -109,7 +114,9 @@ REFUSED = [
 
 
 @pytest.mark.parametrize("saved_name,saved_options,name,options,expected", REFUSED)
-def test_resume_with_state_shaping_change_is_refused_naming_it(tmp_path, saved_name, saved_options, name, options, expected):
+def test_resume_with_state_shaping_change_is_refused_naming_it(
+    tmp_path, saved_name, saved_options, name, options, expected
+):
     from titan_commopt.optim import resolve
     from titan_commopt.titan.checkpoint import resume_problem
 

@@ -96,7 +96,9 @@ def read_metadata(path: str) -> Any:
     except EOFError:
         raise CheckpointDamaged(f"{meta_file} is empty or truncated") from None
     except (pickle.UnpicklingError, AttributeError, ImportError, ValueError, TypeError) as error:
-        raise CheckpointDamaged(f"{meta_file} is not a readable DCP metadata file ({type(error).__name__}: {error})") from None
+        raise CheckpointDamaged(
+            f"{meta_file} is not a readable DCP metadata file ({type(error).__name__}: {error})"
+        ) from None
     need: dict[str, int] = {}
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)

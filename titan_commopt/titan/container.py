@@ -114,7 +114,9 @@ def container_cls() -> type:
             grads = [p.grad for p in params]
             device = local(grads[0]).device if grads else torch.device("cpu")
             # This replica's ‖p.grad‖ over its S/T shards (DTensor reduces them, as torchtitan's clip).
-            norm = torch.nn.utils.get_total_norm(grads, 2.0, False, foreach) if grads else torch.zeros((), device=device)
+            norm = torch.zeros((), device=device)
+            if grads:
+                norm = torch.nn.utils.get_total_norm(grads, 2.0, False, foreach)
             if hasattr(norm, "full_tensor"):
                 norm = norm.full_tensor()
             # Mean over the world of every rank's replica norm² = mean over replicas (each replica has
