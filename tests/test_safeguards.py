@@ -1,4 +1,7 @@
-"""Non-finite steps and replica drift on a real 2x2 gloo mesh, through the optimizer container."""
+"""Non-finite steps, replica drift and the container's other runtime rules on real gloo meshes, and a run
+stopped by persistent non-finite gradients."""
+
+import re
 
 import pytest
 import torch
@@ -215,3 +218,6 @@ def test_persistent_nonfinite_gradients_stop_the_run(tmp_path):
     assert "max_consecutive_skips = 3" in lines[0]
     assert "failed (exitcode: 1)" in out and "titan_commopt/titan" not in out
     assert sorted(scalars["commopt/skipped_steps"]) == [(1, 0.0), (2, 1.0), (3, 2.0)]
+    # DES-LOC syncs R every Kx = 32 steps: the console says when (skipped steps push it back)
+    assert re.search(r"step:  1 .*R sent: 0B/step .*next R sync at step 32\n", out)
+    assert re.search(r"step:  2 .*next R sync at step 33\n", out)
