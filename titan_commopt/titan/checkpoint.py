@@ -21,7 +21,8 @@ alike, reading only the ``.metadata`` file, the sizes of the data files and one 
 A refusal is one line from rank 0 and exit status 2 on every rank (``titan/stop.py``); the way back
 it names is the same run settings, another checkpoint, or ``[checkpoint] exclude_from_loading =
 ["optimizer"]`` (load only the model). Not detected: bytes changed inside a data file of the right
-length (DCP keeps no checksums).
+length (DCP keeps no checksums), e.g. a step folder saved a second time (after resuming from an
+earlier ``load_step``) whose save was cut short: its old ``.metadata`` stays until DCP replaces it.
 """
 
 import json
