@@ -47,14 +47,130 @@ def test_resume_equals_uninterrupted(tmp_path, name):
 
 
 def test_resume_with_other_replica_count_fails_clearly(tmp_path):
-    run_train(tmp_path, 4, *STEPS, "--optimizer.name", "Dion", "--training.steps", "5")
+    """A refused resume: one line, printed once (rank 0), exit status 2 on every rank, no traceback."""
+    two = ["--training.steps", "5", "--checkpoint.enable", "--checkpoint.interval", "4", "--model.flavor", "cpu_tiny",
+           "--optimizer.name", "Dion"]
+    run_train(tmp_path, 2, *two, "--parallelism.data_parallel_replicate_degree", "2")
     shutil.rmtree(tmp_path / "out" / "checkpoint" / "step-5")  # model-only (last step): keep step 4
     proc, _ = run_train(
-        tmp_path, 4, *STEPS, "--optimizer.name", "Dion", "--parallelism.data_parallel_replicate_degree", "1",
-        check=False,
+        tmp_path, 2, *two, "--parallelism.data_parallel_replicate_degree", "1", check=False, all_ranks=True
     )
+    out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "holds optimizer state for 2 replicas and this run has 1" in proc.stdout + proc.stderr
+    lines = [line for line in out.splitlines() if "titan_commopt: cannot resume" in line]
+    assert len(lines) == 1 and lines[0].startswith("[rank0]:"), lines
+    assert "holds optimizer state for 2 replicas and this run has 1" in lines[0]
+    assert "failed (exitcode: 2)" in out  # torchrun's summary of the first worker to exit
+    assert "titan_commopt/titan" not in out  # no traceback through our code
+
+
+# ---- resume checks on small hand-made checkpoints (no processes) -------------------------------
+def _job(dump, name, load_step=-1, exclude=()):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        job=SimpleNamespace(dump_folder=str(dump)),
+        checkpoint=SimpleNamespace(
+            enable=True, folder="checkpoint", load_step=load_step, exclude_from_loading=list(exclude)
+        ),
+        optimizer=SimpleNamespace(name=name),
+    )
+
+
+def _save(dump, step, name, replicas=2, **options):
+    """A checkpoint as our container writes it: per-replica state and the resolved record."""
+    import json
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from titan_commopt.optim import resolve
+
+    record = json.dumps({**resolve(name, options).record(), "replicas": replicas}, sort_keys=True)
+    state = {}
+    for r in range(replicas):
+        state[f"optimizer.replica{r}/commopt_resolved"] = record
+        state[f"optimizer.replica{r}/state.w.exp_avg"] = torch.arange(1000.0)
+    state["model.w"] = torch.ones(1000)
+    path = dump / "checkpoint" / f"step-{step}"
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+    return path
+
+
+REFUSED = [
+    # (saved name, saved options, resumed name, resumed options, what the line must name)
+    ("FlexDeMo", {}, "DES-LOC", {}, "it holds the state of 'FlexDeMo' ([commopt.demo]), another family"),
+    ("FlexDeMo", {}, "DeMo", {"base": "adamw"}, "[commopt.demo] base = sgd in the checkpoint, adamw in this run"),
+    ("Dion", {"rank": 8}, "Dion", {"rank": 16}, "[commopt.dion] rank = 8 in the checkpoint, 16 in this run"),
+    ("Dion", {}, "Dion", {"scalar_optimizer": "lion"},
+     "[commopt.dion] scalar_optimizer = adamw in the checkpoint, lion"),
+    ("DES-LOC", {}, "DES-LOC", {"Ku": [96, 192], "beta1": [0.9, 0.99], "omega": [0.5, 0.5]},
+     "[commopt.local] Ku (number of first momenta) = 1 in the checkpoint, 2 in this run"),
+    ("DES-LOC", {}, "DiLoCo", {}, "[commopt.local] outer = average in the checkpoint, nesterov in this run"),
+    ("DES-LOC", {}, "MT-DAO", {}, "[commopt.local] base = adam in the checkpoint, adopt in this run"),
+    ("LocalAdam", {}, "LocalAdam", {"Kx": 1, "Ku": [1], "Kv": 1},
+     "[commopt.local] Kx = not 1 (parameters kept per replica) in the checkpoint, 1 in this run"),
+]
+
+
+@pytest.mark.parametrize("saved_name,saved_options,name,options,expected", REFUSED)
+def test_resume_with_state_shaping_change_is_refused_naming_it(
+    tmp_path, saved_name, saved_options, name, options, expected
+):
+    from titan_commopt.optim import resolve
+    from titan_commopt.titan.checkpoint import resume_problem
+
+    path = _save(tmp_path, 2, saved_name, **saved_options)
+    problem = resume_problem(_job(tmp_path, name), resolve(name, options), 2)
+    assert problem is not None and "\n" not in problem
+    assert expected in problem, problem
+    assert str(path) in problem and 'exclude_from_loading = ["optimizer"]' in problem
+    # the escape hatch it names works: the optimizer is not loaded, nothing to fit
+    assert resume_problem(_job(tmp_path, name, exclude=["optimizer"]), resolve(name, options), 2) is None
+
+
+def test_resume_with_options_that_do_not_shape_state_is_allowed_and_logged(tmp_path, caplog):
+    from titan_commopt.optim import BaseHParams, resolve
+    from titan_commopt.titan.checkpoint import resume_problem
+
+    _save(tmp_path, 2, "DES-LOC")
+    resolved = resolve("DES-LOC", {"Kx": 64, "Ku": [128]}, BaseHParams(lr=1e-2))
+    with caplog.at_level("INFO"):
+        assert resume_problem(_job(tmp_path, "DES-LOC"), resolved, 2) is None
+    assert "[commopt.local] Ku [96] -> [128], Kx 32 -> 64" in caplog.text
+    assert "[optimizer] lr = 0.01 in this run, 0.0008" in caplog.text  # the scheduler keeps the saved lr
+    _save(tmp_path, 4, "FlexDeMo")
+    with caplog.at_level("INFO"):
+        assert resume_problem(_job(tmp_path, "DeMo"), resolve("DeMo"), 2) is None
+    assert "resuming 'FlexDeMo' state as 'DeMo'" in caplog.text and "chunk 32 -> 64" in caplog.text
+
+
+def test_damaged_or_incomplete_checkpoints_are_named(tmp_path, caplog):
+    from titan_commopt.optim import resolve
+    from titan_commopt.titan.checkpoint import checkpoint_to_load, resume_problem
+
+    resolved = resolve("DES-LOC")
+    step2 = _save(tmp_path, 2, "DES-LOC")
+    step4 = _save(tmp_path, 4, "DES-LOC")
+    (step4 / ".metadata").unlink()  # a save that did not finish: DCP writes .metadata last
+    with caplog.at_level("INFO"):
+        assert checkpoint_to_load(_job(tmp_path, "DES-LOC")) == str(step2)
+    assert "skipping checkpoint folder(s) step-4: no .metadata" in caplog.text
+    assert "step-4 has no .metadata" in resume_problem(_job(tmp_path, "DES-LOC", load_step=4), resolved, 2)
+
+    data = next(step2.glob("*.distcp"))
+    size = data.stat().st_size
+    with open(data, "r+b") as f:
+        f.truncate(size // 2)
+    problem = resume_problem(_job(tmp_path, "DES-LOC"), resolved, 2)
+    assert f"{data} is truncated: {size // 2} bytes" in problem and "\n" not in problem
+    data.unlink()
+    assert f"{data} is missing" in resume_problem(_job(tmp_path, "DES-LOC"), resolved, 2)
+    (step2 / ".metadata").write_bytes(b"\x80\x04garbage")
+    problem = resume_problem(_job(tmp_path, "DES-LOC"), resolved, 2)
+    assert f"{step2 / '.metadata'} is not a readable DCP metadata file" in problem
+    (step2 / ".metadata").write_bytes(b"")
+    assert f"{step2 / '.metadata'} is empty or truncated" in resume_problem(_job(tmp_path, "DES-LOC"), resolved, 2)
 
 
 # Replicas x tensor parallelism: per-replica state and DES-LOC's replica-local parameters (no sync

@@ -1,4 +1,7 @@
-"""Non-finite steps and replica drift on a real 2x2 gloo mesh, through the optimizer container."""
+"""Non-finite steps, replica drift and the container's other runtime rules on real gloo meshes, and a run
+stopped by persistent non-finite gradients."""
+
+import re
 
 import pytest
 import torch
@@ -33,8 +36,8 @@ def _nonfinite(rank, world_size, on_nonfinite):
         model[1].bias.grad[0] = float("nan")
     try:
         container.step()
-    except FloatingPointError as error:
-        return {"raised": str(error)}
+    except SystemExit as error:  # titan_commopt.titan.stop.RunStopped
+        return {"raised": str(error), "status": error.code}
     skipped_equal = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     # A clean step afterwards is taken by everyone.
     for p in model.parameters():
@@ -51,7 +54,7 @@ def test_nan_on_one_rank_every_rank_skips():
 
 def test_nan_on_one_rank_stop_stops_everyone():
     for out in run_distributed(_nonfinite, 4, "stop"):
-        assert "non-finite gradient at optimizer step 1" in out["raised"]
+        assert "non-finite gradient at optimizer step 1" in out["raised"] and out["status"] == 1
 
 
 def _drift(rank, world_size):
@@ -79,3 +82,142 @@ def test_drift_is_detected_with_parameter_name():
     assert out[1] is None and out[3] is None
     for rank in (0, 2):
         assert out[rank] is not None and "'1.weight'" in out[rank] and "replicas disagree" in out[rank]
+
+
+# ---- one 2-replica world for the container's runtime rules (one spawn for all of them) ----------
+def _own_r_container(topo, name, safeguards=None, **options):
+    from titan_commopt.optim import build_optimizer, resolve
+    from titan_commopt.titan.container import Safeguards, container_cls
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    resolved = resolve(name, options)
+    opt = build_optimizer(list(model.named_parameters()), topo, resolved)
+    container = container_cls()(
+        [model], [opt], name=name, resolved=resolved, topology=topo, fsdp_traffic=None,
+        adamw_reference_r_bytes=0, safeguards=safeguards or Safeguards(),
+    )
+    return model, container
+
+
+def _runtime(rank, world_size):
+    from torchtitan.distributed import utils as dist_utils
+
+    from titan_commopt.titan import clipping
+    from titan_commopt.titan.container import Safeguards, container_cls
+    from titan_commopt.titan.stop import RunStopped
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_replicate",))
+    topo = Topology.from_mesh(mesh, grad_scale=2.0)  # torchtitan: p.grad = g / W
+    out = {}
+
+    # [training] max_norm through torchtitan's clip function: N = sqrt(mean_r |W p.grad_r|^2), one factor.
+    model, container = _own_r_container(topo, "LocalAdam")
+    clipping.install()
+    clipping.register(container)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5 * (rank + 1))
+    before = [p.grad.clone() for p in model.parameters()]
+    norm = dist_utils.clip_grad_norm_(list(model.parameters()), 0.5, foreach=True)
+    out["norm"] = float(norm)
+    out["scale"] = [float((p.grad / b).flatten()[0]) for p, b in zip(model.parameters(), before)]
+    out["numel"] = sum(p.numel() for p in model.parameters())
+
+    # max_consecutive_skips: NaN on one rank -> both skip; a clean step resets; the 3rd in a row stops.
+    model, container = _own_r_container(topo, "LocalAdam", Safeguards(max_consecutive_skips=3))
+    events = []
+    for i, bad in enumerate([True, True, False, True, True, True]):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        if bad and rank == 1:
+            model[0].weight.grad[0, 0] = float("nan")
+        snapshot = [p.detach().clone() for p in model.parameters()]
+        try:
+            dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
+            container.step()
+        except RunStopped as stopped:
+            events.append(("stopped", i, stopped.status, stopped.message))
+            break
+        moved = not all(torch.equal(a, p) for a, p in zip(snapshot, model.parameters()))
+        events.append(("moved" if moved else "skipped", container.consecutive_skips))
+    out["events"] = events
+
+    # next R sync of periodic optimizers (console hint)
+    model, container = _own_r_container(topo, "LocalAdam", Kx=4, Ku=[4], Kv=4)
+    hints = [container.steps_to_next_sync()]
+    for _ in range(4):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        container.step()
+        hints.append(container.steps_to_next_sync())
+    out["local_hints"] = hints
+    model, container = _own_r_container(topo, "DeMo", replicator="diloco", compression_rate=0.25)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    container.step()
+    out["diloco_hint"] = container.steps_to_next_sync()
+    model, container = _own_r_container(topo, "FlexDeMo")
+    out["flexdemo_hint"] = container.steps_to_next_sync()
+
+    # The drift check's bytes are counted in the step that sent them.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    container = container_cls()(
+        [model], [torch.optim.SGD(model.parameters(), lr=0.1)], name="AdamW", resolved=None, topology=topo,
+        fsdp_traffic=None, adamw_reference_r_bytes=0, safeguards=Safeguards(check_replicas_every=1),
+    )
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    container.step()
+    out["drift_step_r_sent"] = container.ledger.last_step.get("R_sent", 0)
+
+    # On load, this run's hyper-parameters win over the checkpoint's (except lr: the scheduler's).
+    model, saved = _own_r_container(topo, "LocalAdam", eps=1e-3)
+    model2, loaded = _own_r_container(topo, "LocalAdam", eps=1e-6, lr=0.5)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    saved.step()
+    loaded.load_state_dict(saved.state_dict())
+    group = loaded.optimizers[0].param_groups[0]
+    out["loaded_eps_lr"] = (group["eps"], group["lr"])
+    return out
+
+
+def test_runtime_rules_on_two_replicas():
+    import math
+
+    outs = run_distributed(_runtime, 2)
+    for out in outs:
+        # g_r = W * p.grad = (r + 1) everywhere: N^2 = mean(1, 4) * numel
+        expected = math.sqrt(2.5 * out["numel"])
+        assert out["norm"] == pytest.approx(expected, rel=1e-6)
+        assert out["scale"] == pytest.approx([0.5 / (expected + 1e-6)] * 4, rel=1e-6)
+        assert out["events"][:5] == [("skipped", 1), ("skipped", 2), ("moved", 0), ("skipped", 1), ("skipped", 2)]
+        stopped = out["events"][5]
+        assert stopped[:3] == ("stopped", 5, 1) and "last 3 optimizer steps" in stopped[3]
+        assert out["local_hints"] == [4, 3, 2, 1, 4]
+        assert out["diloco_hint"] == 3 and out["flexdemo_hint"] is None
+        assert out["drift_step_r_sent"] == 8 * 2  # one int64 fingerprint per tensor, this step
+        assert out["loaded_eps_lr"] == (1e-6, 8e-4)  # eps: this run's; lr: the checkpoint's (default)
+
+
+def test_persistent_nonfinite_gradients_stop_the_run(tmp_path):
+    """lr = 1e20 turns every weight into Inf after step 1: every later step is skipped, and the third
+    in a row stops the run with one line (rank 0), exit status 1, the skips on disk in TensorBoard."""
+    from tests.titan_utils import run_train
+
+    proc, scalars = run_train(
+        tmp_path, 2, "--optimizer.name", "DES-LOC", "--optimizer.lr", "1e20", "--model.flavor", "cpu_tiny",
+        "--parallelism.data_parallel_replicate_degree", "2", "--training.steps", "20",
+        "--commopt.max_consecutive_skips", "3", check=False, all_ranks=True,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    lines = [line for line in out.splitlines() if "titan_commopt: the last 3 optimizer steps" in line]
+    assert len(lines) == 1 and lines[0].startswith("[rank0]:"), out[-3000:]
+    assert "max_consecutive_skips = 3" in lines[0]
+    assert "failed (exitcode: 1)" in out and "titan_commopt/titan" not in out
+    assert sorted(scalars["commopt/skipped_steps"]) == [(1, 0.0), (2, 1.0), (3, 2.0)]
+    # DES-LOC syncs R every Kx = 32 steps: the console says when (skipped steps push it back)
+    assert re.search(r"step:  1 .*R sent: 0B/step .*next R sync at step 32\n", out)
+    assert re.search(r"step:  2 .*next R sync at step 33\n", out)

@@ -11,12 +11,13 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "debug_cpu.toml"
 
 
-def run_train(tmp_path, nproc: int, *overrides: str, timeout: int = 600, check: bool = True):
-    """Launch a short run; returns (completed process, {tag: [(step, value), ...]} from TensorBoard)."""
+def run_train(tmp_path, nproc: int, *overrides: str, timeout: int = 600, check: bool = True, all_ranks: bool = False):
+    """Launch a short run; returns (completed process, {tag: [(step, value), ...]} from TensorBoard).
+    The output is rank 0's unless ``all_ranks``."""
     dump = Path(tmp_path) / "out"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
+        *([] if all_ranks else ["--local-ranks-filter", "0"]), "--role", "rank", "--tee", "3",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
         "-m", "titan_commopt.train", "--job.config_file", str(CONFIG),
         "--job.dump_folder", str(dump), "--metrics.log_freq", "1", "--metrics.disable_color_printing",

@@ -9,12 +9,14 @@ let the parameters themselves differ between syncs. The adapter needs two answer
   error, so leaving it out fails at class creation.
 - ``replicas_in_sync()``: do all replicas hold bit-identical parameters *now*? The drift check runs
   only then. Default: always (the family syncs parameters, or their updates, every step).
+- ``steps_to_next_sync()``: for a family that syncs R only every K steps, how many optimizer steps
+  until the next sync (1 = the next one), shown on the console. Default ``None``: every step.
 
 Parameters are passed as torch's named parameters (``(fqn, param)`` pairs, also inside param-group
 dicts), so every family finds a parameter's name in ``group["param_names"]`` the same way.
 """
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -35,6 +37,11 @@ class CommOptimizer(torch.optim.Optimizer):
     def replicas_in_sync(self) -> bool:
         """Whether every replica holds the same parameters now (when the drift check may run)."""
         return True
+
+    def steps_to_next_sync(self) -> Optional[int]:
+        """Optimizer steps until the next R sync of a periodic family (1 = the next step); ``None``
+        when it syncs every step (or never)."""
+        return None
 
 
 def named_params(param_groups: list[dict]) -> Iterator[tuple[dict, str, torch.Tensor]]:

@@ -33,13 +33,13 @@ parameter is whole (|S| = |T| = 1), a per-shard Newton–Schulz otherwise.
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from titan_commopt import comm
-from titan_commopt.compress.replicators import KINDS, Replicator, make_replicator
+from titan_commopt.compress.replicators import KINDS, Replicator, make_replicator, rate_of
 from titan_commopt.options import ConfigError, option
 from titan_commopt.topology import R, Topology
 
@@ -119,6 +119,16 @@ class DeMo(CommOptimizer):
             self._replicators[key] = make_replicator(self.cfg, x.shape, self._names[key], device=x.device)
         return self._replicators[key]
 
+    def steps_to_next_sync(self) -> Optional[int]:
+        """The diloco replicator sends every ``period`` steps; every other replicator every step."""
+        if self.cfg.replicator != "diloco" or self.topology.replicate_size == 1:
+            return None
+        period = max(1, round(1 / rate_of(self.cfg)))  # as make_replicator
+        if period == 1:
+            return None
+        t = max((int(s["step"]) for s in self.state.values() if "step" in s), default=0)
+        return period - t % period
+
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if not state:
@@ -196,6 +206,11 @@ def build(named_params: NamedParams, topology: Topology, resolved: Resolved) -> 
     return opt
 
 
+def state_shape(resolved: Resolved) -> dict[str, Any]:
+    """What shapes the checkpointed state: the base (DeMo-SGD's momentum vs AdamW's two moments)."""
+    return {"base": resolved.options.base}
+
+
 FAMILY = Family(
     key="demo",
     options=Config,
@@ -203,5 +218,6 @@ FAMILY = Family(
     build=build,
     r_bytes=demo_r_bytes,
     check=check,
+    state_shape=state_shape,
     summary="top-k DCT coefficients of the decoupled momentum (DeMo), or a DeToNATION replicator (FlexDeMo)",
 )

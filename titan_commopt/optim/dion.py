@@ -501,11 +501,25 @@ def build(named_params: NamedParams, topology: Topology, resolved: Resolved) -> 
     return opt
 
 
+def state_shape(resolved: Resolved) -> dict[str, Any]:
+    """What shapes the checkpointed state: the rank (Q is n×r), the scalar optimizer (its moments)
+    and the routing (which parameters hold Dion state and which the scalar optimizer's)."""
+    cfg = resolved.options
+    return {
+        "rank": cfg.rank,
+        "rank_fraction": cfg.rank_fraction if cfg.rank == 0 else "unused (rank > 0)",
+        "scalar_optimizer": cfg.scalar_optimizer,
+        "embed_names": cfg.embed_names,
+        "head_names": cfg.head_names,
+    }
+
+
 FAMILY = Family(
     key="dion",
     options=Config,
     presets=PRESETS,
     build=build,
     r_bytes=dion_r_bytes,
+    state_shape=state_shape,
     summary="low-rank P (m×r) and R (n×r) per matrix; embeddings, head, norms and biases by AdamW or Lion",
 )

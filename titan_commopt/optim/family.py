@@ -82,6 +82,10 @@ def no_problems(options: Any, hparams: BaseHParams) -> list[str]:
     return []
 
 
+def no_state_shape(resolved: "Resolved") -> dict[str, Any]:
+    return {}
+
+
 @dataclass(frozen=True)
 class Family:
     """One optimizer family.
@@ -93,6 +97,9 @@ class Family:
     - ``r_bytes(shards, resolved, replicate_size)``: the analytic R payload per rank per step
       (a :class:`Bytes`), the formula the ledger is tested against and the comm report prints;
     - ``check(options, hparams)``: cross-field rules, one problem line each (no collectives);
+    - ``state_shape(resolved)``: ``{option key: value}`` of what decides the optimizer state's keys,
+      shapes and meaning (JSON values); a checkpoint records it and a resume with another value is
+      refused (``titan/checkpoint.py``). Every other option may change on resume;
     - ``summary``: one line for the docs.
     """
 
@@ -102,6 +109,7 @@ class Family:
     build: Callable[[NamedParams, Any, "Resolved"], torch.optim.Optimizer]
     r_bytes: Callable[[Sequence[ShardShape], "Resolved", int], Bytes]
     check: Callable[[Any, BaseHParams], list[str]] = no_problems
+    state_shape: Callable[["Resolved"], Mapping[str, Any]] = no_state_shape
     summary: str = ""
 
     @property
@@ -135,6 +143,7 @@ class Resolved:
             "options": dataclasses.asdict(self.options),
             "hparams": dataclasses.asdict(self.hparams),
             "from_preset": self.preset_keys(),
+            "state_shape": dict(self.family.state_shape(self)),
         }
 
     def describe(self) -> str:

@@ -48,8 +48,15 @@ Outer optimizer ``nesterov`` (DiLoCo): with ``a`` = x at the previous sync (``ou
 replica it still runs (DiLoCo with one worker is not plain Adam).
 
 Presets (``PRESETS``): ``DES-LOC`` (Adam, Kx=32, Ku=96=3Kx, Kv=192=6Kx, coordinate clip),
-``MT-DAO`` (ADOPT, β1=0.999, ω=0.95, β2=0.9999, K=32 for all, norm clip 1), ``LocalAdam``
+``MT-DAO`` (ADOPT, β1=0.999, ω=0.95, β2=0.9999, K=32 for all), ``LocalAdam``
 (Kx=Ku=Kv=32), ``DiLoCo`` (Kx=32, Ku=Kv=0, Nesterov outer lr 0.7, μ 0.9).
+
+Clipping: under torchtitan, ``[training] max_norm`` has already clipped every replica's gradient
+by the replicas' common norm (``titan/container.py``) when ``step()`` runs. ``clip`` is a second,
+optional clip inside the optimizer: ``coordinate`` is DES-LOC's algorithm (its preset keeps it: the
+paper's analysis bounds state changes by the per-coordinate radius ρ); ``norm`` clips by this
+replica's own norm (MT-DAO's paper clips per worker; its ρ = 1 is the training loop's max_norm, so
+the preset leaves ``clip = "none"``).
 
 ``settings(cfg, hparams)`` turns the table into concrete numbers (periods, betas, lr) and does every
 cross-field check (list lengths, Σω, periods) without any collective; ``build``, the byte formula
@@ -113,8 +120,9 @@ class Config:
     outer_lr: float = option(0.7, "Outer (Nesterov) learning rate.", gt=0.0)
     outer_momentum: float = option(0.9, "Outer (Nesterov) momentum.", ge=0.0, lt=1.0)
     clip: str = option(
-        "none", "Gradient clipping before the momenta: coordinate-wise to ±clip_threshold "
-        "(DES-LOC) or by the replica's global gradient norm (MT-DAO).",
+        "none", "A second gradient clip inside the optimizer, after [training] max_norm: "
+        "coordinate-wise to ±clip_threshold (DES-LOC's algorithm) or by this replica's own gradient "
+        "norm.",
         choices=("none", "coordinate", "norm"),
     )
     clip_threshold: float = option(1.0, "Clipping radius ρ.", gt=0.0)
@@ -133,9 +141,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # DES-LOC: Adam, parameters synced most often, states at multiples of Kx (Ku = 3Kx, Kv = 6Kx).
     "DES-LOC": {"base": "adam", "Kx": 32, "Ku": [96], "Kv": 192, "clip": "coordinate"},
     # MT-DAO as the paper runs it: N = 1 quasi-hyperbolic slow momentum on ADOPT, K = 32 for all.
+    # Its norm clip at rho = 1 (paper, Table 2) is the training loop's: [training] max_norm = 1.
     "MT-DAO": {
         "base": "adopt", "beta1": [0.999], "omega": [0.95], "beta2": 0.9999,
-        "Kx": 32, "Ku": [32], "Kv": 32, "clip": "norm", "clip_threshold": 1.0,
+        "Kx": 32, "Ku": [32], "Kv": 32,
     },
     # Local Adam: everything synced together.
     "LocalAdam": {"base": "adam", "Kx": 32, "Ku": [32], "Kv": 32},
@@ -317,6 +326,15 @@ class LocalAdaptive(CommOptimizer):
         steps = {int(s["step"]) for s in self.state.values() if "step" in s}
         return not steps or (self.Kx > 0 and all(n % self.Kx == 0 for n in steps))
 
+    def steps_to_next_sync(self) -> Optional[int]:
+        """Steps until the next R sync of any state (x, u_j or v); ``None`` when one period is 1
+        (a sync every step) or all are 0 (never)."""
+        periods = [k for k in (self.Kx, self.Kv, *self.periods_u) if k > 0]
+        if not periods or min(periods) == 1 or self.topology.replicate_size == 1:
+            return None
+        n = max((int(s["step"]) for s in self.state.values() if "step" in s), default=0)
+        return min(k - n % k for k in periods)
+
     # ---- state -----------------------------------------------------------------------------------
     @staticmethod
     def _moment_key(j: int) -> str:
@@ -453,6 +471,18 @@ def build(named_params: NamedParams, topology: Topology, resolved: Resolved) -> 
     )
 
 
+def state_shape(resolved: Resolved) -> dict[str, Any]:
+    """What shapes the checkpointed state: the base (which moments, what they mean), the number of
+    first momenta, the Nesterov outer state (Kx > 0) and per-replica parameters (Kx != 1)."""
+    st = settings(resolved.options, resolved.hparams)
+    return {
+        "base": st.base,
+        "Ku (number of first momenta)": len(st.periods_u),
+        "outer": resolved.options.outer if st.Kx > 0 else "none (Kx = 0)",
+        "Kx": 1 if st.Kx == 1 else "not 1 (parameters kept per replica)",
+    }
+
+
 FAMILY = Family(
     key="local",
     options=Config,
@@ -460,6 +490,7 @@ FAMILY = Family(
     build=build,
     r_bytes=local_r_bytes,
     check=check,
+    state_shape=state_shape,
     summary="parameters every Kx, first moments every K_j, second moment every Kv steps (DES-LOC, MT-DAO, "
     "Local Adam, DiLoCo)",
 )

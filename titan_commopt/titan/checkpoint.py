@@ -1,69 +1,250 @@
-"""Before a resume: does the checkpoint torchtitan is about to load fit this run's replicas?
+"""Before a resume: is the checkpoint torchtitan is about to load intact, and does it fit this run?
 
-torchtitan's CheckpointManager loads ``<dump_folder>/<checkpoint.folder>/step-N`` (the latest, or
-``checkpoint.load_step``). Optimizers that own R save their state under ``optimizer.replica<r>/``
-keys (``titan_commopt.state``); a run with another number of replicas, or another kind of
-optimizer, cannot take that state over. This check reads only the checkpoint's metadata file, on
-every rank alike, and fails with a clear message before DCP would fail with a missing-key error.
+torchtitan's CheckpointManager loads ``<dump_folder>/<checkpoint.folder>/step-N``: the newest folder
+holding a ``.metadata`` file, or ``[checkpoint] load_step``. DCP writes ``.metadata`` last, after
+every rank has written (and fsynced) its ``.distcp`` files, through a temporary file and a rename:
+a folder without it is a save that did not finish (a rank died while saving) and is skipped, with a
+log line. :func:`check_resume` runs in ``build_optimizers`` before anything is built, on every rank
+alike, reading only the ``.metadata`` file, the sizes of the data files and one small item of them:
+
+1. the checkpoint is intact: ``.metadata`` unpickles, every data file it names exists and is as long
+   as the metadata says (a truncated or missing file is named, instead of DCP's ``EOFError``);
+2. it fits the run's replicas: optimizers that own R save per replica (``optimizer.replica<r>/``
+   keys, ``titan_commopt.state``); another replica count, or another kind of optimizer (ours vs
+   torchtitan's AdamW/Adam), is refused;
+3. it fits the run's optimizer: each replica's state records the resolved options
+   (``optimizer.replica<r>/commopt_resolved``, JSON of ``Resolved.record()``); another family, or
+   another value of an option that shapes the state (``Family.state_shape``: DeMo's base, Dion's
+   rank, DES-LOC's number of momenta, ...), is refused naming the key and both values. Every other
+   option may change; a log line lists what changed.
+
+A refusal is one line from rank 0 and exit status 2 on every rank (``titan/stop.py``); the way back
+it names is the same run settings, another checkpoint, or ``[checkpoint] exclude_from_loading =
+["optimizer"]`` (load only the model). Not detected: bytes changed inside a data file of the right
+length (DCP keeps no checksums), e.g. a step folder saved a second time (after resuming from an
+earlier ``load_step``) whose save was cut short: its old ``.metadata`` stays until DCP replaces it.
 """
 
+import json
+import logging
 import os
+import pickle
 import re
 from typing import Any, Optional
 
+from .container import RESOLVED_KEY
+from .stop import RESUME_REFUSED, stop_run
+
+__all__ = ["check_resume", "checkpoint_to_load", "saved_replicas", "read_metadata", "read_record", "CheckpointDamaged"]
+
+logger = logging.getLogger(__name__)
+
 _REPLICA_KEY = re.compile(r"^optimizer\.replica(\d+)/")
+_STEP = re.compile(r"step-(\d+)")
+MODEL_ONLY = 'load only the model: [checkpoint] exclude_from_loading = ["optimizer"]'
+
+
+class CheckpointDamaged(Exception):
+    """A file of a checkpoint cannot be what its ``.metadata`` says: the message names it."""
+
+
+def _folders(job_config: Any) -> tuple[dict[int, str], dict[int, str]]:
+    """``(complete, incomplete)``: ``{step: path}`` of the step folders with / without ``.metadata``."""
+    ckpt = job_config.checkpoint
+    folder = os.path.join(job_config.job.dump_folder, ckpt.folder)
+    complete: dict[int, str] = {}
+    incomplete: dict[int, str] = {}
+    if not os.path.isdir(folder):
+        return complete, incomplete
+    for name in os.listdir(folder):
+        m = _STEP.fullmatch(name)
+        path = os.path.join(folder, name)
+        if m and os.path.isdir(path):
+            (complete if os.path.isfile(os.path.join(path, ".metadata")) else incomplete)[int(m.group(1))] = path
+    return complete, incomplete
 
 
 def checkpoint_to_load(job_config: Any) -> Optional[str]:
-    ckpt = job_config.checkpoint
-    if not ckpt.enable:
+    """The step folder torchtitan will load (its own rule), or None. Logs the newer folders it
+    skips because their save did not finish."""
+    if not job_config.checkpoint.enable:
         return None
-    folder = os.path.join(job_config.job.dump_folder, ckpt.folder)
-    if not os.path.isdir(folder):
-        return None
-    steps = [
-        int(m.group(1))
-        for name in os.listdir(folder)
-        if (m := re.fullmatch(r"step-(\d+)", name)) and os.path.isfile(os.path.join(folder, name, ".metadata"))
-    ]
-    step = ckpt.load_step if ckpt.load_step > 0 else max(steps, default=-1)
-    return os.path.join(folder, f"step-{step}") if step in steps else None
+    complete, incomplete = _folders(job_config)
+    wanted = job_config.checkpoint.load_step
+    if wanted > 0:
+        return complete.get(wanted)
+    step = max(complete, default=-1)
+    newer = sorted(s for s in incomplete if s > step)
+    if newer:
+        logger.warning(
+            "titan_commopt: skipping checkpoint folder(s) %s: no .metadata, their save did not finish "
+            "(a rank stopped while saving); %s",
+            ", ".join(os.path.basename(incomplete[s]) for s in newer),
+            f"resuming from step-{step}" if step >= 0 else "no complete checkpoint: starting from scratch",
+        )
+    return complete.get(step)
 
 
-def saved_replicas(path: str) -> Optional[int]:
-    """Replica count of the optimizer state in a DCP checkpoint; None when it has none of ours."""
+# ---- reading a DCP checkpoint without loading it ----------------------------------------------
+def read_metadata(path: str) -> Any:
+    """The checkpoint's DCP ``Metadata``; ``CheckpointDamaged`` naming the file when it is unreadable,
+    and when a data file it names is missing or shorter than the metadata says."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    keys = FileSystemReader(path).read_metadata().state_dict_metadata
+    meta_file = os.path.join(path, ".metadata")
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except EOFError:
+        raise CheckpointDamaged(f"{meta_file} is empty or truncated") from None
+    except (pickle.UnpicklingError, AttributeError, ImportError, ValueError, TypeError) as error:
+        raise CheckpointDamaged(
+            f"{meta_file} is not a readable DCP metadata file ({type(error).__name__}: {error})"
+        ) from None
+    need: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for relative, end in sorted(need.items()):
+        data_file = os.path.join(path, relative)
+        if not os.path.isfile(data_file):
+            raise CheckpointDamaged(f"{data_file} is missing (listed in {meta_file})")
+        size = os.path.getsize(data_file)
+        if size < end:
+            raise CheckpointDamaged(
+                f"{data_file} is truncated: {size} bytes, {meta_file} places data up to byte {end}"
+            )
+    return metadata
+
+
+def saved_replicas(keys: Any) -> Optional[int]:
+    """Replica count of the optimizer state among a checkpoint's keys (0: torchtitan's own
+    optimizer; None: no optimizer state at all)."""
     indices = {int(m.group(1)) for k in keys if (m := _REPLICA_KEY.match(k))}
-    has_optimizer = any(k.startswith("optimizer.") for k in keys)
     if not indices:
-        return 0 if has_optimizer else None
+        return 0 if any(k.startswith("optimizer.") for k in keys) else None
     return max(indices) + 1
 
 
-def check_resume(job_config: Any, owns_replicate_sync: bool, replicas: int) -> None:
-    path = checkpoint_to_load(job_config)
-    if path is None or "optimizer" in job_config.checkpoint.exclude_from_loading:
-        return
-    saved = saved_replicas(path)
-    if saved is None:  # model-only checkpoint: nothing replica-local to restore
-        return
-    name = job_config.optimizer.name
-    if owns_replicate_sync and saved == 0:
-        problem = "it holds the state of torchtitan's own optimizer (AdamW/Adam)"
-    elif not owns_replicate_sync and saved > 0:
-        problem = f"it holds the per-replica state of a titan_commopt optimizer for {saved} replicas"
-    elif owns_replicate_sync and saved != replicas:
-        problem = f"it holds optimizer state for {saved} replicas and this run has {replicas}"
-    else:
-        return
-    raise RuntimeError(
-        f"cannot resume [optimizer] name = {name!r} from {path}: {problem}. Replica-local state "
-        "(momenta, parameters between syncs) has no sound mapping onto a different set of replicas; "
-        "resume with the same optimizer and data_parallel_replicate_degree (the shard degree may "
-        "change: DCP reshards), or load only the model: [checkpoint] exclude_from_loading = [\"optimizer\"]."
+def read_record(path: str, metadata: Any) -> Optional[dict[str, Any]]:
+    """Replica 0's ``commopt_resolved`` record (the run's resolved options, JSON) read from its
+    ``.distcp`` file through DCP without a process group; None when the checkpoint has none."""
+    key = f"optimizer.replica0/{RESOLVED_KEY}"
+    if key not in metadata.state_dict_metadata:
+        return None
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    where = next(
+        (os.path.join(path, info.relative_path) for index, info in (metadata.storage_data or {}).items()
+         if index.fqn == key),
+        path,
     )
+    out: dict[str, Any] = {key: ""}
+    try:
+        dcp_load(out, storage_reader=FileSystemReader(path), no_dist=True)
+        return json.loads(out[key])
+    except Exception as error:  # noqa: BLE001 - any failure here is a damaged file, named below
+        raise CheckpointDamaged(f"{where}: the record {key!r} cannot be read ({type(error).__name__})") from None
 
 
-__all__ = ["check_resume", "checkpoint_to_load", "saved_replicas"]
+# ---- the comparison ---------------------------------------------------------------------------
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
+def _changes(saved: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+    return [f"{k} {_show(saved[k])} -> {_show(ours[k])}" for k in sorted(ours) if k in saved and saved[k] != ours[k]]
+
+
+def resume_problem(job_config: Any, resolved: Any, replicas: int) -> Optional[str]:
+    """What keeps this run from resuming the checkpoint torchtitan would load (one line), or None."""
+    path = checkpoint_to_load(job_config)
+    wanted = job_config.checkpoint.load_step
+    if path is None and job_config.checkpoint.enable and wanted > 0:
+        complete, incomplete = _folders(job_config)
+        if wanted in incomplete:
+            return (
+                f"[checkpoint] load_step = {wanted}: {incomplete[wanted]} has no .metadata, its save did not "
+                f"finish (a rank stopped while saving); complete checkpoints: "
+                f"{', '.join(f'step-{s}' for s in sorted(complete)) or 'none'}"
+            )
+    if path is None:
+        return None
+    try:
+        metadata = read_metadata(path)
+        optimizer_excluded = "optimizer" in job_config.checkpoint.exclude_from_loading
+        saved = None if optimizer_excluded else saved_replicas(metadata.state_dict_metadata)
+        record = read_record(path, metadata) if saved else None
+    except CheckpointDamaged as damaged:
+        return (
+            f"cannot resume from {path}: {damaged}. Resume from an earlier checkpoint ([checkpoint] "
+            f"load_step, or delete {os.path.basename(path)}), or start afresh in another dump_folder"
+        )
+    if saved is None:  # model-only checkpoint, or the optimizer is not loaded: nothing of ours to fit
+        return None
+    name = job_config.optimizer.name
+    prefix = f"cannot resume [optimizer] name = {name!r} from {path}"
+    if resolved is not None and saved == 0:
+        return f"{prefix}: it holds the state of torchtitan's own optimizer (AdamW/Adam); {MODEL_ONLY}"
+    if resolved is None and saved > 0:
+        holder = f"{record['optimizer']!r} " if record else "a titan_commopt optimizer "
+        return f"{prefix}: it holds the per-replica state of {holder}for {saved} replicas; {MODEL_ONLY}"
+    if resolved is None:
+        return None
+    if saved != replicas:
+        return (
+            f"{prefix}: it holds optimizer state for {saved} replicas and this run has {replicas}. Replica-local "
+            "state (momenta, parameters between syncs) has no sound mapping onto another set of replicas: resume "
+            "with the same data_parallel_replicate_degree (the shard degree may change: DCP reshards), or "
+            f"{MODEL_ONLY}"
+        )
+    if record is None:  # saved before records existed: the replica count is all we can check
+        return None
+    if record.get("family") != resolved.family.key:
+        return (
+            f"{prefix}: it holds the state of {record.get('optimizer')!r} ([commopt.{record.get('family')}]), "
+            f"another family than this run's ([{resolved.family.section}]) with other state: resume with "
+            f"[optimizer] name = {record.get('optimizer')!r}, or {MODEL_ONLY}"
+        )
+    ours_shape = json.loads(json.dumps(dict(resolved.family.state_shape(resolved))))
+    saved_shape = record.get("state_shape") or {}
+    for key in ours_shape:
+        if key in saved_shape and saved_shape[key] != ours_shape[key]:
+            return (
+                f"{prefix}: [{resolved.family.section}] {key} = {_show(saved_shape[key])} in the checkpoint, "
+                f"{_show(ours_shape[key])} in this run, and it shapes the optimizer state: resume with "
+                f"{key} = {_show(saved_shape[key])}, or {MODEL_ONLY}"
+            )
+    _log_allowed_changes(path, record, resolved)
+    return None
+
+
+def _log_allowed_changes(path: str, record: dict[str, Any], resolved: Any) -> None:
+    ours = json.loads(json.dumps(resolved.record()))
+    saved_hparams = dict(record.get("hparams", {}))
+    ours_hparams = dict(ours["hparams"])
+    saved_lr, ours_lr = saved_hparams.pop("lr", None), ours_hparams.pop("lr", None)
+    options = _changes(record.get("options", {}), ours["options"])
+    hparams = _changes(saved_hparams, ours_hparams)
+    parts = []
+    if options:
+        parts.append(f"[{resolved.family.section}] " + ", ".join(options))
+    if hparams:
+        parts.append("[optimizer] " + ", ".join(hparams))
+    if parts or record.get("optimizer") != resolved.name:
+        logger.info(
+            "titan_commopt: resuming %r state as %r from %s; changed options that do not shape the optimizer "
+            "state apply from here: %s",
+            record.get("optimizer"), resolved.name, path, "; ".join(parts) or "none but the name",
+        )
+    if saved_lr is not None and ours_lr is not None and saved_lr != ours_lr:
+        logger.warning(
+            "titan_commopt: [optimizer] lr = %r in this run, %r in %s: torchtitan restores the LR scheduler "
+            "from the checkpoint, and with it the checkpoint's base lr", ours_lr, saved_lr, path,
+        )
+
+
+def check_resume(job_config: Any, resolved: Any, replicas: int) -> None:
+    """Refuse (one line, exit status 2) a resume that cannot work; see the module docstring."""
+    problem = resume_problem(job_config, resolved, replicas)
+    if problem is not None:
+        stop_run(problem, RESUME_REFUSED)

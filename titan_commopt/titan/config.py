@@ -35,6 +35,11 @@ class CommonOptions:
         "fail naming the first that differs (only at steps where the optimizer keeps replicas equal). "
         "0 = off.", ge=0,
     )
+    max_consecutive_skips: int = option(
+        10, "Stop the run (one line, exit status 1) once this many optimizer steps in a row were skipped "
+        "for a NaN/Inf gradient (on_nonfinite = \"skip\"): training cannot recover by itself. 0 = never "
+        "stop.", ge=0,
+    )
 
 
 def _family_fields() -> list[tuple[str, type, Any]]:

@@ -11,8 +11,13 @@ Each log step adds to the scalars torchtitan writes (same run, same ``tb/`` fold
 
 ``R`` and ``S`` include FSDP2/HSDP's own collectives as estimates from parameter sizes;
 ``comm/R_estimated_sent_bytes`` shows the estimated part separately. ``commopt/skipped_steps`` counts
-optimizer steps skipped by every rank together because some rank had a non-finite gradient. The
-run's resolved optimizer options are written once as the text entry ``commopt/resolved_options``.
+optimizer steps skipped by every rank together because some rank had a non-finite gradient (the
+TensorBoard files are flushed at each log step that follows a skip, so a run the skips then stop
+keeps them). The run's resolved optimizer options are written once as the text entry
+``commopt/resolved_options``.
+
+The console line ends with ``next R sync at step N`` for optimizers that sync R only every K steps
+(``CommOptimizer.steps_to_next_sync``), so that the ``0B`` of the steps in between is expected.
 """
 
 import json
@@ -78,6 +83,7 @@ def build_metrics_processor(job_config: Any, parallel_dims: Any, model_args: Any
             super().__init__(*args, **kwargs)
             self._since: dict[str, float] = {}
             self._steps_at_last_log = 0
+            self._skips_at_last_log = 0
             self._options_written = False
 
         def _write_options(self, step: int) -> None:
@@ -99,10 +105,16 @@ def build_metrics_processor(job_config: Any, parallel_dims: Any, model_args: Any
             scalars = comm_scalars(
                 ledger, self._since, steps, getattr(container, "adamw_reference_r_bytes", 0)
             )
-            scalars["commopt/skipped_steps"] = float(getattr(container, "skipped_steps", 0))
+            skipped = int(getattr(container, "skipped_steps", 0))
+            scalars["commopt/skipped_steps"] = float(skipped)
             self._since, self._steps_at_last_log = dict(ledger.totals), ledger.steps
             super().log(step, global_avg_loss, global_max_loss, grad_norm, {**(extra_metrics or {}), **scalars})
+            if skipped != self._skips_at_last_log:
+                self._skips_at_last_log = skipped
+                for writer in _tensorboard_writers(self.logger):
+                    writer.flush()
             ratio = scalars.get("comm/R_ratio_vs_adamw_hsdp")
+            to_sync = getattr(container, "steps_to_next_sync", lambda: None)()
             logger.info(
                 f"step: {step:2}  loss: {global_avg_loss:8.5f}  "
                 f"R sent: {human_bytes(scalars['comm/R_sent_bytes'])}/step  "
@@ -110,6 +122,7 @@ def build_metrics_processor(job_config: Any, parallel_dims: Any, model_args: Any
                 f"S: {human_bytes(scalars['comm/S_bytes'])}/step  "
                 f"R total: {human_bytes(scalars['comm/R_sent_bytes_total'])}"
                 + (f"  R vs AdamW-HSDP: {ratio:.4f}x" if ratio is not None else "")
+                + (f"  next R sync at step {step + to_sync}" if to_sync else "")
             )
 
     return CommMetricsProcessor(job_config, parallel_dims, tag)

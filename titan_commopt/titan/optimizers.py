@@ -3,8 +3,10 @@
 ``AdamW``/``Adam`` are torchtitan's own optimizers, untouched (the baseline, R synced by HSDP); any
 other name is resolved once (``titan/validate.py``: ``[optimizer]`` + ``[commopt.<family>]`` + the
 name's preset), logged, and built by its family on the Topology of this run's meshes. The
-container (``titan/container.py``) closes the comm ledger's step after every optimizer step and
-adds FSDP2's own collectives as labelled estimates (``optim/traffic.py``).
+container (``titan/container.py``) closes the comm ledger's step after every optimizer step, adds
+FSDP2's own collectives as labelled estimates (``optim/traffic.py``) and, for optimizers that own
+R, takes over torchtitan's gradient clipping (``titan/clipping.py``). A resume is checked against
+the checkpoint before anything is built (``titan/checkpoint.py``).
 """
 
 import logging
@@ -14,11 +16,11 @@ import torch
 from torch import nn
 
 from titan_commopt import comm
-from titan_commopt.optim import ShardShape, broadcast_parameters, build_optimizer, owns_replicate_sync
+from titan_commopt.optim import ShardShape, broadcast_parameters, build_optimizer
 from titan_commopt.optim.traffic import adamw_hsdp_r_bytes, fsdp_traffic
 from titan_commopt.topology import Topology
 
-from . import config
+from . import clipping, config
 from .checkpoint import check_resume
 from .container import Safeguards, container_cls
 from .validate import resolved_for
@@ -49,7 +51,7 @@ def build_optimizers(
     name = optimizer_config.name
     topology = topology_of(parallel_dims)
     resolved = resolved_for(job_config)
-    check_resume(job_config, owns_replicate_sync(name), topology.replicate_size)
+    check_resume(job_config, resolved, topology.replicate_size)
     if resolved is None:
         from torchtitan.components.optimizer import build_optimizers as stock_build
 
@@ -74,7 +76,7 @@ def build_optimizers(
             gathers=1 if job_config.parallelism.fsdp_reshard_after_forward == "never" else 2,
             hsdp_r_sync=resolved is None,
         )
-    return container_cls()(
+    container = container_cls()(
         model_parts,
         optimizers,
         name=name,
@@ -83,6 +85,12 @@ def build_optimizers(
         fsdp_traffic=traffic,
         adamw_reference_r_bytes=adamw_hsdp_r_bytes(shards, topology.replicate_size, reduce_bytes).sent,
         safeguards=Safeguards(
-            on_nonfinite=commopt.on_nonfinite, check_replicas_every=commopt.check_replicas_every
+            on_nonfinite=commopt.on_nonfinite,
+            check_replicas_every=commopt.check_replicas_every,
+            max_consecutive_skips=commopt.max_consecutive_skips,
         ),
     )
+    if resolved is not None:
+        clipping.install()
+        clipping.register(container)
+    return container

@@ -1,0 +1,58 @@
+"""``[training] max_norm`` for optimizers that own R: torchtitan's clip call, handed to our container.
+
+torchtitan 0.2.2's ``Trainer.train_step`` clips with ``torchtitan.distributed.utils.clip_grad_norm_``
+(looked up on that module at every step) and logs what it returns as ``grad_norm``. With R hidden
+from FSDP2 that function would see one replica's gradient, which torchtitan's loss scaling makes
+``1/W`` of the replica's mean gradient: ``max_norm`` would be ``W``× looser than for AdamW-HSDP and
+``grad_norm`` ``W``× smaller. :func:`install` wraps the function once: parameters that belong to a
+container of ours owning R go to its ``clip_grad_norm_`` (``titan/container.py``: the norm of the
+replicas' mean gradients, one rule for every family); anything else (AdamW/Adam, pipeline or
+expert parallel, other norm types) calls torchtitan's own function unchanged.
+"""
+
+import functools
+import weakref
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["install", "register", "owner_of"]
+
+_containers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def register(container: Any) -> None:
+    """Route the clip of ``container``'s parameters to ``container.clip_grad_norm_``."""
+    _containers.add(container)
+
+
+def owner_of(params: list[torch.Tensor]) -> Optional[Any]:
+    for container in list(_containers):
+        if container.owns_replicate_sync and container.owns(params):
+            return container
+    return None
+
+
+def install() -> None:
+    """Wrap ``torchtitan.distributed.utils.clip_grad_norm_`` (idempotent)."""
+    from torchtitan.distributed import utils as dist_utils
+
+    original = dist_utils.clip_grad_norm_
+    if getattr(original, "_titan_commopt", False):
+        return
+
+    @functools.wraps(original)
+    def clip_grad_norm_(
+        parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+        foreach: Optional[bool] = None, pp_mesh: Any = None, ep_enabled: bool = False,
+    ) -> torch.Tensor:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        owner = None
+        if norm_type == 2.0 and pp_mesh is None and not ep_enabled and not error_if_nonfinite:
+            owner = owner_of(params)
+        if owner is None:
+            return original(params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
+        return owner.clip_grad_norm_(params, max_norm, foreach=foreach)
+
+    clip_grad_norm_._titan_commopt = True  # type: ignore[attr-defined]
+    dist_utils.clip_grad_norm_ = clip_grad_norm_
