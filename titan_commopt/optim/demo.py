@@ -24,14 +24,16 @@ vector 1-D (see ``compress/dct.py``). The byte formula is ``traffic.demo_r_bytes
 """
 
 import logging
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from titan_commopt import comm
-from titan_commopt.compress.replicators import KINDS, Replicator, make_replicator
+from titan_commopt.compress.dct import Chunker
+from titan_commopt.compress.replicators import KINDS, DeMoReplicator, Replicator, make_replicator
 from titan_commopt.options import ConfigError, option
 from titan_commopt.topology import R, Topology
 
@@ -71,6 +73,9 @@ class Config:
                             choices=("mean", "mean_selected"))
     ns_steps: int = option(5, "Newton-Schulz iterations of rule = muon.", ge=1)
     seed: int = option(0, "Seed of the random replicator's shared indices.", ge=0)
+    overlap: bool = option(
+        False, "All-gather step t's payload during step t+1's forward/backward and apply its update at the "
+        "start of step t+1 (one step stale; off: applied within step t).")
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -89,7 +94,15 @@ def check(cfg: Config, hparams: BaseHParams | None = None) -> list[str]:
 
 class DeMo(CommOptimizer):
     """DeMo / FlexDeMo on one replica's shards. ``params``: (named) parameters or param groups;
-    a parameter's name seeds the random replicator's shared indices."""
+    a parameter's name seeds the random replicator's shared indices.
+
+    With the DeMo replicator, the SGD base and |R| > 1 the momentum lives in the DCT coefficient
+    domain (``state["momentum_dct"]``: chunk-major ``(n_chunks, L)`` rows of one buffer per group of
+    same-shape shards): the transform is orthonormal and linear, so ``m_dct ← β·m_dct + DCT(g)`` is
+    ``DCT(m)`` of eq. 2, top-k reads ``m_dct`` directly and eq. 8's subtraction is
+    ``m_dct[sel] −= λ·m_dct[sel]``: one forward transform of the gradient and one inverse of the
+    aggregate per step, batched over each shape group. Checkpoints keep the parameter-domain
+    ``momentum`` of the other paths (see :meth:`state_dict`)."""
 
     params_replica_local = False  # every replica applies the same aggregated Q: parameters agree
 
@@ -104,6 +117,14 @@ class DeMo(CommOptimizer):
         self.topology, self.cfg = topology, cfg
         self._names = {id(p): name for _, name, p in named_params(self.param_groups)}
         self._replicators: dict[int, Replicator] = {}
+        self._steps: dict[int, int] = {}  # per parameter: a Python int, so reading it never syncs a device
+        self._plan: Optional[_Plan] = None
+        self._pending: Optional[_Update] = None  # gathered (or in flight), not yet applied
+
+    @property
+    def coefficient_domain(self) -> bool:
+        """Whether the momentum is kept in the DCT coefficient domain (see the class docstring)."""
+        return self.cfg.replicator == "demo" and self.cfg.base == "sgd" and self.topology.replicate_size > 1
 
     def _replicator(self, p: torch.Tensor, x: torch.Tensor) -> Replicator:
         key = id(p)
@@ -114,13 +135,21 @@ class DeMo(CommOptimizer):
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if not state:
-            state["step"] = torch.tensor(0.0)
             zeros = lambda: torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            if self.cfg.base == "sgd":
-                state["momentum"] = zeros()
-            else:
+            if self.cfg.base == "adamw":
                 state["exp_avg"], state["exp_avg_sq"] = zeros(), zeros()
+            elif not self.coefficient_domain:
+                state["momentum"] = zeros()
         return state
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor:
+        return self.topology.replica_grad(local(p.grad)).float()
+
+    def _adam_direction(self, p: torch.Tensor, group: dict, g: torch.Tensor) -> torch.Tensor:
+        # decoupled AdamW: moments stay local, the replicator sees the bias-corrected update
+        state, (b1, b2) = self._init_state(p), group["betas"]
+        return kernels.adam_direction_(g, local(state["exp_avg"]), local(state["exp_avg_sq"]), beta1=b1,
+                                       beta2=b2, eps=group["eps"], step=self._steps[id(p)])
 
     def _phi(self, u: torch.Tensor) -> torch.Tensor:
         if self.cfg.rule == "sign":
@@ -135,48 +164,279 @@ class DeMo(CommOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        W = self.topology.replicate_size
-        pending = []  # (p, group, replicator, step, payload)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self._init_state(p)
-                state["step"] += 1
-                t = int(state["step"].item())
-                g = self.topology.replica_grad(local(p.grad)).float()
+        self.flush()  # overlap: the update gathered during the previous step, before anything else
+        active = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for p, _ in active:
+            self._steps[id(p)] = self._steps.get(id(p), 0) + 1
+        if self.topology.replicate_size == 1:  # nobody to sync with: the base optimizer on each shard
+            for p, group in active:
+                g = self._grad(p)
                 if self.cfg.base == "sgd":
-                    x = kernels.heavy_ball_(local(state["momentum"]), g, group["beta"])  # eq. 2, x is m itself
+                    x = kernels.heavy_ball_(local(self._init_state(p)["momentum"]), g, group["beta"])  # eq. 2
                 else:
-                    # decoupled AdamW: moments stay local, the replicator sees the bias-corrected update
-                    b1, b2 = group["betas"]
-                    x = kernels.adam_direction_(g, local(state["exp_avg"]), local(state["exp_avg_sq"]),
-                                                beta1=b1, beta2=b2, eps=group["eps"], step=t)
-                if x.numel() == 0:
-                    continue
-                if W == 1:  # nobody to sync with: the base optimizer on this shard
-                    self._apply(p, group, x)
-                    continue
-                rep = self._replicator(p, x)
-                q, payload = rep.extract(x, t)
-                if q is not None and self.cfg.base == "sgd":
-                    x.sub_(q, alpha=group["lam"])  # eq. 8
-                pending.append((p, group, rep, t, payload))
-        sizes = [0 if pl is None else pl.numel() for *_, pl in pending]
-        if sum(sizes):
-            buf = torch.cat([pl for *_, pl in pending if pl is not None])
-            gathered = comm.all_gather(buf, R, self.topology.replicate)  # [W, bytes], the only R traffic
-            offset = 0
-            for (p, group, rep, t, _), n in zip(pending, sizes):
-                if n:
-                    Q = rep.aggregate(gathered[:, offset: offset + n], t)
-                    self._apply(p, group, Q)
-                offset += n
+                    x = self._adam_direction(p, group, g)
+                if x.numel():
+                    self._apply(p, self._phi(x), group["lr"], group["weight_decay"])
+            return loss
+        plan = self._plan_for(active)
+        update = plan.extract_and_send(self)
+        if update is not None:
+            self._pending = update
+            if not self.cfg.overlap:
+                self.flush()
         return loss
 
-    def _apply(self, p: torch.Tensor, group: dict, update: torch.Tensor) -> None:
+    def flush(self) -> None:
+        """Apply the aggregated update still pending (with ``overlap``: the one gathered at the end of
+        the last step; waits for its all-gather). A no-op without one."""
+        update, self._pending = self._pending, None
+        if update is not None:
+            update.apply(self)
+
+    def _apply(self, p: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float,
+               blocks: Optional[Chunker] = None) -> None:
+        """Eq. 7 on ``p``'s shard with ``update`` = φ(Q); ``blocks``: ``update`` is in that chunker's
+        block layout (a view), and so is the shard it is applied to."""
         x = local(p)
-        kernels.descend_(x, self._phi(update).to(x.dtype), group["lr"], group["weight_decay"])  # eq. 7
+        if blocks is not None:
+            if x.is_contiguous():
+                x = blocks.blocks(x)
+            else:
+                update = update.reshape(x.shape)
+        kernels.descend_(x, update.to(x.dtype), lr, weight_decay)  # eq. 7
+
+    def _plan_for(self, active: list[tuple[torch.Tensor, dict]]) -> "_Plan":
+        key = tuple(id(p) for p, _ in active)
+        if self._plan is None or self._plan.key != key:
+            self._plan = _Plan(self, active, key)
+        return self._plan
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state dict, with every parameter's ``step`` and — in the coefficient domain —
+        the momentum written back to the parameter domain as ``momentum`` (a float64 tensor like the
+        parameter: a DTensor on FSDP2/TP). So the checkpoint's layout is the one every other path
+        uses: DCP still reshards it when |S| changes (coefficients depend on the local shard's
+        chunking; the parameter domain does not), checkpoints written before the coefficient domain
+        load unchanged, and float64 makes the round trip exact (the fp32 coefficients come back
+        bit for bit). A pending update (``overlap``) is applied first: see :meth:`flush`."""
+        self.flush()
+        sd = super().state_dict()
+        params = [p for group in self.param_groups for p in group["params"]]
+        state = {}
+        for index, st in sd["state"].items():
+            p, st = params[index], dict(st)
+            st["step"] = torch.tensor(float(self._steps.get(id(p), 0)))
+            if "momentum_dct" in st:
+                st["momentum"] = self._to_parameter_domain(p, st.pop("momentum_dct"))
+            state[index] = st
+        sd["state"] = state
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`: ``momentum`` goes back to the coefficient domain where this
+        optimizer keeps it there (float32 ``momentum`` of older checkpoints too), ``step`` to the
+        per-parameter counters. A pending update of the run before is dropped."""
+        if self._pending is not None:
+            self._pending.wait()  # the collective must complete; its update belongs to the old state
+            self._pending = None
+        params = [p for group in self.param_groups for p in group["params"]]
+        state = {}
+        for index, st in state_dict["state"].items():
+            p, st = params[index], dict(st)
+            step = st.pop("step", None)
+            if step is not None:
+                self._steps[id(p)] = int(float(step))
+            if self.coefficient_domain and "momentum" in st:
+                st["momentum_dct"] = self._to_coefficient_domain(p, st.pop("momentum"))
+            state[index] = st
+        super().load_state_dict({**state_dict, "state": state})
+        self._plan = None  # the next step re-batches the loaded momenta
+
+    def _chunker64(self, p: torch.Tensor) -> Chunker:
+        x = local(p)
+        return Chunker(x.shape, self.cfg.chunk, device=x.device, dtype=torch.float64)
+
+    def _to_parameter_domain(self, p: torch.Tensor, m_dct: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(p, dtype=torch.float64, memory_format=torch.contiguous_format)
+        if m_dct.numel():
+            c = self._chunker64(p)
+            local(out).copy_(c.decode(m_dct.reshape(c.n_chunks, c.L)))
+        return out
+
+    def _to_coefficient_domain(self, p: torch.Tensor, momentum: torch.Tensor) -> torch.Tensor:
+        m = local(momentum)
+        if not m.numel():
+            return torch.zeros(0, device=m.device)
+        return self._chunker64(p).encode(m.double()).float()
+
+
+class _Update:
+    """One step's all-gather (maybe in flight) and what to do with it: per DeMo group its members
+    with the step's (lr, weight decay), per flat-replicator parameter its segment."""
+
+    def __init__(self, gathered: "comm.Pending[torch.Tensor]", plan: "_Plan", groups: list, flats: list):
+        self.gathered, self.plan, self.groups, self.flats = gathered, plan, groups, flats
+
+    def wait(self) -> torch.Tensor:
+        return self.gathered.wait()
+
+    def apply(self, opt: DeMo) -> None:
+        payloads = self.wait()  # [W, bytes]
+        self.plan.apply(opt, payloads, self)
+
+
+class _Group:
+    """Same-shape shards of the DeMo replicator, transformed, selected and packed as one batch."""
+
+    def __init__(self, members: list, rep: DeMoReplicator, coefficient_domain: bool, device):
+        self.members, self.rep = members, rep  # members: [(p, param group)]
+        self.G = len(members)
+        self.rows = self.G * rep.chunker.n_chunks
+        self.numel = self.G * rep.chunker.numel
+        self.momentum = (torch.zeros(self.rows, rep.chunker.L, device=device) if coefficient_domain else None)
+        self.value_offset = self.index_offset = 0
+
+
+class _Plan:
+    """The per-step work of one set of parameters with gradients: DeMo shards grouped by (local shape,
+    device, β, λ) — each group one transform, one top-k, one packing —, the fused send buffer's layout
+    (every group's values first, then every group's indices: float values stay aligned, and each
+    shard's segment sizes are exactly its ``payload_bytes``), and scratch for the largest group."""
+
+    def __init__(self, opt: DeMo, active: list, key: tuple):
+        self.key = key
+        cfg = opt.cfg
+        self.demo = cfg.replicator == "demo"
+        self.groups: list[_Group] = []
+        self.flats: list = []
+        self.empty = [p for p, _ in active if local(p).numel() == 0]
+        for p in self.empty:
+            opt._init_state(p)
+            if opt.coefficient_domain:
+                opt.state[p]["momentum_dct"] = torch.zeros(0, device=local(p).device)
+        live = [(p, group) for p, group in active if local(p).numel()]
+        if not self.demo:
+            for p, group in live:
+                opt._init_state(p)
+                self.flats.append((p, group, opt._replicator(p, local(p))))
+            return
+        buckets: dict[tuple, list] = {}
+        for p, group in live:
+            x = local(p)
+            buckets.setdefault((tuple(x.shape), x.device, group["beta"], group["lam"]), []).append((p, group))
+        for (shape, device, _, _), members in buckets.items():
+            per = max(1, GROUP_NUMEL // max(1, math.prod(shape)))
+            for start in range(0, len(members), per):
+                part = members[start: start + per]
+                rep = opt._replicator(part[0][0], local(part[0][0]))
+                self.groups.append(_Group(part, rep, opt.coefficient_domain, device))
+        offset = 0
+        for grp in self.groups:
+            grp.value_offset, offset = offset, offset + grp.G * grp.rep.value_bytes
+        for grp in self.groups:
+            grp.index_offset, offset = offset, offset + grp.G * grp.rep.index_bytes
+        self.send_bytes = offset
+        devices = {grp.momentum.device if grp.momentum is not None else local(grp.members[0][0]).device
+                   for grp in self.groups}
+        biggest = max((grp.numel for grp in self.groups), default=0)
+        self.scratch = {d: [torch.empty(biggest, device=d) for _ in range(3)] for d in devices}
+        for grp in self.groups:
+            for i, (p, _) in enumerate(grp.members):
+                state = opt._init_state(p)
+                if grp.momentum is not None:
+                    rows = grp.momentum[i * grp.rep.chunker.n_chunks: (i + 1) * grp.rep.chunker.n_chunks]
+                    old = state.get("momentum_dct")
+                    if old is not None and old.numel():
+                        rows.copy_(old.reshape(rows.shape))
+                    state["momentum_dct"] = rows  # a view: the state is the group buffer's rows
+
+    def _scratch(self, grp: _Group) -> list[torch.Tensor]:
+        return self.scratch[grp.momentum.device if grp.momentum is not None else local(grp.members[0][0]).device]
+
+    # ---- send -------------------------------------------------------------------------------------
+    def extract_and_send(self, opt: DeMo) -> Optional[_Update]:
+        if self.demo:
+            return self._extract_demo(opt)
+        return self._extract_flat(opt)
+
+    def _extract_demo(self, opt: DeMo) -> Optional[_Update]:
+        if not self.groups:
+            return None
+        send = torch.empty(self.send_bytes, dtype=torch.uint8, device=local(self.groups[0].members[0][0]).device)
+        groups = []
+        for grp in self.groups:
+            rep, ch = grp.rep, grp.rep.chunker
+            tmp, out, work = self._scratch(grp)
+            if grp.momentum is not None:  # DeMo-SGD: eq. 2 in the coefficient domain
+                xs = [opt._grad(p) for p, _ in grp.members]
+                coeffs = ch.blocks_to_chunk_major(ch.forward(xs, out=out, tmp=tmp))
+                beta, lam = grp.members[0][1]["beta"], grp.members[0][1]["lam"]
+                m = grp.momentum
+                torch.add(coeffs, m.view(coeffs.shape), alpha=beta, out=m.view(coeffs.shape))  # β·m + DCT(g)
+                vals, idx = rep.select(m, work=tmp)
+                if lam:
+                    m.scatter_add_(-1, idx, vals * -lam)  # eq. 8 (indices are distinct within a chunk)
+            else:  # decoupled AdamW: the transform of this step's Adam direction
+                xs = [opt._adam_direction(p, group, opt._grad(p)) for p, group in grp.members]
+                coeffs = ch.blocks_to_chunk_major(ch.forward(xs, out=out, tmp=tmp))
+                dense = work[: grp.numel].view(coeffs.shape)
+                dense.copy_(coeffs)
+                vals, idx = rep.select(dense.view(grp.rows, ch.L), work=tmp)
+            rep.write(vals, idx, send[grp.value_offset: grp.value_offset + grp.G * rep.value_bytes].view(grp.G, -1),
+                      send[grp.index_offset: grp.index_offset + grp.G * rep.index_bytes].view(grp.G, -1))
+            groups.append([(p, group["lr"], group["weight_decay"]) for p, group in grp.members])
+        gathered = comm.all_gather(send, R, opt.topology.replicate, async_op=True)  # the only R traffic
+        return _Update(gathered, self, groups, [])
+
+    def _extract_flat(self, opt: DeMo) -> Optional[_Update]:
+        payloads, flats, offset = [], [], 0
+        for p, group, rep in self.flats:
+            g, t = opt._grad(p), opt._steps[id(p)]
+            if opt.cfg.base == "sgd":
+                x = kernels.heavy_ball_(local(opt.state[p]["momentum"]), g, group["beta"])  # eq. 2, x is m itself
+            else:
+                x = opt._adam_direction(p, group, g)
+            q, payload = rep.extract(x, t)
+            if q is None:
+                continue
+            if opt.cfg.base == "sgd":
+                x.sub_(q, alpha=group["lam"])  # eq. 8
+            payloads.append(payload)
+            flats.append((p, rep, t, offset, payload.numel(), group["lr"], group["weight_decay"]))
+            offset += payload.numel()
+        if not payloads:
+            return None
+        send = torch.cat(payloads) if len(payloads) > 1 else payloads[0]
+        gathered = comm.all_gather(send, R, opt.topology.replicate, async_op=True)
+        return _Update(gathered, self, [], flats)
+
+    # ---- receive ------------------------------------------------------------------------------------
+    def apply(self, opt: DeMo, payloads: torch.Tensor, update: _Update) -> None:
+        W = payloads.shape[0]
+        for grp, members in zip(self.groups, update.groups):
+            rep, ch = grp.rep, grp.rep.chunker
+            tmp, out, work = self._scratch(grp)
+            values = payloads[:, grp.value_offset: grp.value_offset + grp.G * rep.value_bytes].view(W, grp.G, -1)
+            indices = payloads[:, grp.index_offset: grp.index_offset + grp.G * rep.index_bytes].view(W, grp.G, -1)
+            dense = rep.mean_coefficients(values, indices, out=work)  # eq. 6, chunk-major
+            Q = ch.inverse(dense, out=out, tmp=tmp)  # (rows, L) chunk-major, parameter domain
+            if opt.cfg.rule == "sign":
+                Q.sign_()
+            blocks = ch.chunk_major_to_blocks(Q.view(grp.G, -1))
+            for i, (p, lr, wd) in enumerate(members):
+                u = blocks[i]
+                if opt.cfg.rule == "muon":
+                    u = opt._phi(u.reshape(ch.shape))
+                    opt._apply(p, u, lr, wd)
+                else:
+                    opt._apply(p, u, lr, wd, blocks=ch)
+        for p, rep, t, offset, n, lr, wd in update.flats:
+            Q = rep.aggregate(payloads[:, offset: offset + n], t)
+            opt._apply(p, opt._phi(Q), lr, wd)
+
+
+GROUP_NUMEL = 1 << 24  # elements per DeMo batch at most: bounds the three scratch buffers (64 MiB each)
 
 
 # ---- the family ------------------------------------------------------------------------------------
