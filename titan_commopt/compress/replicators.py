@@ -216,8 +216,14 @@ _MUL1, _MUL2 = 0xBF58476D1CE4E5B9 - 2**64, 0x94D049BB133111EB - 2**64
 
 
 def _mix64(x: int) -> int:
-    """:func:`_splitmix64` of one Python integer (the per-step key)."""
-    return int(_splitmix64(torch.tensor([x], dtype=torch.int64))[0])
+    """:func:`_splitmix64` of one Python integer (the per-step key), as a signed 64-bit integer,
+    in Python arithmetic: no tensor, nothing to synchronize."""
+    m = 2**64 - 1
+    x = (x + _GOLDEN) & m
+    x = ((x ^ (x >> 30)) * _MUL1) & m
+    x = ((x ^ (x >> 27)) * _MUL2) & m
+    x ^= x >> 31
+    return x - 2**64 if x >= 2**63 else x
 
 
 def _splitmix64(x: torch.Tensor) -> torch.Tensor:

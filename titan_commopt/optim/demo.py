@@ -186,6 +186,7 @@ class DeMo(CommOptimizer):
                 self.flush()
         return loss
 
+    @torch.no_grad()
     def flush(self) -> None:
         """Apply the aggregated update still pending (with ``overlap``: the one gathered at the end of
         the last step; waits for its all-gather). A no-op without one."""
@@ -241,15 +242,17 @@ class DeMo(CommOptimizer):
             self._pending.wait()  # the collective must complete; its update belongs to the old state
             self._pending = None
         params = [p for group in self.param_groups for p in group["params"]]
+        saved = [key for group in state_dict["param_groups"] for key in group["params"]]  # indices or FQNs (DCP)
+        by_key = dict(zip(saved, params))  # torch's own matching: position over the groups
         state = {}
-        for index, st in state_dict["state"].items():
-            p, st = params[index], dict(st)
+        for key, st in state_dict["state"].items():
+            p, st = by_key[key], dict(st)
             step = st.pop("step", None)
             if step is not None:
                 self._steps[id(p)] = int(float(step))
             if self.coefficient_domain and "momentum" in st:
                 st["momentum_dct"] = self._to_coefficient_domain(p, st.pop("momentum"))
-            state[index] = st
+            state[key] = st
         super().load_state_dict({**state_dict, "state": state})
         self._plan = None  # the next step re-batches the loaded momenta
 
@@ -268,7 +271,12 @@ class DeMo(CommOptimizer):
         m = local(momentum)
         if not m.numel():
             return torch.zeros(0, device=m.device)
-        return self._chunker64(p).encode(m.double()).float()
+        c = self._chunker64(p).encode(m.double())
+        # float64 round trip error <= ~1e-12 of a chunk's largest coefficient: what lies below
+        # 2^-32 of it was zero (eq. 8 with λ = 1 zeroes the selected coefficients) or is far below
+        # the float32 noise of the chunk's own transform
+        c.masked_fill_(c.abs() < c.abs().amax(-1, keepdim=True) * 2.0**-32, 0.0)
+        return c.float()
 
 
 class _Update:
