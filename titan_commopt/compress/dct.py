@@ -158,10 +158,37 @@ def topk_per_chunk(coeffs: torch.Tensor, k: int,
                    work: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest-magnitude coefficients of every chunk: ``(values, indices)``, each ``(n_chunks, k)``
     (in no particular order). ``work``: optional scratch of at least ``coeffs.numel()`` elements for
-    the magnitudes."""
+    the magnitudes.
+
+    On CPU, long chunks are pruned first (torch's CPU top-k costs a few ns per element it scans):
+    each chunk's ``L`` entries are cut into ``L/b`` strided blocks of ``b`` (entries ``j, j + L/b, ...``),
+    the ``k`` blocks with the largest maxima are kept and the top-k is taken among their ``k·b``
+    entries. Exact: an entry outside those blocks is at most its block's maximum, which is at most
+    each of the ``k`` kept maxima, so it cannot beat the k-th largest kept entry (ties aside, which
+    any top-k resolves arbitrarily)."""
+    rows, L = coeffs.shape
+    k = min(k, L)
     mag = torch.abs(coeffs, out=work.view(-1)[: coeffs.numel()].view_as(coeffs)) if work is not None else coeffs.abs()
-    idx = mag.topk(min(k, coeffs.shape[-1]), dim=-1, sorted=False).indices
+    b = _prune_block(L, k) if coeffs.device.type == "cpu" else 1
+    if b == 1:
+        idx = mag.topk(k, dim=-1, sorted=False).indices
+    else:
+        nb = L // b
+        strided = mag.view(rows, b, nb)  # [r, t, j] = entry t·nb + j: block j is column j
+        blocks = strided.amax(1).topk(k, dim=-1, sorted=False).indices  # (rows, k)
+        candidates = strided.gather(2, blocks.unsqueeze(1).expand(rows, b, k)).view(rows, b * k)
+        pos = candidates.topk(k, dim=-1, sorted=False).indices  # t·k + s: row t of kept block s
+        idx = (pos // k) * nb + blocks.gather(1, pos % k)
     return coeffs.gather(-1, idx), idx
+
+
+def _prune_block(L: int, k: int) -> int:
+    """Block size of :func:`topk_per_chunk`'s pruning: about ``L/(8k)`` (k·b = L/8 candidates, the
+    fastest on CPU in measurements of L = 1024 and 4096), a divisor of ``L``; 1 (no pruning) below 4."""
+    for b in range(L // (8 * max(k, 1)), 3, -1):
+        if L % b == 0:
+            return b
+    return 1
 
 
 def scatter_chunks(values: torch.Tensor, idx: torch.Tensor, L: int) -> torch.Tensor:

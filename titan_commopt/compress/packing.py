@@ -59,6 +59,10 @@ def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     if m * f != n:
         v = torch.nn.functional.pad(v, (0, m * f - n))
     v = v.view(-1, m, f)
+    if nb == 1:  # bits divides 8: the f fields of a byte shifted into place (disjoint bits: sum = OR)
+        shifts = torch.arange(0, 8, bits, device=v.device, dtype=v.dtype)
+        packed = (v << shifts).sum(-1, dtype=v.dtype).to(torch.uint8)
+        return packed[:, : bits_bytes(n, bits)].reshape(*lead, -1)
     out = [None] * nb
     for byte, field, shift, width, to in pieces:
         piece = v[..., field]
@@ -79,6 +83,9 @@ def unpack_bits(data: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     f, nb, pieces = _bit_layout(bits)
     *lead, size = data.shape
     m = -(-n // f)
+    if nb == 1:  # bits divides 8: every byte's f fields from one lookup
+        fields = _byte_fields(bits, data.device)[data.reshape(-1, size)[:, :m].to(torch.int64)]
+        return fields.view(-1, m * f)[:, :n].reshape(*lead, n)
     d = data.reshape(-1, size)[:, : m * nb].to(_word_dtype(bits))
     if d.shape[1] < m * nb:
         d = torch.nn.functional.pad(d, (0, m * nb - d.shape[1]))
@@ -97,13 +104,30 @@ def unpack_bits(data: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     return fields.to(torch.int64).reshape(*lead, n)
 
 
+@functools.lru_cache(maxsize=16)
+def _byte_fields(bits: int, device: torch.device) -> torch.Tensor:
+    """``(256, 8 // bits)`` int64: the fields of every byte value, lowest bits first."""
+    byte = torch.arange(256, dtype=torch.int64).unsqueeze(-1)
+    return ((byte >> torch.arange(0, 8, bits)) & ((1 << bits) - 1)).to(device)
+
+
+@functools.lru_cache(maxsize=16)
+def _ternary_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``(256, 4)``: the four ternary values {−1, 0, +1} of every byte (code − 1)."""
+    return (_byte_fields(2, torch.device("cpu")) - 1).to(device=device, dtype=dtype)
+
+
 def pack_ternary(values: torch.Tensor) -> torch.Tensor:
     """Values in {−1, 0, +1} → 2 bits each (code = value + 1), row by row like :func:`pack_bits`."""
     return pack_bits(values.round().to(torch.int32) + 1, 2)
 
 
 def unpack_ternary(data: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (unpack_bits(data, n, 2) - 1).to(dtype)
+    """Inverse of :func:`pack_ternary` (row by row): one table lookup per byte."""
+    *lead, size = data.shape
+    m = -(-n // 4)
+    values = _ternary_table(data.device, dtype)[data.reshape(-1, size)[:, :m].to(torch.int64)]
+    return values.view(-1, m * 4)[:, :n].reshape(*lead, n)
 
 
 def float_bytes(n: int, dtype: torch.dtype) -> int:

@@ -432,13 +432,21 @@ class _Plan:
             if opt.cfg.rule == "sign":
                 Q.sign_()
             blocks = ch.chunk_major_to_blocks(Q.view(grp.G, -1))
+            batched: dict[tuple, tuple[list, list]] = {}  # (lr, wd) -> shards and updates, block layout
             for i, (p, lr, wd) in enumerate(members):
-                u = blocks[i]
+                u, x = blocks[i], local(p)
                 if opt.cfg.rule == "muon":
-                    u = opt._phi(u.reshape(ch.shape))
-                    opt._apply(p, u, lr, wd)
+                    opt._apply(p, opt._phi(u.reshape(ch.shape)), lr, wd)
+                elif x.is_contiguous() and x.dtype == u.dtype:
+                    xs, us = batched.setdefault((lr, wd), ([], []))
+                    xs.append(ch.blocks(x))
+                    us.append(u)
                 else:
                     opt._apply(p, u, lr, wd, blocks=ch)
+            for (lr, wd), (xs, us) in batched.items():  # kernels.descend_ on every shard, one call each
+                if wd != 0:
+                    torch._foreach_mul_(xs, 1 - lr * wd)
+                torch._foreach_add_(xs, us, alpha=-lr)
         for p, rep, t, offset, n, lr, wd in update.flats:
             Q = rep.aggregate(payloads[:, offset: offset + n], t)
             opt._apply(p, opt._phi(Q), lr, wd)
