@@ -13,8 +13,9 @@ the ``[commopt.demo]`` options):
 - ``period``: ``payload_bytes`` depends on the step only through ``step mod period``, so the mean
   bytes per step is the mean over one period (``r_bytes_per_step``, the ledger's formula).
 
-Kinds: ``demo`` (DCT-II chunks, top-k, values + indices), ``random`` (indices drawn from a generator
-seeded by (seed, step, parameter name): identical on every replica, never sent), ``striding`` (every
+Kinds: ``demo`` (DCT-II chunks, top-k, values + indices), ``random`` (one entry per stratum of the
+flat shard, chosen by a hash of (seed, step, parameter name, stratum): identical on every replica,
+never sent), ``striding`` (every
 ``1/c``-th entry, offset rotating with the step: each entry once per ``1/c`` steps), ``diloco``
 (everything, every ``1/c`` steps), ``full`` (everything, every step). Random/Striding/DiLoCo/Full
 work on the flat local shard.
