@@ -399,8 +399,9 @@ def _resume_worker(rank, world, root):
     and a checkpoint in the format written before the coefficient domain (float32 parameter-domain
     ``momentum``), loaded by conversion."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -408,6 +409,7 @@ def _resume_worker(rank, world, root):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "fsdp"))
     topo = Topology.from_mesh(mesh, grad_scale=0.5)
     group = mesh["fsdp"].get_group()
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)  # torchtitan's setting
     r, j = rank // 2, rank % 2
     data = _data()
 
@@ -433,29 +435,29 @@ def _resume_worker(rank, world, root):
 
     def load(name, path):
         model, opt = fresh(name)
-        target = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        target = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=flat)}
         dcp.load(target, checkpoint_id=path, process_group=group)
         set_model_state_dict(model, target["model"])
-        set_optimizer_state_dict(model, opt, target["optim"])
+        set_optimizer_state_dict(model, opt, target["optim"], options=flat)
         return model, opt
 
     out = {}
     for name in RESUME_CONFIGS:
         model, opt = fresh(name)
         run(model, opt, range(2))
-        osd = get_optimizer_state_dict(model, opt)  # with overlap: applies the pending update first
+        osd = get_optimizer_state_dict(model, opt, options=flat)  # with overlap: applies the pending update first
         saved = {"model": get_model_state_dict(model), "optim": osd}
         dcp.save(saved, checkpoint_id=f"{root}/{name}-{r}", process_group=group)
-        old_osd = {"state": {fqn: {k: (v.to(torch.float32) if k == "momentum" else v) for k, v in st.items()}
-                             for fqn, st in osd["state"].items()}, "param_groups": osd["param_groups"]}
+        old_osd = {k: (v.to(torch.float32) if k.endswith(".momentum") else v) for k, v in osd.items()}
         dcp.save({"model": saved["model"], "optim": old_osd}, checkpoint_id=f"{root}/{name}-old-{r}",
                  process_group=group)
         run(model, opt, range(2, 4))
         res = {"uninterrupted": params(model, opt)}
-        dtypes = {st["momentum"].dtype for st in osd["state"].values() if "momentum" in st}
-        res["momentum_dtypes"] = dtypes
-        res["momentum_is_dtensor"] = all(isinstance(st["momentum"], DTensor)
-                                         for st in osd["state"].values() if "momentum" in st)
+        momenta = [v for k, v in osd.items() if k.endswith(".momentum")]
+        res["momentum_dtypes"] = {m.dtype for m in momenta}
+        res["momentum_is_dtensor"] = all(isinstance(m, DTensor) and m.shape == p.shape
+                                         for m, p in zip(momenta, model.parameters()))
+        res["steps"] = {float(v) for k, v in osd.items() if k.endswith(".step")}
         for kind in ("", "-old"):
             model, opt = load(name, f"{root}/{name}{kind}-{r}")
             run(model, opt, range(2, 4))
@@ -471,6 +473,7 @@ def test_checkpoint_resume_is_exact_and_old_checkpoints_convert(tmp_path):
             res = res[name]
             if name in ("demo", "demo_overlap"):  # coefficient domain: saved as float64 parameter domain
                 assert res["momentum_dtypes"] == {torch.float64} and res["momentum_is_dtensor"]
+            assert res["steps"] == {2.0}
             for n, p in res["uninterrupted"].items():
                 assert torch.equal(res["resumed"][n], p), f"{name} rank {rank} {n}: resume is not exact"
                 # float32 momentum of an older checkpoint: converted, equal up to float32 round-off

@@ -164,15 +164,21 @@ class _FlatReplicator(Replicator):
     def payload_bytes(self, step: int) -> int:
         return self.value_codec.nbytes(self.count(step))
 
-    def extract(self, x: torch.Tensor, step: int) -> Payload:
+    def extract(self, x: torch.Tensor, step: int, out: Optional[torch.Tensor] = None) -> Payload:
+        """As :meth:`Replicator.extract`; ``out``: ``uint8`` of ``payload_bytes(step)`` to write the
+        payload into (a slice of the fused send buffer), returned as the payload."""
         if not self.sends(step):
             return None, None
         idx = self.indices(step, x.device)
         if idx is None:
-            return x.clone(), self.value_codec.encode(x.reshape(-1))
-        vals = x.reshape(-1)[idx]
-        q = torch.zeros_like(x).reshape(-1).index_copy_(0, idx, vals).view_as(x)
-        return q, self.value_codec.encode(vals)
+            q, vals = x.clone(), x.reshape(-1)
+        else:
+            vals = x.reshape(-1)[idx]
+            q = torch.zeros_like(x).reshape(-1).index_copy_(0, idx, vals).view_as(x)
+        if out is None:
+            return q, self.value_codec.encode(vals)
+        self.value_codec.encode_into(vals, out)
+        return q, out
 
     def aggregate(self, payloads: torch.Tensor, step: int) -> Optional[torch.Tensor]:
         if not self.sends(step):

@@ -112,12 +112,13 @@ class DeMo(CommOptimizer):
     a parameter's name seeds the random replicator's shared indices.
 
     With the DeMo replicator, the SGD base and |R| > 1 the momentum lives in the DCT coefficient
-    domain (``state["momentum_dct"]``: chunk-major ``(n_chunks, L)`` rows of one buffer per group of
-    same-shape shards): the transform is orthonormal and linear, so ``m_dct ← β·m_dct + DCT(g)`` is
-    ``DCT(m)`` of eq. 2, top-k reads ``m_dct`` directly and eq. 8's subtraction is
-    ``m_dct[sel] −= λ·m_dct[sel]``: one forward transform of the gradient and one inverse of the
-    aggregate per step, batched over each shape group. Checkpoints keep the parameter-domain
-    ``momentum`` of the other paths (see :meth:`state_dict`)."""
+    domain: ``state["momentum"]`` holds the chunk-major ``(n_chunks, L)`` coefficients, rows of one
+    buffer per group of same-shape shards. The transform is orthonormal and linear, so
+    ``m_dct ← β·m_dct + DCT(g)`` is ``DCT(m)`` of eq. 2, top-k reads ``m_dct`` directly and eq. 8's
+    subtraction is ``m_dct[sel] −= λ·m_dct[sel]``: one forward transform of the gradient and one
+    inverse of the aggregate per step, batched over each shape group. :meth:`state_dict` writes it
+    in the parameter domain, under the same key (torch's DCP rebuilds a flattened optimizer state
+    from the keys of the live state: they must be the checkpoint's)."""
 
     params_replica_local = False  # every replica applies the same aggregated Q: parameters agree
 
@@ -132,7 +133,9 @@ class DeMo(CommOptimizer):
         self.topology, self.cfg = topology, cfg
         self._names = {id(p): name for _, name, p in named_params(self.param_groups)}
         self._replicators: dict[int, Replicator] = {}
-        self._steps: dict[int, int] = {}  # per parameter: a Python int, so reading it never syncs a device
+        # per parameter, also in state["step"] (a CPU tensor, as torch's optimizers keep it, for the
+        # checkpoint): read from a Python int, never from a tensor
+        self._steps: dict[int, int] = {}
         self._plan: Optional[_Plan] = None
         self._pending: Optional[_Update] = None  # gathered (or in flight), not yet applied
 
@@ -150,6 +153,7 @@ class DeMo(CommOptimizer):
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if not state:
+            state["step"] = torch.tensor(float(self._steps.get(id(p), 0)))
             zeros = lambda: torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
             if self.cfg.base == "adamw":
                 state["exp_avg"], state["exp_avg_sq"] = zeros(), zeros()
@@ -181,8 +185,11 @@ class DeMo(CommOptimizer):
                 loss = closure()
         self.flush()  # overlap: the update gathered during the previous step, before anything else
         active = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        steps = [self._init_state(p)["step"] for p, _ in active]
         for p, _ in active:
             self._steps[id(p)] = self._steps.get(id(p), 0) + 1
+        if steps:
+            torch._foreach_add_(steps, 1.0)
         if self.topology.replicate_size == 1:  # nobody to sync with: the base optimizer on each shard
             for p, group in active:
                 g = self._grad(p)
@@ -245,9 +252,9 @@ class DeMo(CommOptimizer):
         state = {}
         for index, st in sd["state"].items():
             p, st = params[index], dict(st)
-            st["step"] = torch.tensor(float(self._steps.get(id(p), 0)))
-            if "momentum_dct" in st:
-                st["momentum"] = self._to_parameter_domain(p, st.pop("momentum_dct"))
+            st["step"] = torch.tensor(float(self._steps.get(id(p), 0)))  # not the live tensor: steps add to it
+            if self.coefficient_domain and "momentum" in st:
+                st["momentum"] = self._to_parameter_domain(p, st["momentum"])
             state[index] = st
         sd["state"] = state
         return sd
@@ -265,11 +272,10 @@ class DeMo(CommOptimizer):
         state = {}
         for key, st in state_dict["state"].items():
             p, st = by_key[key], dict(st)
-            step = st.pop("step", None)
-            if step is not None:
-                self._steps[id(p)] = int(float(step))
+            if "step" in st:
+                self._steps[id(p)] = int(float(st["step"]))
             if self.coefficient_domain and "momentum" in st:
-                st["momentum_dct"] = self._to_coefficient_domain(p, st.pop("momentum"))
+                st["momentum"] = self._to_coefficient_domain(p, st["momentum"])
             state[key] = st
         super().load_state_dict({**state_dict, "state": state})
         self._plan = None  # the next step re-batches the loaded momenta
@@ -340,7 +346,7 @@ class _Plan:
         for p in self.empty:
             opt._init_state(p)
             if opt.coefficient_domain:
-                opt.state[p]["momentum_dct"] = torch.zeros(0, device=local(p).device)
+                opt.state[p]["momentum"] = torch.zeros(0, device=local(p).device)
         live = [(p, group) for p, group in active if local(p).numel()]
         if not self.demo:
             for p, group in live:
@@ -372,10 +378,10 @@ class _Plan:
                 state = opt._init_state(p)
                 if grp.momentum is not None:
                     rows = grp.momentum[i * grp.rep.chunker.n_chunks: (i + 1) * grp.rep.chunker.n_chunks]
-                    old = state.get("momentum_dct")
+                    old = state.get("momentum")
                     if old is not None and old.numel():
                         rows.copy_(old.reshape(rows.shape))
-                    state["momentum_dct"] = rows  # a view: the state is the group buffer's rows
+                    state["momentum"] = rows  # a view: the state is the group buffer's rows (coefficients)
 
     def _scratch(self, grp: _Group) -> list[torch.Tensor]:
         return self.scratch[grp.momentum.device if grp.momentum is not None else local(grp.members[0][0]).device]
@@ -416,25 +422,28 @@ class _Plan:
         return _Update(gathered, self, groups, [])
 
     def _extract_flat(self, opt: DeMo) -> Optional[_Update]:
-        payloads, flats, offset = [], [], 0
-        for p, group, rep in self.flats:
+        sizes = [rep.payload_bytes(opt._steps[id(p)]) for p, _, rep in self.flats]  # shapes and step only
+        if not sum(sizes):
+            send = None
+        else:
+            send = torch.empty(sum(sizes), dtype=torch.uint8, device=local(self.flats[0][0]).device)
+        flats, offset = [], 0
+        for (p, group, rep), n in zip(self.flats, sizes):
             g, t = opt._grad(p), opt._steps[id(p)]
             if opt.cfg.base == "sgd":
                 x = kernels.heavy_ball_(local(opt.state[p]["momentum"]), g, group["beta"])  # eq. 2, x is m itself
             else:
                 x = opt._adam_direction(p, group, g)
-            q, payload = rep.extract(x, t)
-            if q is None:
+            if not n:
                 continue
+            q, _ = rep.extract(x, t, out=send[offset: offset + n])
             if opt.cfg.base == "sgd":
                 x.sub_(q, alpha=group["lam"])  # eq. 8
-            payloads.append(payload)
-            flats.append((p, rep, t, offset, payload.numel(), group["lr"], group["weight_decay"]))
-            offset += payload.numel()
-        if not payloads:
+            flats.append((p, rep, t, offset, n, group["lr"], group["weight_decay"]))
+            offset += n
+        if send is None:
             return None
-        send = torch.cat(payloads) if len(payloads) > 1 else payloads[0]
-        gathered = comm.all_gather(send, R, opt.topology.replicate, async_op=True)
+        gathered = comm.all_gather(send, R, opt.topology.replicate, async_op=True)  # the only R traffic
         return _Update(gathered, self, [], flats)
 
     # ---- receive ------------------------------------------------------------------------------------
