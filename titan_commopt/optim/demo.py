@@ -34,8 +34,10 @@ buffer. The step reads no tensor value on the host (per-parameter step counts ar
 the start of step t+1's (after that step's forward/backward, which it overlaps), so parameters are
 one update behind the momenta: a different algorithm (in a toy 2-replica regression it ended ~30 %
 higher in loss after 400 steps), off by default; the all-gather it hides is under 1 % of a CPU step
-here. ``flush()`` applies a pending update now; ``state_dict()`` flushes first, so a checkpoint holds
-no update in flight and a resumed run equals the run that saved it.
+here. An update is applied with the learning rate and weight decay of the step that computed it.
+``flush()`` applies a pending update now; ``state_dict()`` flushes first, so a checkpoint holds no
+update in flight and a resumed run equals the run that saved it (the run that saves applies that
+update one step early, as the resumed run does). The last step's update waits for a ``flush()``.
 """
 
 import logging
@@ -137,6 +139,7 @@ class DeMo(CommOptimizer):
         # checkpoint): read from a Python int, never from a tensor
         self._steps: dict[int, int] = {}
         self._plan: Optional[_Plan] = None
+        self._chunkers64: dict[tuple, Chunker] = {}
         self._pending: Optional[_Update] = None  # gathered (or in flight), not yet applied
 
     @property
@@ -282,7 +285,10 @@ class DeMo(CommOptimizer):
 
     def _chunker64(self, p: torch.Tensor) -> Chunker:
         x = local(p)
-        return Chunker(x.shape, self.cfg.chunk, device=x.device, dtype=torch.float64)
+        key = (tuple(x.shape), x.device)
+        if key not in self._chunkers64:  # checkpoint conversions only
+            self._chunkers64[key] = Chunker(x.shape, self.cfg.chunk, device=x.device, dtype=torch.float64)
+        return self._chunkers64[key]
 
     def _to_parameter_domain(self, p: torch.Tensor, m_dct: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(p, dtype=torch.float64, memory_format=torch.contiguous_format)
