@@ -206,3 +206,82 @@ def test_striding_sends_every_entry_once_per_period(shape, rate):
             produced += payload.numel()
         assert produced == sum(rep.payload_bytes(t) for t in steps)
         assert torch.equal(sent_q, x)  # over one period the replicator transmits all of x
+
+
+# ---- batched and device-friendly paths -----------------------------------------------------------------
+@pytest.mark.parametrize("L, k", [(4096, 32), (1024, 16), (3072, 32), (64, 6), (512, 1)])
+def test_topk_pruned_equals_plain_topk(L, k):
+    """CPU top-k prunes long chunks by strided block maxima first: the same magnitudes as a plain top-k."""
+    g = torch.Generator().manual_seed(L + k)
+    coeffs = torch.randn(40, L, generator=g)
+    coeffs[3] = 0.0  # an all-tied chunk still gets k distinct indices
+    coeffs[5, ::7] *= 100  # a few large entries sharing strided blocks
+    vals, idx = topk_per_chunk(coeffs, k)
+    expect = coeffs.abs().topk(k, dim=-1).values.sort(-1).values
+    assert torch.equal(vals.abs().sort(-1).values, expect)
+    assert torch.equal(coeffs.gather(-1, idx), vals)
+    assert (idx.sort(-1).values.diff(dim=-1) > 0).all()
+
+
+@pytest.mark.parametrize("bits", [2, 8, 12, 13])
+def test_pack_bits_row_by_row(bits):
+    """Rows are packed apart, each padded to whole bytes: row r's bytes are pack_bits(row r)."""
+    v = torch.randint(0, 2**bits, (3, 5, 37))
+    packed = pack_bits(v, bits)
+    assert packed.shape == (3, 5, bits_bytes(37, bits))
+    for i in range(3):
+        for j in range(5):
+            assert torch.equal(packed[i, j], pack_bits(v[i, j], bits))
+    assert torch.equal(unpack_bits(packed, 37, bits), v)
+
+
+def test_dct_basis_cache_is_bounded_and_per_dtype():
+    from titan_commopt.compress import dct
+
+    assert dct._basis.cache_info().maxsize == dct.BASIS_CACHE_SIZE
+    b32, b64 = dct_basis(16), dct_basis(16, dtype=torch.float64)
+    assert b32.dtype == torch.float32 and b64.dtype == torch.float64 and dct_basis(16) is b32
+    assert torch.equal(b32, b64.float())
+
+
+@pytest.mark.parametrize("shape", [(96, 40), (64, 64), (8, 6, 5), (50,)])
+def test_chunker_batched_forward_inverse(shape):
+    """G shards at once (block layout out of forward, chunk-major in and out of inverse) = one by one."""
+    c = Chunker(shape, 32)
+    xs = [torch.randn(shape) for _ in range(3)]
+    coeffs = c.blocks_to_chunk_major(c.forward(xs)).reshape(3 * c.n_chunks, c.L)
+    for i, x in enumerate(xs):
+        torch.testing.assert_close(coeffs[i * c.n_chunks: (i + 1) * c.n_chunks], c.encode(x))
+    back = c.chunk_major_to_blocks(c.inverse(coeffs).view(3, -1))
+    for i, x in enumerate(xs):
+        torch.testing.assert_close(back[i].reshape(shape), x, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mean_selected", [False, True])
+def test_demo_aggregate_vectorized_over_replicas(mean_selected):
+    """Three replicas' bytes decode at once into the mean a replica-by-replica loop gives."""
+    cfg = _cfg(aggregate="mean_selected" if mean_selected else "mean", transfer_dtype="fp32")
+    rep = make_replicator(cfg, (24, 16), "w")
+    xs = [torch.randn(24, 16) for _ in range(3)]
+    payloads = torch.stack([rep.extract(x, 1)[1] for x in xs])
+    dense, count = torch.zeros(rep.chunker.n_chunks, rep.chunker.L), torch.zeros(rep.chunker.n_chunks, rep.chunker.L)
+    for x in xs:
+        vals, idx = topk_per_chunk(rep.chunker.encode(x), rep.k)
+        dense.scatter_add_(-1, idx, vals)
+        count.scatter_add_(-1, idx, torch.ones_like(vals))
+    dense = dense / count.clamp_min(1) if mean_selected else dense / 3
+    torch.testing.assert_close(rep.aggregate(payloads, 1), rep.chunker.decode(dense))
+
+
+def test_random_indices_exact_count_one_per_stratum():
+    cfg = _cfg(replicator="random", compression_rate=0.3)
+    rep = make_replicator(cfg, (7, 11), "blk.w")  # 77 entries, 23 drawn: strata of 3 or 4
+    n, N = rep.n_values, rep.numel
+    assert n == 23
+    for step in range(1, 30):
+        idx = rep.indices(step, "cpu")
+        assert idx.dtype == torch.int64 and idx.numel() == n and torch.equal(idx, rep.indices(step, "cpu"))
+        strata = torch.arange(n) * N // n
+        assert ((idx >= strata) & (idx < torch.arange(1, n + 1) * N // n)).all()  # one in each stratum
+    seen = torch.cat([rep.indices(t, "cpu") for t in range(1, 200)]).bincount(minlength=N)
+    assert (seen > 0).all()  # every entry gets its turn

@@ -8,6 +8,7 @@ the replica's mean gradient: ``grad_scale = 0.5``. The simulation computes each 
 gradient directly (loss = mean over the replica's 2 local batches of equal size).
 """
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -34,6 +35,9 @@ CONFIGS = {
     "striding_sign_before": dict(replicator="striding", sign_before_sync=True),
     "diloco": dict(replicator="diloco", compression_rate=0.5),
     "full": dict(replicator="full"),
+    # overlap: step t's update applied at the start of step t+1 (the simulation delays it alike)
+    "demo_overlap": dict(overlap=True),
+    "demo_sign_before_sync_overlap": dict(sign_before_sync=True, chunk=4, topk=3, rule="sign", overlap=True),
     "adamw_demo": dict(base="adamw"),
     # degenerate cases with torch.optim.SGD as the reference (no weight decay: SGD's is not decoupled)
     "sgd_all_kept_lambda1": dict(topk=64, momentum_subtraction=1.0, wd=0.0),
@@ -93,6 +97,8 @@ def _hsdp_worker(rank, world):
                 opt.step()
                 opt.zero_grad()
                 sent.append(ledger.end_step().get("R_sent", 0.0))
+            opt.flush()  # overlap: the last step's update (no traffic: its gather was counted at issue)
+            assert ledger.end_step().get("R_sent", 0.0) == 0.0
         shards = [ShardShape.of(n, p) for n, p in named]
         out[name] = dict(
             params={n: local(p).detach().clone() for n, p in named},
@@ -113,6 +119,12 @@ def _simulate(name, n_shards=2):
     data = _data()
     params = dict(model.named_parameters())
     state = {}
+    delayed = {}  # overlap: (name, shard) -> the update of the step before, applied one step late
+
+    def apply(p_j, Q):
+        if Q is not None:
+            p_j.mul_(1 - LR * wd).sub_(LR * _phi(Q, cfg.rule))
+
     for t in range(1, STEPS + 1):
         grads = []
         for r in range(W):  # replica r's mean gradient over its 8 samples
@@ -122,6 +134,9 @@ def _simulate(name, n_shards=2):
             _loss(model, x, y).backward()
             grads.append({n: p.grad.clone() for n, p in params.items()})
         with torch.no_grad():
+            for (n, j), Q in delayed.items():  # gradients above were taken before these updates
+                apply(params[n].chunk(n_shards, dim=0)[j], Q)
+            delayed = {}
             for n, p in params.items():
                 shards = []
                 for j, p_j in enumerate(p.chunk(n_shards, dim=0)):
@@ -139,10 +154,14 @@ def _simulate(name, n_shards=2):
                             x = (st["m"] / (1 - b1**t)) / ((st["v"] / (1 - b2**t)).sqrt() + 1e-8)
                         sent.append(_extract(cfg, x, t, n, st))
                     shards.append(_aggregate(cfg, sent, p_j.shape, t, n))
-                for p_j, Q in zip(p.chunk(n_shards, dim=0), shards):
-                    if Q is None:
-                        continue
-                    p_j.mul_(1 - LR * wd).sub_(LR * _phi(Q, cfg.rule))
+                for j, (p_j, Q) in enumerate(zip(p.chunk(n_shards, dim=0), shards)):
+                    if cfg.overlap:
+                        delayed[(n, j)] = Q
+                    else:
+                        apply(p_j, Q)
+    with torch.no_grad():
+        for (n, j), Q in delayed.items():  # what DeMo.flush() applies after the last step
+            apply(params[n].chunk(n_shards, dim=0)[j], Q)
     return {n: p.detach() for n, p in params.items()}
 
 
@@ -298,10 +317,30 @@ def _ddp_worker(rank, world):
             x = torch.cat([data[t][rank][j][0] for j in range(2)])
             y = torch.cat([data[t][rank][j][1] for j in range(2)])
             _loss(model, x, y).backward()
-            opt.step()
+            with _no_host_reads() if t else contextlib.nullcontext():  # step 1 builds the plan
+                opt.step()
             opt.zero_grad()
         out[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
+
+
+@contextlib.contextmanager
+def _no_host_reads():
+    """Fail on any read of a tensor's value into Python (``item``, ``bool``, ``int``, ``float``,
+    ``tolist``): on a GPU each is a host synchronization. A step of DeMo must not need one."""
+    names = ("item", "__bool__", "__int__", "__float__", "tolist")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("a host read of a tensor inside DeMo.step()")
+
+    try:
+        for n in names:
+            setattr(torch.Tensor, n, refuse)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
 
 
 def test_ddp_style_equals_simulation():
@@ -348,3 +387,95 @@ def test_striding_syncs_every_entry_and_keeps_momentum_bounded():
             assert (res["params"][n] != 0).all(), n  # every entry was updated
             assert torch.equal(res["params"][n], results[0]["params"][n])
         assert res["sent"] == pytest.approx(res["formula"] * STRIDING_STEPS)
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------
+RESUME_CONFIGS = ["demo", "demo_overlap", "random", "adamw_demo"]
+
+
+def _resume_worker(rank, world, root):
+    """2x2 HSDP through DCP (each replica saves its own state, as the container's per-replica keys do):
+    steps 1-2, save, steps 3-4 (uninterrupted) vs fresh model + optimizer, load, steps 3-4 (resumed);
+    and a checkpoint in the format written before the coefficient domain (float32 parameter-domain
+    ``momentum``), loaded by conversion."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "fsdp"))
+    topo = Topology.from_mesh(mesh, grad_scale=0.5)
+    group = mesh["fsdp"].get_group()
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)  # torchtitan's setting
+    r, j = rank // 2, rank % 2
+    data = _data()
+
+    def fresh(name):
+        model = _model()
+        fully_shard(model, mesh=mesh["fsdp"])
+        model.set_force_sum_reduction_for_comms(True)
+        model.set_gradient_divide_factor(1.0)
+        opt = make("FlexDeMo", list(model.named_parameters()), topo, BaseHParams(lr=LR, weight_decay=_wd(name)),
+                   **dataclasses.asdict(_cfg(name)))
+        return model, opt
+
+    def run(model, opt, steps):
+        for t in steps:
+            x, y = data[t][r][j]
+            _loss(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    def params(model, opt):
+        opt.flush()
+        return {n: local(p).detach().clone() for n, p in model.named_parameters()}
+
+    def load(name, path):
+        model, opt = fresh(name)
+        target = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=flat)}
+        dcp.load(target, checkpoint_id=path, process_group=group)
+        set_model_state_dict(model, target["model"])
+        set_optimizer_state_dict(model, opt, target["optim"], options=flat)
+        return model, opt
+
+    out = {}
+    for name in RESUME_CONFIGS:
+        model, opt = fresh(name)
+        run(model, opt, range(2))
+        osd = get_optimizer_state_dict(model, opt, options=flat)  # with overlap: applies the pending update first
+        saved = {"model": get_model_state_dict(model), "optim": osd}
+        dcp.save(saved, checkpoint_id=f"{root}/{name}-{r}", process_group=group)
+        old_osd = {k: (v.to(torch.float32) if k.endswith(".momentum") else v) for k, v in osd.items()}
+        dcp.save({"model": saved["model"], "optim": old_osd}, checkpoint_id=f"{root}/{name}-old-{r}",
+                 process_group=group)
+        run(model, opt, range(2, 4))
+        res = {"uninterrupted": params(model, opt)}
+        momenta = [v for k, v in osd.items() if k.endswith(".momentum")]
+        res["momentum_dtypes"] = {m.dtype for m in momenta}
+        res["momentum_is_dtensor"] = all(isinstance(m, DTensor) and m.shape == p.shape
+                                         for m, p in zip(momenta, model.parameters()))
+        res["steps"] = {float(v) for k, v in osd.items() if k.endswith(".step")}
+        for kind in ("", "-old"):
+            model, opt = load(name, f"{root}/{name}{kind}-{r}")
+            run(model, opt, range(2, 4))
+            res["resumed" + kind] = params(model, opt)
+        out[name] = res
+    return out
+
+
+def test_checkpoint_resume_is_exact_and_old_checkpoints_convert(tmp_path):
+    results = run_distributed(_resume_worker, 4, str(tmp_path))
+    for name in RESUME_CONFIGS:
+        for rank, res in enumerate(results):
+            res = res[name]
+            if name in ("demo", "demo_overlap"):  # coefficient domain: saved as float64 parameter domain
+                assert res["momentum_dtypes"] == {torch.float64} and res["momentum_is_dtensor"]
+            assert res["steps"] == {2.0}
+            for n, p in res["uninterrupted"].items():
+                assert torch.equal(res["resumed"][n], p), f"{name} rank {rank} {n}: resume is not exact"
+                # float32 momentum of an older checkpoint: converted, equal up to float32 round-off
+                torch.testing.assert_close(res["resumed-old"][n], p, atol=1e-6, rtol=1e-5,
+                                           msg=f"{name} rank {rank} {n}")

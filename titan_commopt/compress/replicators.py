@@ -13,8 +13,9 @@ the ``[commopt.demo]`` options):
 - ``period``: ``payload_bytes`` depends on the step only through ``step mod period``, so the mean
   bytes per step is the mean over one period (``r_bytes_per_step``, the ledger's formula).
 
-Kinds: ``demo`` (DCT-II chunks, top-k, values + indices), ``random`` (indices drawn from a generator
-seeded by (seed, step, parameter name): identical on every replica, never sent), ``striding`` (every
+Kinds: ``demo`` (DCT-II chunks, top-k, values + indices), ``random`` (one entry per stratum of the
+flat shard, chosen by a hash of (seed, step, parameter name, stratum): identical on every replica,
+never sent), ``striding`` (every
 ``1/c``-th entry, offset rotating with the step: each entry once per ``1/c`` steps), ``diloco``
 (everything, every ``1/c`` steps), ``full`` (everything, every step). Random/Striding/DiLoCo/Full
 work on the flat local shard.
@@ -29,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from .dct import Chunker, scatter_chunks, topk_per_chunk
+from .dct import Chunker, accumulate_chunks_, scatter_chunks, topk_per_chunk
 from .packing import WIRE_DTYPES, IndexCodec, ValueCodec
 
 __all__ = ["KINDS", "Replicator", "DeMoReplicator", "RandomReplicator", "StridingReplicator",
@@ -71,7 +72,14 @@ class Replicator:
 class DeMoReplicator(Replicator):
     """The ``topk`` largest DCT-II coefficients of every chunk (``dct.Chunker``): values + their
     indices in the chunk. ``mean_selected``: average a coefficient over the replicas that selected it
-    (the reference code) instead of over all of them (the paper's eq. 6)."""
+    (the reference code) instead of over all of them (the paper's eq. 6).
+
+    Besides the one-shard interface (``extract``/``aggregate``), the steps are exposed for ``G``
+    same-shape shards at once, in the coefficient domain (what the DeMo optimizer batches):
+    :meth:`select` (top-k of chunk-major coefficients ``(G·n_chunks, L)``), :meth:`write` (values and
+    indices into two ``uint8`` regions of the send buffer, ``(G, value_bytes)`` and ``(G, index_bytes)``:
+    each shard's bytes are exactly what ``extract`` sends) and :meth:`mean_coefficients` (every
+    replica's bytes → the dense mean, chunk-major, no loop over replicas)."""
 
     def __init__(self, shape, value_codec: ValueCodec, chunk: int, topk: int, pack: bool,
                  mean_selected: bool = False, device=None):
@@ -81,30 +89,64 @@ class DeMoReplicator(Replicator):
         self.n_values = self.chunker.n_chunks * self.k
         self.index_codec = IndexCodec(self.chunker.L, pack)
         self.mean_selected = mean_selected
+        self.value_bytes = self.value_codec.nbytes(self.n_values)
+        self.index_bytes = self.index_codec.nbytes(self.n_values)
 
     def payload_bytes(self, step: int) -> int:
-        return self.value_codec.nbytes(self.n_values) + self.index_codec.nbytes(self.n_values)
+        return self.value_bytes + self.index_bytes
 
+    # ---- G shards, coefficient domain --------------------------------------------------------------
+    def select(self, coeffs: torch.Tensor, work: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k of every chunk of ``coeffs`` (``(rows, L)``): ``(values, indices)``, each ``(rows, k)``
+        (``work``: scratch for the magnitudes, see ``dct.topk_per_chunk``)."""
+        return topk_per_chunk(coeffs, self.k, work)
+
+    def write(self, values: torch.Tensor, idx: torch.Tensor, value_out: torch.Tensor,
+              index_out: torch.Tensor) -> None:
+        """Encode ``G`` shards' selections (``(G·n_chunks, k)`` each) into ``value_out`` ``(G, value_bytes)``
+        and ``index_out`` ``(G, index_bytes)``."""
+        G = value_out.shape[0]
+        self.value_codec.encode_into(values.view(G, self.n_values), value_out)
+        index_out.copy_(self.index_codec.encode(idx.view(G, self.n_values)))
+
+    def mean_coefficients(self, value_data: torch.Tensor, index_data: torch.Tensor,
+                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``value_data`` ``(W, G, value_bytes)`` and ``index_data`` ``(W, G, index_bytes)``: every replica's
+        bytes (own included, replica order) → the dense mean coefficients, chunk-major
+        ``(G·n_chunks, L)`` (written into ``out`` when given). Replicas are summed in replica order
+        per coefficient (``dct.accumulate_chunks_``): every rank computes the same bits."""
+        W, G = value_data.shape[:2]
+        n, k, L = self.n_values, self.k, self.chunker.L
+        rows = G * self.chunker.n_chunks
+        vals = self.value_codec.decode(value_data, n).view(W, rows, k)
+        idx = self.index_codec.decode(index_data, n).view(W, rows, k)
+        vals = vals.permute(1, 0, 2).reshape(rows, W * k)  # row r: replica 0's k entries, then replica 1's...
+        idx = idx.permute(1, 0, 2).reshape(rows, W * k)
+        if out is None:
+            dense = torch.zeros(rows, L, device=value_data.device)
+        else:
+            dense = out.view(-1)[: rows * L].view(rows, L).zero_()
+        if not self.mean_selected:
+            return accumulate_chunks_(dense, idx, vals / W)
+        accumulate_chunks_(dense, idx, vals)
+        count = accumulate_chunks_(torch.zeros_like(dense), idx, torch.ones_like(vals))
+        return dense.div_(count.clamp_min_(1))
+
+    # ---- one shard ----------------------------------------------------------------------------------
     def extract(self, x: torch.Tensor, step: int) -> Payload:
         if not self.sends(step):
             return None, None
-        vals, idx = topk_per_chunk(self.chunker.encode(x), self.k)
+        vals, idx = self.select(self.chunker.encode(x))
         q = self.chunker.decode(scatter_chunks(vals, idx, self.chunker.L))
-        return q, torch.cat([self.value_codec.encode(vals), self.index_codec.encode(idx)])
+        payload = torch.empty(self.value_bytes + self.index_bytes, dtype=torch.uint8, device=x.device)
+        self.write(vals, idx, payload[: self.value_bytes].view(1, -1), payload[self.value_bytes:].view(1, -1))
+        return q, payload
 
     def aggregate(self, payloads: torch.Tensor, step: int) -> Optional[torch.Tensor]:
         if not self.sends(step):
             return None
-        n, split = self.n_values, self.value_codec.nbytes(self.n_values)
-        dense = torch.zeros(self.chunker.n_chunks, self.chunker.L, device=payloads.device)
-        count = torch.zeros_like(dense) if self.mean_selected else None
-        for row in payloads:  # replica order on every rank: identical bits, replicas stay in sync
-            vals = self.value_codec.decode(row[:split], n).view(-1, self.k)
-            idx = self.index_codec.decode(row[split:], n).view(-1, self.k)
-            dense.scatter_add_(-1, idx, vals)
-            if count is not None:
-                count.scatter_add_(-1, idx, torch.ones_like(vals))
-        dense = dense / count.clamp_min(1) if count is not None else dense / payloads.shape[0]
+        W, split = payloads.shape[0], self.value_bytes
+        dense = self.mean_coefficients(payloads[:, :split].unsqueeze(1), payloads[:, split:].unsqueeze(1))
         return self.chunker.decode(dense)
 
 
@@ -122,24 +164,28 @@ class _FlatReplicator(Replicator):
     def payload_bytes(self, step: int) -> int:
         return self.value_codec.nbytes(self.count(step))
 
-    def extract(self, x: torch.Tensor, step: int) -> Payload:
+    def extract(self, x: torch.Tensor, step: int, out: Optional[torch.Tensor] = None) -> Payload:
+        """As :meth:`Replicator.extract`; ``out``: ``uint8`` of ``payload_bytes(step)`` to write the
+        payload into (a slice of the fused send buffer), returned as the payload."""
         if not self.sends(step):
             return None, None
         idx = self.indices(step, x.device)
         if idx is None:
-            return x.clone(), self.value_codec.encode(x)
-        vals = x.reshape(-1)[idx]
-        q = torch.zeros_like(x).reshape(-1).index_copy_(0, idx, vals).view_as(x)
-        return q, self.value_codec.encode(vals)
+            q, vals = x.clone(), x.reshape(-1)
+        else:
+            vals = x.reshape(-1)[idx]
+            q = torch.zeros_like(x).reshape(-1).index_copy_(0, idx, vals).view_as(x)
+        if out is None:
+            return q, self.value_codec.encode(vals)
+        self.value_codec.encode_into(vals, out)
+        return q, out
 
     def aggregate(self, payloads: torch.Tensor, step: int) -> Optional[torch.Tensor]:
         if not self.sends(step):
             return None
         n = self.count(step)
-        total = self.value_codec.decode(payloads[0], n)
-        for row in payloads[1:]:  # replica order on every rank: identical bits, replicas stay in sync
-            total = total + self.value_codec.decode(row, n)
-        mean = total / payloads.shape[0]
+        # all replicas decoded at once; the sum over them is a reduction of fixed order on every rank
+        mean = self.value_codec.decode(payloads, n).sum(0) / payloads.shape[0]
         idx = self.indices(step, payloads.device)
         if idx is None:
             return mean.view(self.shape)
@@ -147,8 +193,13 @@ class _FlatReplicator(Replicator):
 
 
 class RandomReplicator(_FlatReplicator):
-    """``round(rate·numel)`` entries (at least one) drawn without replacement, from a generator seeded
-    by (seed, step, parameter name)."""
+    """``n = round(rate·numel)`` entries (at least one; the count is exact), drawn afresh every step
+    and the same on every replica: the flat shard is cut into ``n`` consecutive strata of
+    ``⌊numel/n⌋`` or ``⌈numel/n⌉`` entries and one entry of each is chosen by a hash of (seed, step,
+    parameter name, stratum). Every entry is chosen with probability one over its stratum's size
+    (``≈ rate``), no entry twice; unlike a uniform draw of ``n`` of ``numel``, two entries of one
+    stratum are never chosen together. Made on the tensors' device in O(n), no permutation of the
+    shard, no generator state, the same bits on every device type (integer arithmetic only)."""
 
     def __init__(self, shape, value_codec: ValueCodec, rate: float, seed: int, name: str):
         super().__init__(shape, value_codec)
@@ -159,8 +210,36 @@ class RandomReplicator(_FlatReplicator):
         return self.n_values
 
     def indices(self, step: int, device) -> torch.Tensor:
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step * 7919 + self.name_seed) % 2**62)
-        return torch.randperm(self.numel, generator=gen)[: self.n_values].to(device)
+        n, N = self.n_values, self.numel
+        i = torch.arange(n, device=device, dtype=torch.int64)
+        start = i * N // n
+        size = (i + 1) * N // n - start  # >= 1 since n <= N
+        key = _mix64((self.seed * 1_000_003 + step * 7919 + self.name_seed) % 2**62)
+        return start + (_splitmix64(i + key) & (2**62 - 1)) % size
+
+
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # splitmix64's constants as signed 64-bit integers
+_MUL1, _MUL2 = 0xBF58476D1CE4E5B9 - 2**64, 0x94D049BB133111EB - 2**64
+
+
+def _mix64(x: int) -> int:
+    """:func:`_splitmix64` of one Python integer (the per-step key), as a signed 64-bit integer,
+    in Python arithmetic: no tensor, nothing to synchronize."""
+    m = 2**64 - 1
+    x = (x + _GOLDEN) & m
+    x = ((x ^ (x >> 30)) * _MUL1) & m
+    x = ((x ^ (x >> 27)) * _MUL2) & m
+    x ^= x >> 31
+    return x - 2**64 if x >= 2**63 else x
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 (Steele, Lea, Flood 2014) of every int64 of ``x``, in wrapping 64-bit arithmetic;
+    right shifts are made logical by masking off the copied sign bits."""
+    x = x * 1 + _GOLDEN  # int64 arithmetic wraps around
+    x = (x ^ ((x >> 30) & (2**34 - 1))) * _MUL1
+    x = (x ^ ((x >> 27) & (2**37 - 1))) * _MUL2
+    return x ^ ((x >> 31) & (2**33 - 1))
 
 
 class StridingReplicator(_FlatReplicator):
