@@ -481,17 +481,14 @@ class Dion(CommOptimizer):
         batches = self._batches(matrices)
         Bs = [local(self.state[p]["momentum"]) for p, _, _, _ in matrices]
         Q_locals = [local(self.state[p]["Q"]) for p, _, _, _ in matrices]
-        compressed = [i for i, (_, _, lay, _) in enumerate(matrices) if lay.compressed]
-        if compressed:  # B = M + G, kept in M's storage (M is rebuilt from B below)
-            torch._foreach_add_([Bs[i] for i in compressed], [matrices[i][3] for i in compressed])
         Ps, Qs, p_means = [], [], []
         for ix in batches:
             if not matrices[ix[0]][2].compressed:
                 full.wait()  # uncompressed: B = M + E_DP[G]
-                torch._foreach_add_([Bs[i] for i in ix], [matrices[i][3] for i in ix])
             Q = torch.stack([Q_locals[i] for i in ix])
             P = Q.new_empty(len(ix), Bs[ix[0]].shape[0], Q.shape[-1])
             for j, i in enumerate(ix):
+                Bs[i].add_(matrices[i][3])  # B = M + G, kept in M's storage (M is rebuilt from B below)
                 torch.mm(Bs[i], Q[j], out=P[j])  # P̂ = B̂ Q: local rows, partial over column shards
             # E_DP[P̂] (m_loc × r per compressed matrix), one collective per batch, in flight from now.
             compressed_batch = matrices[ix[0]][2].compressed
@@ -520,18 +517,15 @@ class Dion(CommOptimizer):
         views = [(sq[j], matrices[i][2].cols) for ix, sq in zip(batches, sqs) for j, i in enumerate(ix)]
         _sum_over([v for v, _ in views], [c for _, c in views])  # over column shards: r numbers per matrix
         for ix, P, Rm, Q, sq in zip(batches, Ps, Rs, Qs, sqs):
-            p0, group, lay, _ = matrices[ix[0]]
+            _, group, lay, _ = matrices[ix[0]]
             lr, wd, mu = group["lr"], group["weight_decay"], group["mu"]
-            for j, i in enumerate(ix):
-                Bs[i].addmm_(P[j], Rm[j].T, alpha=-(1 - mu))  # M = B − (1−μ) P Rᵀ (error feedback)
             norm = sq.sqrt().unsqueeze(1)
             # Q = colnorm(R); a column with R = 0 keeps its old direction instead of dying at 0.
             Q = torch.where(norm > 0, Rm / (norm + self.cfg.colnorm_eps), Q)
             torch._foreach_copy_([Q_locals[i] for i in ix], list(Q.unbind(0)))
-            xs = [local(matrices[i][0]) for i in ix]
-            if wd != 0:  # kernels.decoupled_decay_, for the whole batch
-                torch._foreach_mul_(xs, 1 - lr * wd)
-            for j, x in enumerate(xs):
+            for j, i in enumerate(ix):  # one matrix at a time: its B and X stay in cache
+                Bs[i].addmm_(P[j], Rm[j].T, alpha=-(1 - mu))  # M = B − (1−μ) P Rᵀ (error feedback)
+                x = kernels.decoupled_decay_(local(matrices[i][0]), lr, wd)
                 x.addmm_(P[j], Q[j].T, alpha=-lr * math.sqrt(lay.m / lay.n))  # X −= η sqrt(m/n) P Qᵀ
         scalar_means.wait()
 
