@@ -12,7 +12,7 @@ Per 2-D weight ``X ∈ R^{m×n}`` (``nn.Linear`` layout: m = out features = rows
 Distributed exactly as Algorithm 2 / Theorem 2.1 (the iterates equal the centralized ones):
 
 - R (``dp_replicate``): only P (local rows × r) and R (local columns × r) are averaged, one fused
-  collective each per step for all matrices, instead of the ``m_loc·n_loc`` gradient. P's rows are
+  collective each per step and shape batch (below), instead of the ``m_loc·n_loc`` gradient. P's rows are
   already sharded. R is needed whole on every row shard, so where X's rows are sharded (over
   ``k`` ranks in all) R is reduced hierarchically: a reduce-scatter over the row groups (the sum
   over row shards, fast link) leaves each rank one ``ceil(n_loc/k)``-row slice, only that slice is
@@ -20,10 +20,11 @@ Distributed exactly as Algorithm 2 / Theorem 2.1 (the iterates equal the central
   same sums in another order (Theorem 2.1). Per matrix and rank: ``(m_loc + ceil(n_loc/k))·r``
   elements (fewer on a rank whose slice overhangs n_loc), ``(m + n)·r/k`` when k divides m and n,
   hence below the gradient shard ``m·n/k`` wherever compression pays (up to rounding). Both the
-  reduce-scatter and the all-gather are one fused collective per row group for all matrices. This
+  reduce-scatter and the all-gather are one fused collective per row group for all matrices of a
+  shape batch. This
   "compressed" path is used only where it pays on the global shape,
   ``(m + n)·r < m·n`` (the reference's rule; ``compress = "auto"``); otherwise — always at full rank —
-  the gradient itself is averaged over R (fused with the scalar parameters' gradients) and every
+  the gradient itself is averaged over R (one fused collective for all such matrices) and every
   replica runs the same centralized update. ``traffic.dion_r_bytes`` follows the same rule.
 - S/T (weight sharding, read from each DTensor's placements): a mesh dim that shards dim 0 (FSDP2's
   ``Shard(0)``, also ``_StridedShard(0)`` under TP: the row order never matters) makes P row-local;
@@ -33,8 +34,9 @@ Distributed exactly as Algorithm 2 / Theorem 2.1 (the iterates equal the central
   ill-conditioned even so; ``R = Σ_i B_iᵀ P_i`` is an all-reduce-sum. A mesh dim that shards dim 1 (TP's ``Shard(1)``, row-wise parallel layers)
   makes Q column-sharded: ``P = Σ_j B_j Q_j`` is an all-reduce-sum and the column norms of R are
   summed (r numbers). No rank ever materializes an m×n matrix. Mesh dims named ``tp`` are the T
-  role (``topology.tp``), every other sharding dim is S (``topology.shard``). Each S/T reduction is
-  one fused collective for all matrices sharing the same groups.
+  role (``topology.tp``), every other sharding dim is S (``topology.shard``). Each S/T reduction
+  (Grams, P's column sums, R's column norms) is one fused collective for all matrices sharing the
+  same groups; R's row sums go per shape batch.
 - Q starts identical on every rank: drawn from the full (n, r) shape with a generator seeded by
   (``seed``, FQN), then sliced to the local columns. It is kept as a DTensor (rows sharded like X's
   columns, replicated elsewhere) so DCP checkpoints it correctly.
@@ -43,7 +45,18 @@ Everything that is not a matrix of a transformer block goes to a scalar optimize
 as the paper and microsoft/dion do: embeddings (``tok_embeddings``) and the output head (``output``)
 with weight decay 0 (the head with a smaller lr for Lion: ``1/sqrt(d_in)``), norms, biases and any
 non-2-D tensor with the base weight decay. Their gradients are averaged over R (FSDP2 does not, the
-adapter hides R from it), fused in one collective with the full-gradient matrices.
+adapter hides R from it) in one fused collective.
+
+GPU fitness and overlap. Matrices of the same param group, shape, rank and layout form a shape
+batch, computed stacked: everything r-sized (Grams, Cholesky factors, triangular solves, column
+norms, the new Q) is one kernel per batch, the large products (B Q, Bᵀ P and the two rank-r
+updates) one matmul per matrix written into the batch's stacked buffers. CholeskyQR2 keeps its
+failure flags on the device; one host synchronization per step reads them all (a step where some P
+needs the fallback synchronizes again for it). The R collectives are issued async in the order they
+are needed: the uncompressed matrices' gradients, then each batch's P mean as soon as its P exists
+(running while the next batches compute theirs), each batch's R mean as soon as its Bᵀ P exists
+(running while the next batches compute theirs), and last the scalar gradients' mean (running while
+the matrices are updated). Overlap changes no value: every result is waited for before it is read.
 
 Momenta (M, and the scalar optimizer's moments on the compressed path's siblings) differ across
 replicas on the compressed path — by design (decoupled momentum); checkpoints must keep them per
