@@ -532,8 +532,8 @@ def _tp_fsdp(rank, world):
     with comm.use_ledger(comm.CommLedger()) as ledger:
         dion._reduce_r(Rs, lays, None, True)
     out["nested"] = dict(diff=max(float((a - b).abs().max()) for a, b in zip(Rs, want)), r_bytes=[0.0], expected=0,
-                         splits=[lay.row_split for lay in lays], ops=[(c.role, c.op) for c in ledger.records
-                                                                  if c.op != comm.TIME_OP])
+                         splits=[lay.row_split for lay in lays],
+                         ops=[(c.role, c.op) for c in ledger.records if c.op != comm.TIME_OP])
     return out
 
 

@@ -178,6 +178,42 @@ def test_decoupled_decay_skips_a_zero_decay():
     torch.testing.assert_close(kernels.decoupled_decay_(x.clone(), 0.1, 0.5), x * 0.95)
 
 
+# ---- multi-tensor forms = the single-tensor kernels, bit for bit (CPU) ------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("name", ["adam", "qh_adam", "adopt", "sgdm"])
+def test_multi_tensor_kernels_equal_single_tensor_bit_for_bit(name, dtype):
+    shapes = [(6, 4), (5,), (3, 2, 2)]
+    omegas = (1.0,) if name == "adam" else (0.3, 0.6)
+    betas1 = (0.8,) if name == "adam" else (0.5, 0.95)
+    kw = dict(lr=3e-2, betas1=betas1, omegas=omegas, weight_decay=0.1)
+    single = [[_start(s, dtype, seed=i) for i, s in enumerate(shapes)]]
+    multi = [[t.clone() for t in single[0]]]
+    for copy in (single, multi):
+        copy.append([[torch.zeros_like(x) for x in copy[0]] for _ in betas1])  # moments [j][i]
+        copy.append([torch.zeros_like(x) for x in copy[0]])  # v
+    for t in range(1, 13):
+        gs = [_grads(s, dtype, 1, seed=100 * t + i)[0] for i, s in enumerate(shapes)]
+        for i, g in enumerate(gs):
+            x, us, v = single[0][i], [u[i] for u in single[1]], single[2][i]
+            if name == "sgdm":
+                kernels.sgdm_(x, g, us, **kw)
+            elif name == "adopt":
+                kernels.adopt_(x, g, us, v, **kw, beta2=0.9, eps=1e-6, step=t)
+            else:
+                kernels.qh_adamw_(x, g, us, v, **kw, beta2=0.9, eps=1e-6, step=t)
+        xs, moments, vs = multi
+        if name == "sgdm":
+            kernels.sgdm_multi_(xs, gs, moments, **kw)
+        elif name == "adopt":
+            kernels.adopt_multi_(xs, gs, moments, vs, **kw, beta2=0.9, eps=1e-6, step=t)
+        else:
+            kernels.qh_adamw_multi_(xs, gs, moments, vs, **kw, beta2=0.9, eps=1e-6, step=t)
+    flat = lambda c: [c[0], *c[1], c[2]]  # noqa: E731
+    for a, b in zip(flat(single), flat(multi)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(single[0][0], _start(shapes[0], dtype, seed=0))
+
+
 # ---- orthogonalization ---------------------------------------------------------------------------
 def _with_singular_values(m, n, values, seed=0):
     gen = torch.Generator().manual_seed(seed)

@@ -114,24 +114,53 @@ def test_one_replica_quasi_hyperbolic_and_adopt_math():
     torch.testing.assert_close(p.detach(), x, rtol=1e-12, atol=1e-14)
 
 
-def test_state_dict_roundtrip_continues_identically():
-    shapes = [(4, 4)]
+@pytest.mark.parametrize("fragments,sync_delay", [(1, 0), (3, 1), (2, 2)])
+def test_state_dict_roundtrip_continues_identically(fragments, sync_delay):
+    """A checkpoint taken with fragments in flight (one replica: the Nesterov outer step still runs
+    its syncs) merges them first; a run resumed from it continues bit for bit like the run that saved."""
+    shapes = [(4, 4), (3,), (5, 2)]
     data = _grads(3, shapes, 20)
-    kw = dict(lr=1e-2, betas1=(0.9, 0.99), omegas=(0.5, 0.4), periods_u=(2, 4), Kv=4, Kx=2, outer="nesterov")
-    a = torch.ones(4, 4, dtype=F64, requires_grad=True)
-    opt = la.LocalAdaptive([a], **kw)
-    for (g,) in data[:10]:
-        a.grad = g[0].clone()
+    kw = dict(lr=1e-2, betas1=(0.9, 0.99), omegas=(0.5, 0.4), periods_u=(3, 4), Kv=4, Kx=3, outer="nesterov",
+              fragments=fragments, sync_delay=sync_delay)
+    a = [torch.ones(s, dtype=F64, requires_grad=True) for s in shapes]
+    opt = la.LocalAdaptive(a, **kw)
+    for grads in data[:10]:
+        for p, g in zip(a, grads[0]):
+            p.grad = g.clone()
         opt.step()
-    b = a.detach().clone().requires_grad_()
-    opt2 = la.LocalAdaptive([b], **kw)
-    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))  # load_state_dict aliases same-dtype tensors
-    assert set(opt2.state[b]) == {"step", "exp_avg", "exp_avg_1", "exp_avg_sq", "outer_anchor", "outer_buf"}
-    for (g,) in data[10:]:
-        a.grad, b.grad = g[0].clone(), g[0].clone()
+    assert bool(opt._in_flight) == (sync_delay > 0)  # step 10 leaves a sync in flight
+    saved = copy.deepcopy(opt.state_dict())  # load_state_dict aliases same-dtype tensors
+    assert not opt._in_flight  # merged before saving
+    b = [p.detach().clone().requires_grad_() for p in a]
+    opt2 = la.LocalAdaptive(b, **kw)
+    opt2.load_state_dict(saved)
+    assert set(opt2.state[b[0]]) == {"step", "exp_avg", "exp_avg_1", "exp_avg_sq", "outer_anchor", "outer_buf"}
+    assert opt2._n == 10 and opt2.state[b[0]]["step"] is opt2.state[b[2]]["step"]  # one shared counter
+    for grads in data[10:]:
+        for p, q, g in zip(a, b, grads[0]):
+            p.grad, q.grad = g.clone(), g.clone()
         opt.step()
         opt2.step()
-    assert torch.equal(a, b) and int(opt2.state[b]["step"]) == 20
+    assert all(torch.equal(p, q) for p, q in zip(a, b)) and int(opt2.state[b[1]]["step"]) == 20
+
+
+def test_fragments_schedule_and_options():
+    # greedy by size, ties to the lower index: balanced and the same on every replica
+    assert la._partition([100, 10, 60, 50, 5], 2) == [0, 0, 1, 1, 0]  # 115 and 110 elements
+    assert la._partition([7, 7, 7], 3) == [0, 1, 2]
+    assert la._offsets(32, 1) == [0] and la._offsets(32, 4) == [0, 8, 16, 24] and la._offsets(2, 4) == [0, 0, 1, 1]
+    p = [torch.zeros(3, requires_grad=True) for _ in range(2)]
+    assert la.LocalAdaptive(p, fragments=5).fragments == 2  # at most one fragment per parameter
+    with pytest.raises(ValueError):
+        la.LocalAdaptive(p, periods_u=(4,), Kv=8, Kx=4, sync_delay=4)
+    hp = BaseHParams()
+    st = la.settings(la.Config(fragments=4, sync_delay=3, Kx=4, Ku=[8], Kv=0), hp)
+    assert (st.fragments, st.sync_delay) == (4, 3)
+    with pytest.raises(ConfigError) as e:
+        resolve("DES-LOC", {"sync_delay": 32})  # Kx = 32 is the smallest period
+    assert "[commopt.local] sync_delay" in str(e.value)
+    with pytest.raises(ConfigError):
+        resolve("DES-LOC", {"fragments": 0})
 
 
 # ---- config, registry, analytic bytes --------------------------------------------------------------
@@ -290,6 +319,148 @@ def test_two_replicas_sgdm_dp_hashes_and_ledger():
     assert res[0]["bytes"] == res[1]["bytes"] == expected
     assert res[0]["bytes_bf16"] == expected / 2
     assert res[0]["r_bytes_formula"] * 100 == pytest.approx(expected)
+
+
+# ---- streaming sync: fragments at staggered offsets, merged sync_delay steps after issue ---------------
+STREAM_SHAPES = [(8, 5), (5,), (6, 6), (3,), (10, 2)]
+STREAM_STEPS = 24  # a multiple of every period below; the last step leaves fragment 0 in flight
+STREAM_CONFIGS = [  # (label, optimizer kwargs)
+    *[(f"adam/F3/tau{tau}", dict(base="adam", betas1=(0.9,), periods_u=(4,), Kv=8, Kx=4, weight_decay=0.1,
+                                 fragments=3, sync_delay=tau)) for tau in (0, 1, 2)],
+    ("adopt2/F2/tau2", dict(base="adopt", betas1=(0.5, 0.95), omegas=(0.3, 0.6), periods_u=(3, 6), beta2=0.9,
+                            Kv=6, Kx=3, eps=1e-6, clip="norm", clip_threshold=0.5, fragments=2, sync_delay=2)),
+    *[(f"diloco/F3/tau{tau}", dict(base="adam", betas1=(0.9,), periods_u=(0,), Kv=0, Kx=4, outer="nesterov",
+                                   outer_lr=0.7, outer_momentum=0.9, fragments=3, sync_delay=tau)) for tau in (0, 2)],
+    ("sgdm/F4/tau1", dict(base="sgdm", betas1=(0.9,), periods_u=(3,), Kx=3, weight_decay=0.01, fragments=4,
+                          sync_delay=1)),
+]
+
+
+def _stream_grads(replica, step):
+    gen = torch.Generator().manual_seed(10_000 * replica + step)
+    return [torch.randn(s, generator=gen, dtype=F64) for s in STREAM_SHAPES]
+
+
+def _stream_init():
+    gen = torch.Generator().manual_seed(77)
+    return [torch.randn(s, generator=gen, dtype=F64) for s in STREAM_SHAPES]
+
+
+def _simulate_streaming(kw):
+    """The streaming algorithm written out for two replicas in one process: local steps by
+    LocalAdaptive with one replica (no syncs), the schedule, snapshots, means and merges by hand."""
+    F, tau, K_x = kw["fragments"], kw["sync_delay"], kw["Kx"]
+    params = [[t.clone().requires_grad_() for t in _stream_init()] for _ in range(2)]
+    opts = [la.LocalAdaptive(ps, **dict(kw, outer="average", fragments=1, sync_delay=0)) for ps in params]
+    frag = la._partition([math.prod(s) for s in STREAM_SHAPES], F)
+    anchors = [t.clone() for t in _stream_init()]
+    bufs = [torch.zeros_like(t) for t in anchors]
+    kinds = [(f"u{j}", k) for j, k in enumerate(kw["periods_u"])] + [("v", kw.get("Kv", 0)), ("x", K_x)]
+    if kw["base"] == "sgdm":
+        kinds = [(k, K) for k, K in kinds if k != "v"]
+
+    def tensor(r, kind, i):
+        st = opts[r].state[params[r][i]]
+        if kind == "x":
+            return params[r][i].data
+        return st["exp_avg_sq"] if kind == "v" else st[la.LocalAdaptive._moment_key(int(kind[1:]))]
+
+    flight, hashes = [], []
+    for n in range(1, STREAM_STEPS + 1):
+        for r in range(2):
+            for p, g in zip(params[r], _stream_grads(r, n)):
+                p.grad = g
+            opts[r].step()
+        with torch.no_grad():
+            for kind, K in kinds:  # issue: fragment f of a state with period K when (n − ⌊fK/F⌋) % K == 0
+                for i, f in enumerate(frag):
+                    if K > 0 and (n - f * K // F) % K == 0:
+                        snaps = [tensor(r, kind, i).clone() for r in range(2)]
+                        flight.append((n + tau, kind, i, snaps, (snaps[0] + snaps[1]) / 2))
+            for entry in [e for e in flight if e[0] == n]:  # merge: t ← (t − t_issue) + mean_R(t_issue)
+                flight.remove(entry)
+                _, kind, i, snaps, mean = entry
+                if kind == "x" and kw.get("outer") == "nesterov":  # the outer step on the snapshot's mean
+                    delta = anchors[i] - mean
+                    bufs[i].mul_(kw["outer_momentum"]).add_(delta)
+                    mean = anchors[i].clone().sub_(delta.add_(bufs[i], alpha=kw["outer_momentum"]),
+                                                   alpha=kw["outer_lr"])
+                    anchors[i] = mean.clone()
+                for r in range(2):
+                    t = tensor(r, kind, i)
+                    t.sub_(snaps[r]).add_(mean)
+                    if kind == "v":
+                        t.clamp_min_(0)
+        hashes.append([[_hash(p) for p in params[r]] for r in range(2)])
+    return [[p.detach() for p in ps] for ps in params], hashes
+
+
+def _streaming(rank, world):
+    import torch.distributed as dist
+
+    topo = Topology(replicate=dist.group.WORLD)
+    out = {}
+    for label, kw in STREAM_CONFIGS:
+        ledger = comm.CommLedger()
+        ps = [t.clone().requires_grad_() for t in _stream_init()]
+        opt = la.LocalAdaptive(ps, topo, lr=1e-2, transfer_dtype=None, ledger=ledger, **kw)
+        calls, hashes, in_sync = [], [], []
+        for n in range(1, STREAM_STEPS + 1):
+            for p, g in zip(ps, _stream_grads(rank, n)):
+                p.grad = g
+            opt.step()
+            calls.append(ledger.end_step().get("R_calls", 0))
+            hashes.append([_hash(p) for p in ps])
+            in_sync.append(opt.replicas_in_sync())
+        out[label] = dict(params=[p.detach().clone() for p in ps], calls=calls, hashes=hashes, in_sync=in_sync,
+                          bytes=ledger.totals["R_sent"], in_flight=len(opt._in_flight),
+                          replica_local=opt.params_replica_local)
+        if label == "diloco/F3/tau2":  # a checkpoint with syncs in flight, resumed on fresh objects
+            saved = copy.deepcopy(opt.state_dict())
+            qs = [p.detach().clone().requires_grad_() for p in ps]
+            opt2 = la.LocalAdaptive(qs, topo, lr=1e-2, transfer_dtype=None, **kw)
+            opt2.load_state_dict(saved)
+            for n in range(STREAM_STEPS + 1, STREAM_STEPS + 8):
+                for p, q, g in zip(ps, qs, _stream_grads(rank, n)):
+                    p.grad, q.grad = g.clone(), g.clone()
+                opt.step()
+                opt2.step()
+            out["resumed_equal"] = all(torch.equal(p, q) for p, q in zip(ps, qs))
+            out["resumed_n"] = opt2._n
+    return out
+
+
+def test_streaming_sync_equals_simulation_bytes_and_checkpoint():
+    res = run_distributed(_streaming, 2)
+    d = sum(math.prod(s) for s in STREAM_SHAPES)
+    for label, kw in STREAM_CONFIGS:
+        want, want_hashes = _simulate_streaming(dict(kw, lr=1e-2))
+        F, tau, K_x = kw["fragments"], kw["sync_delay"], kw["Kx"]
+        frag = la._partition([math.prod(s) for s in STREAM_SHAPES], F)
+        for rank in range(2):
+            got = res[rank][label]
+            for a, b in zip(got["params"], want[rank]):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-13, msg=label)
+            assert got["hashes"] == [h[rank] for h in want_hashes] or tau > 0 or kw.get("outer"), label
+            assert got["in_flight"] == (1 if tau else 0)  # the last step's sync is still on the wire
+            assert got["replica_local"]
+            # one fused collective per step at most; bytes per period as the byte formula says
+            assert max(got["calls"]) == 1, label
+            cfg = la.Config(base=kw["base"], Kx=K_x, Ku=list(kw["periods_u"]), Kv=kw.get("Kv", 0),
+                            beta1=list(kw["betas1"]), omega=list(kw.get("omegas", (1.0,) * len(kw["betas1"]))),
+                            transfer_dtype="native", fragments=F, sync_delay=tau)
+            shards = [ShardShape(str(i), s, s, itemsize=8) for i, s in enumerate(STREAM_SHAPES)]
+            per_step = traffic.local_r_bytes(shards, resolve("LocalAdam", dataclasses.asdict(cfg)), 2).sent
+            assert got["bytes"] == pytest.approx(per_step * STREAM_STEPS), label
+            # replicas_in_sync: only with a single offset and no delay (never here after step 1)
+            assert not any(got["in_sync"]), label
+        if tau == 0:  # right after a fragment's x merges, the replicas agree on it exactly
+            for n in range(1, STREAM_STEPS + 1):
+                for i, f in enumerate(frag):
+                    merged = (n - f * K_x // F) % K_x == 0
+                    same = res[0][label]["hashes"][n - 1][i] == res[1][label]["hashes"][n - 1][i]
+                    assert same == merged, (label, n, i)
+    assert res[0]["resumed_equal"] and res[1]["resumed_equal"] and res[0]["resumed_n"] == STREAM_STEPS + 7
 
 
 # ---- 2x2 HSDP (dp_replicate=2, fsdp=2) == single-process simulation of the two replicas ----------

@@ -19,6 +19,9 @@ CASES = {
     "FlexDeMo": [],
     "DES-LOC": [],
     "Dion": ["--optimizer.lr", "0.02"],
+    # streaming sync with a fragment in flight at the step-4 checkpoint (merged before saving)
+    "DES-LOC streaming": ["--commopt.local.Kx", "4", "--commopt.local.Ku", "4", "--commopt.local.Kv", "4",
+                          "--commopt.local.fragments", "2", "--commopt.local.sync_delay", "1"],
 }
 
 
@@ -29,6 +32,7 @@ def _saved_keys(path):
 
 
 def _resume_pair(tmp_path, name, extra):
+    name = name.split()[0]
     _, first = run_train(tmp_path, 4, *STEPS, "--optimizer.name", name, *extra)
     if name != "AdamW":  # each replica's state records the resolved options it was trained with
         keys = _saved_keys(tmp_path / "out" / "checkpoint" / "step-4")

@@ -52,6 +52,8 @@ __all__ = [
     "reduce_scatter",
     "broadcast",
     "group_rank",
+    "group_size",
+    "group_ranks",
     "record_estimate",
     "nbytes",
     "DTYPES",
@@ -187,6 +189,16 @@ def _active(group: Optional[dist.ProcessGroup]) -> bool:
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:
     """This process's index inside ``group`` (0 in a group of one or ``None``). A query, no traffic."""
     return dist.get_rank(group) if _active(group) else 0
+
+
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    """How many processes ``group`` has (1 for ``None``). A query, no traffic."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_ranks(group: dist.ProcessGroup) -> list[int]:
+    """The global ranks of ``group``'s members, in group order. A query, no traffic."""
+    return dist.get_process_group_ranks(group)
 
 
 def has_avg(group: dist.ProcessGroup) -> bool:

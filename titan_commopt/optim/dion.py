@@ -12,7 +12,7 @@ Per 2-D weight ``X ∈ R^{m×n}`` (``nn.Linear`` layout: m = out features = rows
 Distributed exactly as Algorithm 2 / Theorem 2.1 (the iterates equal the centralized ones):
 
 - R (``dp_replicate``): only P (local rows × r) and R (local columns × r) are averaged, one fused
-  collective each per step for all matrices, instead of the ``m_loc·n_loc`` gradient. P's rows are
+  collective each per step and shape batch (below), instead of the ``m_loc·n_loc`` gradient. P's rows are
   already sharded. R is needed whole on every row shard, so where X's rows are sharded (over
   ``k`` ranks in all) R is reduced hierarchically: a reduce-scatter over the row groups (the sum
   over row shards, fast link) leaves each rank one ``ceil(n_loc/k)``-row slice, only that slice is
@@ -20,10 +20,11 @@ Distributed exactly as Algorithm 2 / Theorem 2.1 (the iterates equal the central
   same sums in another order (Theorem 2.1). Per matrix and rank: ``(m_loc + ceil(n_loc/k))·r``
   elements (fewer on a rank whose slice overhangs n_loc), ``(m + n)·r/k`` when k divides m and n,
   hence below the gradient shard ``m·n/k`` wherever compression pays (up to rounding). Both the
-  reduce-scatter and the all-gather are one fused collective per row group for all matrices. This
+  reduce-scatter and the all-gather are one fused collective per row group for all matrices of a
+  shape batch. This
   "compressed" path is used only where it pays on the global shape,
   ``(m + n)·r < m·n`` (the reference's rule; ``compress = "auto"``); otherwise — always at full rank —
-  the gradient itself is averaged over R (fused with the scalar parameters' gradients) and every
+  the gradient itself is averaged over R (one fused collective for all such matrices) and every
   replica runs the same centralized update. ``traffic.dion_r_bytes`` follows the same rule.
 - S/T (weight sharding, read from each DTensor's placements): a mesh dim that shards dim 0 (FSDP2's
   ``Shard(0)``, also ``_StridedShard(0)`` under TP: the row order never matters) makes P row-local;
@@ -33,8 +34,9 @@ Distributed exactly as Algorithm 2 / Theorem 2.1 (the iterates equal the central
   ill-conditioned even so; ``R = Σ_i B_iᵀ P_i`` is an all-reduce-sum. A mesh dim that shards dim 1 (TP's ``Shard(1)``, row-wise parallel layers)
   makes Q column-sharded: ``P = Σ_j B_j Q_j`` is an all-reduce-sum and the column norms of R are
   summed (r numbers). No rank ever materializes an m×n matrix. Mesh dims named ``tp`` are the T
-  role (``topology.tp``), every other sharding dim is S (``topology.shard``). Each S/T reduction is
-  one fused collective for all matrices sharing the same groups.
+  role (``topology.tp``), every other sharding dim is S (``topology.shard``). Each S/T reduction
+  (Grams, P's column sums, R's column norms) is one fused collective for all matrices sharing the
+  same groups; R's row sums go per shape batch.
 - Q starts identical on every rank: drawn from the full (n, r) shape with a generator seeded by
   (``seed``, FQN), then sliced to the local columns. It is kept as a DTensor (rows sharded like X's
   columns, replicated elsewhere) so DCP checkpoints it correctly.
@@ -43,7 +45,18 @@ Everything that is not a matrix of a transformer block goes to a scalar optimize
 as the paper and microsoft/dion do: embeddings (``tok_embeddings``) and the output head (``output``)
 with weight decay 0 (the head with a smaller lr for Lion: ``1/sqrt(d_in)``), norms, biases and any
 non-2-D tensor with the base weight decay. Their gradients are averaged over R (FSDP2 does not, the
-adapter hides R from it), fused in one collective with the full-gradient matrices.
+adapter hides R from it) in one fused collective.
+
+GPU fitness and overlap. Matrices of the same param group, shape, rank and layout form a shape
+batch, computed stacked: everything r-sized (Grams, Cholesky factors, triangular solves, column
+norms, the new Q) is one kernel per batch, the large products (B Q, Bᵀ P and the two rank-r
+updates) one matmul per matrix written into the batch's stacked buffers. CholeskyQR2 keeps its
+failure flags on the device; one host synchronization per step reads them all (a step where some P
+needs the fallback synchronizes again for it). The R collectives are issued async in the order they
+are needed: the uncompressed matrices' gradients, then each batch's P mean as soon as its P exists
+(running while the next batches compute theirs), each batch's R mean as soon as its Bᵀ P exists
+(running while the next batches compute theirs), and last the scalar gradients' mean (running while
+the matrices are updated). Overlap changes no value: every result is waited for before it is read.
 
 A Dion column whose R is exactly zero after every sum moves nothing (its P column is masked, its
 Q column kept): with B = M + G zero everywhere, X changes by weight decay alone (microsoft/dion's
@@ -58,10 +71,9 @@ import logging
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -73,8 +85,8 @@ from . import kernels
 from .base import CommOptimizer, named_params
 from .common import BaseHParams, NamedParams, local, replica_grad
 from .family import Family, Resolved
-from .orthogonalize import cholesky_qr2, orthogonalize
-from .shard_groups import Groups, buckets as _buckets, sum_over as _sum_over
+from .orthogonalize import cholesky_qr2, orthogonalize, orthonormalize_stacked
+from .shard_groups import Groups, buckets as _buckets, group_key as _group_key, sum_over as _sum_over
 from .traffic import dion_r_bytes
 
 try:  # FSDP2 over TP shards an already row-sharded dim again: a strided row split
@@ -199,7 +211,7 @@ def _group_for(mesh: Any, dim: int, name: str, topology: Topology) -> tuple[str,
     role, candidate = (T, topology.tp) if name == "tp" else (S, topology.shard)
     own = mesh.get_group(dim)
     # Prefer the Topology's group (the roles' single source of truth) when it is the same set of ranks.
-    if candidate is not None and dist.get_process_group_ranks(candidate) == dist.get_process_group_ranks(own):
+    if candidate is not None and comm.group_ranks(candidate) == comm.group_ranks(own):
         return role, candidate
     return role, own
 
@@ -227,8 +239,8 @@ def _layout(fqn: str, p: torch.Tensor, topology: Topology, cfg: Config) -> _Layo
             )
         (lay.rows if dim == 0 else lay.cols).append(_group_for(mesh, i, names[i], topology))
     for _, group in lay.rows:  # mixed radix, first row group most significant (as _reduce_r splits)
-        size = dist.get_world_size(group)
-        lay.row_split = (lay.row_split[0] * size + dist.get_rank(group), lay.row_split[1] * size)
+        size = comm.group_size(group)
+        lay.row_split = (lay.row_split[0] * size + comm.group_rank(group), lay.row_split[1] * size)
     if lay.cols:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -242,7 +254,7 @@ def _layout(fqn: str, p: torch.Tensor, topology: Topology, cfg: Config) -> _Layo
 def _scatter_level(buffers: list[torch.Tensor], role: str, group: Any) -> list[torch.Tensor]:
     """One fused reduce-scatter over ``group`` for all the flat ``buffers``: each keeps this rank's
     1/W block, summed over the group."""
-    w = dist.get_world_size(group)
+    w = comm.group_size(group)
     sizes = [b.numel() // w for b in buffers]
     mine = comm.reduce_scatter(torch.cat([b.view(w, k) for b, k in zip(buffers, sizes)], dim=1), role, group)
     return list(mine.split(sizes))
@@ -257,7 +269,18 @@ def _gather_level(buffers: list[torch.Tensor], role: str, group: Any) -> list[to
 
 
 def _reduce_r(Rs: list[torch.Tensor], lays: list[_Layout], replicate: Any, syncs_r: bool) -> None:
-    """In place: R = Σ_i B_iᵀ P_i over the row groups, then, for compressed matrices, its mean over R.
+    """In place: R = Σ_i B_iᵀ P_i over the row groups, then, for compressed matrices, its mean over R
+    (:func:`_reduce_r_async`, waited for at once)."""
+    _reduce_r_async(Rs, lays, replicate, syncs_r)()
+
+
+def _reduce_r_async(
+    Rs: list[torch.Tensor], lays: list[_Layout], replicate: Any, syncs_r: bool
+) -> Callable[[], None]:
+    """R = Σ_i B_iᵀ P_i over the row groups, then, for compressed matrices, its mean over R; in place,
+    complete once the returned function has run. The row-group collectives run now; the R mean is
+    issued async and waited for by the returned function (then the all-gathers), so the caller can
+    compute meanwhile (Dion overlaps it with the next shape batch's Bᵀ P).
 
     A compressed matrix whose rows are sharded goes hierarchically: a reduce-scatter over each of its
     row groups leaves this rank the ``row_split`` slice of the sum (ceil(n_loc/k) rows, zero-padded),
@@ -287,12 +310,17 @@ def _reduce_r(Rs: list[torch.Tensor], lays: list[_Layout], replicate: Any, syncs
             mine[i] = buf[: r_slice(Rs[i].shape[0], lays[i].row_split)[1] * Rs[i].shape[1]]
     # E_DP[R̂]: whole R of the unsplit compressed matrices, this rank's slice of the others: one collective.
     means = [mine.get(i, Rs[i]) for i, lay in enumerate(lays) if lay.compressed]
-    comm.all_reduce_fused([t for t in means if t.numel()], R, replicate, op="mean")
-    for groups, members, bufs in scattered:
-        for role, group in reversed(groups):
-            bufs = _gather_level(bufs, role, group)
-        for i, buf in zip(members, bufs):
-            Rs[i].copy_(buf[: Rs[i].numel()].view_as(Rs[i]))
+    pending = comm.all_reduce_fused([t for t in means if t.numel()], R, replicate, op="mean", async_op=True)
+
+    def finish() -> None:
+        pending.wait()
+        for groups, members, bufs in scattered:
+            for role, group in reversed(groups):
+                bufs = _gather_level(bufs, role, group)
+            for i, buf in zip(members, bufs):
+                Rs[i].copy_(buf[: Rs[i].numel()].view_as(Rs[i]))
+
+    return finish
 
 
 # Single-matrix forms of the orthogonalization, which tests/test_dion.py reaches for.
@@ -388,7 +416,7 @@ class Dion(CommOptimizer):
         syncs_r = topo.replicate_size > 1
         scalars: list[tuple[torch.Tensor, dict, torch.Tensor]] = []
         matrices: list[tuple[torch.Tensor, dict, _Layout, torch.Tensor]] = []
-        full_sync: list[torch.Tensor] = []
+        full_matrices: list[torch.Tensor] = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -398,18 +426,23 @@ class Dion(CommOptimizer):
                     g = self._replica_grad(p, needs_copy=syncs_r and not lay.compressed)
                     matrices.append((p, group, lay, g))
                     if not lay.compressed:
-                        full_sync.append(g)
+                        full_matrices.append(g)
                 else:
-                    g = self._replica_grad(p, needs_copy=syncs_r)
-                    scalars.append((p, group, g))
-                    full_sync.append(g)
+                    scalars.append((p, group, self._replica_grad(p, needs_copy=syncs_r)))
 
-        # One R collective for every gradient that is averaged whole (scalars, uncompressed matrices).
-        comm.all_reduce_fused(full_sync, R, topo.replicate, op="mean")
+        # R collectives in the order they are needed (one process group runs them in issue order):
+        # the gradients of uncompressed matrices, P and R of each shape batch (inside _dion_update),
+        # then the scalar parameters' gradients, which are only needed at the very end.
+        full = comm.all_reduce_fused(full_matrices, R, topo.replicate, op="mean", async_op=True)
+        scalar_grads = [g for _, _, g in scalars]
+        if matrices:
+            self._dion_update(matrices, full, lambda: comm.all_reduce_fused(
+                scalar_grads, R, topo.replicate, op="mean", async_op=True))
+        else:
+            full.wait()
+            comm.all_reduce_fused(scalar_grads, R, topo.replicate, op="mean")
         for p, group, g in scalars:
             self._scalar_update(p, group, g)
-        if matrices:
-            self._dion_update(matrices)
         return loss
 
     def _scalar_update(self, p: torch.Tensor, group: dict, g: torch.Tensor) -> None:
@@ -423,42 +456,97 @@ class Dion(CommOptimizer):
         kernels.adamw_(x, g, m, local(state["exp_avg_sq"]), lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
                        weight_decay=wd, step=float(state["step"]))
 
-    def _dion_update(self, matrices: list) -> None:
+    def _batches(self, matrices: list) -> list[list[int]]:
+        """Indices of ``matrices`` computed together, stacked: same param group, global shape, rank,
+        R path, placements and shard groups, hence the same local shape on this rank. The key is
+        the same on every rank, so batches (and the collectives issued per batch) agree across
+        ranks; their order is first appearance in parameter order."""
+        found: dict[tuple, list[int]] = {}
+        for i, (p, group, lay, _) in enumerate(matrices):
+            key = (id(group), lay.m, lay.n, lay.r, lay.compressed, _group_key(lay.rows), _group_key(lay.cols),
+                   lay.q_placements, tuple(getattr(p, "placements", ())), tuple(local(p).shape), p.dtype, p.device)
+            found.setdefault(key, []).append(i)
+        # compressed batches first: their P means go on the wire while the others compute
+        return sorted(found.values(), key=lambda ix: not matrices[ix[0]][2].compressed)
+
+    def _dion_update(self, matrices: list, full: "comm.Pending[None]", issue_scalars: Callable[[], Any]) -> None:
+        """The Dion step of every matrix, stacked by shape batch (:meth:`_batches`).
+
+        Per batch the large products (B Q, Bᵀ P and the two rank-r updates) are one matmul per
+        matrix, written into stacked buffers; everything r-sized (P's and R's means, Grams,
+        Cholesky, triangular solves, column norms, the new Q) is one kernel per batch. Overlap:
+        each batch's P mean over R is issued async as soon as its P exists and runs while the next
+        batches compute theirs; likewise each batch's R mean runs while the next batches compute
+        Bᵀ P, and the scalar parameters' gradient mean runs during the final updates. S/T sums
+        stay one fused collective per shard-group bucket over all batches. Host synchronizations:
+        one per step (the orthonormalization's failure flags), more only on a fallback step.
+        ``full``: the in-flight R mean of the uncompressed matrices' gradients (waited for before
+        their B is formed); ``issue_scalars()`` issues the scalar gradients' R mean and returns its
+        pending result.
+        """
         topo = self.topology
-        Bs, Qs, Ps = [], [], []
-        for p, group, lay, g in matrices:
-            state = self.state[p] or self._init_dion_state(p, lay)
-            B = local(state["momentum"])
-            B.add_(g)  # B = M + G, kept in M's storage (M is rebuilt from B below)
-            Q = local(state["Q"])
-            Bs.append(B)
+        syncs_r = topo.replicate_size > 1
+        for p, _, lay, _ in matrices:
+            if not self.state[p]:
+                self._init_dion_state(p, lay)
+        batches = self._batches(matrices)
+        Bs = [local(self.state[p]["momentum"]) for p, _, _, _ in matrices]
+        Q_locals = [local(self.state[p]["Q"]) for p, _, _, _ in matrices]
+        Ps, Qs, p_means = [], [], []
+        for ix in batches:
+            if not matrices[ix[0]][2].compressed:
+                full.wait()  # uncompressed: B = M + E_DP[G]
+            Q = torch.stack([Q_locals[i] for i in ix])
+            P = Q.new_empty(len(ix), Bs[ix[0]].shape[0], Q.shape[-1])
+            for j, i in enumerate(ix):
+                Bs[i].add_(matrices[i][3])  # B = M + G, kept in M's storage (M is rebuilt from B below)
+                torch.mm(Bs[i], Q[j], out=P[j])  # P̂ = B̂ Q: local rows, partial over column shards
+            # E_DP[P̂] (m_loc × r per compressed matrix), one collective per batch, in flight from now.
+            compressed_batch = matrices[ix[0]][2].compressed
+            p_means.append(comm.all_reduce(P, R, topo.replicate, op="mean", async_op=True) if compressed_batch else None)
+            Ps.append(P)
             Qs.append(Q)
-            Ps.append(B @ Q)  # P̂ = B̂ Q: local rows, partial over column shards
-        lays = [lay for _, _, lay, _ in matrices]
-        # E_DP[P̂]: (m_loc × r) per compressed matrix, one collective for all of them.
-        comm.all_reduce_fused([P for P, lay in zip(Ps, lays) if lay.compressed], R, topo.replicate, op="mean")
-        _sum_over(Ps, [lay.cols for lay in lays])  # P = Σ_j B_j Q_j over column shards
-        Ps = orthogonalize(Ps, [lay.rows for lay in lays], self.cfg.orthogonalize)
-        Rs = [B.T @ P for B, P in zip(Bs, Ps)]  # R̂ = B̂ᵀ P: local columns, partial over row shards
-        _reduce_r(Rs, lays, topo.replicate, topo.replicate_size > 1)  # R = E_DP[Σ_i B_iᵀ P_i]
-        sqs = [(Rm * Rm).sum(dim=0) for Rm in Rs]
-        _sum_over(sqs, [lay.cols for lay in lays])  # squared column norms over column shards: r numbers
-        for (p, group, lay, _), B, Q, P, Rm, sq in zip(matrices, Bs, Qs, Ps, Rs, sqs):
+        full.wait()
+        for pending in p_means:
+            if pending is not None:
+                pending.wait()
+        views = [(P[j], matrices[i][2].cols) for ix, P in zip(batches, Ps) for j, i in enumerate(ix)]
+        _sum_over([v for v, _ in views], [c for _, c in views])  # P = Σ_j B_j Q_j over column shards
+        Ps = orthonormalize_stacked(Ps, [matrices[ix[0]][2].rows for ix in batches], self.cfg.orthogonalize)
+        Rs, r_means = [], []
+        for ix, P in zip(batches, Ps):
+            Rm = P.new_empty(len(ix), Bs[ix[0]].shape[1], P.shape[-1])
+            for j, i in enumerate(ix):
+                torch.mm(Bs[i].T, P[j], out=Rm[j])  # R̂ = B̂ᵀ P: local columns, partial over row shards
+            # R = E_DP[Σ_i B_iᵀ P_i]: row sums now, the R mean in flight while the next batch computes.
+            r_means.append(_reduce_r_async(list(Rm.unbind(0)), [matrices[i][2] for i in ix], topo.replicate, syncs_r))
+            Rs.append(Rm)
+        scalar_means = issue_scalars()
+        for finish in r_means:
+            finish()
+        sqs = [(Rm * Rm).sum(dim=1) for Rm in Rs]  # [k, r] squared column norms of R per batch
+        views = [(sq[j], matrices[i][2].cols) for ix, sq in zip(batches, sqs) for j, i in enumerate(ix)]
+        _sum_over([v for v, _ in views], [c for _, c in views])  # over column shards: r numbers per matrix
+        for ix, P, Rm, Q, sq in zip(batches, Ps, Rs, Qs, sqs):
+            _, group, lay, _ = matrices[ix[0]]
             lr, wd, mu = group["lr"], group["weight_decay"], group["mu"]
+            norm = sq.sqrt().unsqueeze(1)
             # A column whose R is exactly zero (every column, when B = M + G is zero on every replica
             # and shard: then P = 0 and "orthogonalizing" it only invents directions) carries nothing:
             # masked out of the error feedback and the update, its Q column kept. Decided from the
             # column norms after every R/S/T sum, so all ranks agree, on the device (no host sync).
             # An all-zero B therefore leaves X to weight decay alone, as microsoft/dion does.
-            live = sq > 0
+            live = norm > 0
             P = torch.where(live, P, 0.0)
             Rm = torch.where(live, Rm, 0.0)
-            B.addmm_(P, Rm.T, alpha=-(1 - mu))  # M = B − (1−μ) P Rᵀ (error feedback)
-            norm = sq.sqrt()
             # Q = colnorm(R); a column with R = 0 keeps its old direction instead of dying at 0.
-            Q.copy_(torch.where(live, Rm / (norm + self.cfg.colnorm_eps), Q))
-            x = kernels.decoupled_decay_(local(p), lr, wd)
-            x.addmm_(P, Q.T, alpha=-lr * math.sqrt(lay.m / lay.n))  # X −= η sqrt(m/n) P Qᵀ
+            Q = torch.where(live, Rm / (norm + self.cfg.colnorm_eps), Q)
+            torch._foreach_copy_([Q_locals[i] for i in ix], list(Q.unbind(0)))
+            for j, i in enumerate(ix):  # one matrix at a time: its B and X stay in cache
+                Bs[i].addmm_(P[j], Rm[j].T, alpha=-(1 - mu))  # M = B − (1−μ) P Rᵀ (error feedback)
+                x = kernels.decoupled_decay_(local(matrices[i][0]), lr, wd)
+                x.addmm_(P[j], Q[j].T, alpha=-lr * math.sqrt(lay.m / lay.n))  # X −= η sqrt(m/n) P Qᵀ
+        scalar_means.wait()
 
 
 # ---- the family ----------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from torch import Tensor
 __all__ = [
     "decoupled_decay_", "descend_", "ema_", "ema_sq_", "heavy_ball_", "quasi_hyperbolic",
     "adam_denominator", "adamw_", "qh_adamw_", "adam_direction_", "lion_", "sgdm_", "adopt_",
+    "adamw_multi_", "qh_adamw_multi_", "sgdm_multi_", "adopt_multi_",
 ]
 
 
@@ -167,3 +168,110 @@ def adopt_(
         ema_(u, gn, b)  # u_j ← β1_j·u_j + (1−β1_j)·ĝ
     descend_(x, quasi_hyperbolic(gn, moments, omegas), lr, weight_decay)
     ema_sq_(v, g, beta2)  # v last: ADOPT's order, which is what lets it converge for any β2
+
+
+# ---- multi-tensor forms --------------------------------------------------------------------------
+# The same operations in the same order as the single-tensor kernels above, each one ``torch._foreach_*``
+# call over lists of tensors (one launch per operation for a whole list on a GPU instead of one per
+# tensor, no Python loop over the tensors). Bit for bit the single-tensor results on the CPU (where
+# the foreach ops run the single-tensor kernels); the same formulas on a GPU. Temporaries exist for
+# the whole list at once: callers bound the list's size. ``moments`` is indexed [j][i]: momentum j
+# of tensor i.
+Tensors = Sequence[Tensor]
+
+
+def _decay_multi_(xs: Tensors, lr: float, weight_decay: float) -> None:
+    if weight_decay != 0:
+        torch._foreach_mul_(xs, 1 - lr * weight_decay)
+
+
+def _denominator_multi(vs: Tensors, beta2: float, step: float, eps: float, bias_correction: bool) -> list[Tensor]:
+    denom = torch._foreach_sqrt(vs)
+    torch._foreach_div_(denom, _correction(beta2, step, bias_correction) ** 0.5)
+    torch._foreach_add_(denom, eps)
+    return denom
+
+
+def adamw_multi_(
+    xs: Tensors, gs: Tensors, ms: Tensors, vs: Tensors, *, lr: float, beta1: float, beta2: float, eps: float,
+    weight_decay: float, step: float, bias_correction: bool = True,
+) -> None:
+    """:func:`adamw_` over lists."""
+    _decay_multi_(xs, lr, weight_decay)
+    torch._foreach_lerp_(ms, gs, 1 - beta1)
+    torch._foreach_mul_(vs, beta2)
+    torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
+    denom = _denominator_multi(vs, beta2, step, eps, bias_correction)
+    torch._foreach_addcdiv_(xs, ms, denom, value=-lr / _correction(beta1, step, bias_correction))
+
+
+def _quasi_hyperbolic_multi(
+    gs: Tensors, moments: Sequence[Tensors], omegas: Sequence[float], corrections: Optional[Sequence[float]] = None,
+    *, inplace: bool = False,
+) -> list[Tensor]:
+    """:func:`quasi_hyperbolic` over lists (written into ``gs`` when ``inplace``)."""
+    if inplace:
+        torch._foreach_mul_(gs, 1 - sum(omegas))
+        out = list(gs)
+    else:
+        out = torch._foreach_mul(gs, 1 - sum(omegas))
+    for j, (us, w) in enumerate(zip(moments, omegas)):
+        torch._foreach_add_(out, us, alpha=w if corrections is None else w / corrections[j])
+    return out
+
+
+def qh_adamw_multi_(
+    xs: Tensors, gs: Tensors, moments: Sequence[Tensors], vs: Tensors, *, lr: float, betas1: Sequence[float],
+    omegas: Sequence[float], beta2: float, eps: float, weight_decay: float, step: float,
+    bias_correction: bool = True,
+) -> None:
+    """:func:`qh_adamw_` over lists."""
+    if len(moments) == 1 and omegas[0] == 1.0:
+        adamw_multi_(xs, gs, moments[0], vs, lr=lr, beta1=betas1[0], beta2=beta2, eps=eps,
+                     weight_decay=weight_decay, step=step, bias_correction=bias_correction)
+        return
+    _decay_multi_(xs, lr, weight_decay)
+    for us, b in zip(moments, betas1):
+        torch._foreach_lerp_(us, gs, 1 - b)
+    torch._foreach_mul_(vs, beta2)
+    torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
+    denom = _denominator_multi(vs, beta2, step, eps, bias_correction)
+    corrections = [_correction(b, step, bias_correction) for b in betas1]
+    torch._foreach_addcdiv_(xs, _quasi_hyperbolic_multi(gs, moments, omegas, corrections), denom, value=-lr)
+
+
+def sgdm_multi_(
+    xs: Tensors, gs: Tensors, moments: Sequence[Tensors], *, lr: float, betas1: Sequence[float],
+    omegas: Sequence[float], weight_decay: float,
+) -> None:
+    """:func:`sgdm_` over lists."""
+    for us, b in zip(moments, betas1):
+        torch._foreach_lerp_(us, gs, 1 - b)
+    update = _quasi_hyperbolic_multi(gs, moments, omegas)
+    _decay_multi_(xs, lr, weight_decay)
+    torch._foreach_add_(xs, update, alpha=-lr)
+
+
+def adopt_multi_(
+    xs: Tensors, gs: Tensors, moments: Sequence[Tensors], vs: Tensors, *, lr: float, betas1: Sequence[float],
+    omegas: Sequence[float], beta2: float, eps: float, weight_decay: float, step: int, clip: bool = True,
+) -> None:
+    """:func:`adopt_` over lists (the normalized gradient's buffer is reused for the update)."""
+    if step == 1:
+        torch._foreach_addcmul_(vs, gs, gs)
+        return
+    denom = torch._foreach_sqrt(vs)
+    torch._foreach_clamp_min_(denom, eps)
+    gn = torch._foreach_div(gs, denom)  # ĝ = g / max(√v_{t−1}, ε)
+    del denom
+    if clip:
+        c = (step - 1) ** 0.25
+        torch._foreach_clamp_min_(gn, -c)
+        torch._foreach_clamp_max_(gn, c)
+    for us, b in zip(moments, betas1):
+        torch._foreach_lerp_(us, gn, 1 - b)
+    update = _quasi_hyperbolic_multi(gn, moments, omegas, inplace=True)
+    _decay_multi_(xs, lr, weight_decay)
+    torch._foreach_add_(xs, update, alpha=-lr)
+    torch._foreach_mul_(vs, beta2)
+    torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)

@@ -12,6 +12,11 @@ A row-distributed ``P`` (m×r) is held as row blocks ``P_i`` on the ranks of its
   Used for ``method = "qr"``, and wherever CholeskyQR2 gives up (on every rank alike: the Grams
   are identical after the all-reduce).
 
+GPU fitness: same-shape P's are stacked and orthonormalized together (batched Gram, Cholesky and
+triangular solve: a handful of kernels per shape, not per matrix), whether a P failed is kept on the
+device as a flag, and the flags of all P's are read with ONE host synchronization per call; only a
+call where some P failed synchronizes again for its fallback.
+
 The result equals the Q factor of P up to column signs, which Dion's update ``P Qᵀ`` with
 ``Q = colnorm(Bᵀ P)`` does not see.
 """
@@ -25,7 +30,7 @@ from titan_commopt import comm
 
 from .shard_groups import Groups, sum_over
 
-__all__ = ["newton_schulz", "orthogonalize", "cholesky_qr2", "gathered_qr"]
+__all__ = ["newton_schulz", "orthogonalize", "orthonormalize_stacked", "cholesky_qr2", "gathered_qr"]
 
 
 def newton_schulz(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -45,27 +50,76 @@ def newton_schulz(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return (X * max(1.0, rows / cols) ** 0.5).reshape(x.shape)  # Muon's shape scale
 
 
-def _cqr2(Ps: list[torch.Tensor], rows: list[Groups], dtype: torch.dtype) -> list[Optional[torch.Tensor]]:
-    """CholeskyQR2 of every P in ``dtype``, the Grams of each pass summed in one fused collective per
-    group bucket; None where a Cholesky fails or P is too ill-conditioned for ``dtype``."""
-    out: list[Optional[torch.Tensor]] = [P.to(dtype) for P in Ps]
+def _batches(Ps: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``Ps`` with the same (local) shape, dtype and device, in first-appearance order:
+    one stacked computation each. Only the compute is batched this way; collectives run in index
+    order (see :func:`_cqr2`), so a batch that differs between ranks (uneven shards) is harmless."""
+    found: dict[tuple, list[int]] = {}
+    for i, P in enumerate(Ps):
+        found.setdefault((tuple(P.shape), P.dtype, P.device), []).append(i)
+    return list(found.values())
+
+
+def _cqr2(
+    stacks: Sequence[torch.Tensor], index: Sequence[Sequence[int]], rows: Sequence[Groups], dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Batched CholeskyQR2 in ``dtype`` of the stacked P's ``stacks[s]`` (``[k, m, r]``; entry ``j``
+    is matrix ``index[s][j]``, whose row groups are ``rows[index[s][j]]``). No host synchronization:
+    returns the orthonormalized stacks and, per stack, a ``[k]`` boolean tensor that is true where
+    the result is not to be used (a Cholesky failed, or P is too ill-conditioned for ``dtype``).
+
+    The Grams of each pass are all-reduce-summed over the row groups in one fused collective per
+    group bucket, in matrix-index order (``sum_over``): the same on every rank whatever the batches.
+    A failed entry goes on with L = I (finite junk, discarded), so nothing branches on it.
+    """
     limit = 0.1 / math.sqrt(torch.finfo(dtype).eps)  # CholeskyQR2 is accurate for cond(P) ≲ u^(-1/2)
-    todo = list(range(len(Ps)))
+    n = sum(len(ix) for ix in index)
+    outs = [P.to(dtype) for P in stacks]
+    fails: list[torch.Tensor] = []
     for first in (True, False):
-        grams = [out[i].T @ out[i] for i in todo]  # type: ignore[union-attr]
-        sum_over(grams, [rows[i] for i in todo])  # r×r per matrix over the row shards
-        keep = []
-        for i, gram in zip(todo, grams):
+        grams = [P.mT @ P for P in outs]  # [k, r, r] per stack
+        views: list[Optional[torch.Tensor]] = [None] * n
+        for gram, ix in zip(grams, index):
+            for j, i in enumerate(ix):
+                views[i] = gram[j]
+        sum_over(views, rows)  # type: ignore[arg-type]  # r×r per matrix over the row shards, in place
+        for s, gram in enumerate(grams):
             L, info = torch.linalg.cholesky_ex(gram)
-            d = L.diagonal()
-            # diag(L)'s spread is a lower bound of cond(P): a cheap, rank-consistent test.
-            if int(info) != 0 or (first and not bool(d.min() * limit > d.max())):
-                out[i] = None
-                continue
-            out[i] = torch.linalg.solve_triangular(L.T, out[i], upper=True, left=False)  # P L⁻ᵀ
-            keep.append(i)
-        todo = keep
-    return [None if o is None else o.to(P.dtype) for o, P in zip(out, Ps)]
+            bad = info != 0
+            if first:
+                d = L.diagonal(dim1=-2, dim2=-1)
+                # diag(L)'s spread is a lower bound of cond(P): a cheap, rank-consistent test
+                # (written so that a NaN fails it).
+                bad = bad | ~(d.amin(-1) * limit > d.amax(-1))
+                fails.append(bad)
+            else:
+                fails[s] = fails[s] | bad
+            eye = torch.eye(L.shape[-1], dtype=L.dtype, device=L.device)
+            L = torch.where(bad[:, None, None], eye, L)
+            outs[s] = torch.linalg.solve_triangular(L.mT, outs[s], upper=True, left=False)  # P L⁻ᵀ
+    return outs, fails
+
+
+def _split(values: list, sizes: Sequence[int]) -> list[list]:
+    out, start = [], 0
+    for k in sizes:
+        out.append(values[start : start + k])
+        start += k
+    return out
+
+
+def _cqr2_list(Ps: Sequence[torch.Tensor], rows: Sequence[Groups], dtype: torch.dtype) -> list[Optional[torch.Tensor]]:
+    """CholeskyQR2 in ``dtype`` of a list of P's, stacked by shape; None where it failed. One host
+    synchronization (reading the failure flags of all of them)."""
+    index = _batches(Ps)
+    results, fails = _cqr2([torch.stack([Ps[i] for i in ix]) for ix in index], index, rows, dtype)
+    out: list[Optional[torch.Tensor]] = [None] * len(Ps)
+    flags = _split(torch.cat(fails).tolist(), [len(ix) for ix in index])  # the host synchronization
+    for ix, res, fl in zip(index, results, flags):
+        for j, (i, f) in enumerate(zip(ix, fl)):
+            if not f:
+                out[i] = res[j].to(Ps[i].dtype)
+    return out
 
 
 def cholesky_qr2(Ps: Sequence[torch.Tensor], rows: Sequence[Groups]) -> list[Optional[torch.Tensor]]:
@@ -73,18 +127,69 @@ def cholesky_qr2(Ps: Sequence[torch.Tensor], rows: Sequence[Groups]) -> list[Opt
 
     First in P's own dtype (float32 at least); the ones too ill-conditioned for it are retried in
     float64 (the Gram squares cond(P)). An entry is None where even that fails — on every rank
-    alike, since the Gram is identical on all ranks after the all-reduce.
+    alike, since the Gram is identical on all ranks after the all-reduce. Same-shape P's are
+    computed stacked (batched Gram, Cholesky and triangular solve); one host synchronization reads
+    the outcome of all of them (one more for a float64 retry).
     """
     Ps, rows = list(Ps), list(rows)
     if not Ps:
         return []
     dtype = torch.promote_types(Ps[0].dtype, torch.float32)  # no Cholesky in bf16/fp16
-    out = _cqr2(Ps, rows, dtype)
+    out = _cqr2_list(Ps, rows, dtype)
     retry = [i for i, o in enumerate(out) if o is None]
     if retry and dtype != torch.float64:
-        for i, o in zip(retry, _cqr2([Ps[i] for i in retry], [rows[i] for i in retry], torch.float64)):
+        for i, o in zip(retry, _cqr2_list([Ps[i] for i in retry], [rows[i] for i in retry], torch.float64)):
             out[i] = o
     return out
+
+
+def _orthonormal_stacks(
+    stacks: Sequence[torch.Tensor], index: Sequence[Sequence[int]], rows: Sequence[Groups], method: str
+) -> list[torch.Tensor]:
+    """Orthonormalize stacked P's (``index``/``rows`` as for :func:`_cqr2`), P's dtype out.
+
+    ``cholesky_qr``: CholeskyQR2 in P's dtype (float32 at least) for all of them, then ONE host
+    synchronization reads which entries failed. Only where some did (rare) they are retried in
+    float64 and, where that fails too, replaced by the QR of the gathered rows; both steps
+    synchronize again, on every rank alike (the flags come from the all-reduced Grams)."""
+    where = {i: (s, j) for s, ix in enumerate(index) for j, i in enumerate(ix)}
+    if method != "cholesky_qr":
+        outs = [torch.empty_like(P) for P in stacks]
+        for i in sorted(where):
+            s, j = where[i]
+            outs[s][j] = gathered_qr(stacks[s][j], rows[i])
+        return outs
+    if not stacks:
+        return []
+    dtype = torch.promote_types(stacks[0].dtype, torch.float32)  # no Cholesky in bf16/fp16
+    outs, fails = _cqr2(stacks, index, rows, dtype)
+    flags = _split(torch.cat(fails).tolist(), [len(ix) for ix in index])  # the one host synchronization
+    failed = sorted(i for ix, fl in zip(index, flags) for i, f in zip(ix, fl) if f)
+    outs = [o.to(P.dtype) for o, P in zip(outs, stacks)]
+    if failed:
+        Ps = [stacks[where[i][0]][where[i][1]] for i in failed]
+        retry: list[Optional[torch.Tensor]] = [None] * len(failed)
+        if dtype != torch.float64:
+            retry = _cqr2_list(Ps, [rows[i] for i in failed], torch.float64)
+        for i, P, o in zip(failed, Ps, retry):
+            s, j = where[i]
+            outs[s][j] = o if o is not None else gathered_qr(P, rows[i])
+    return outs
+
+
+def orthonormalize_stacked(
+    stacks: Sequence[torch.Tensor], rows: Sequence[Groups], method: str = "cholesky_qr"
+) -> list[torch.Tensor]:
+    """Orthonormal columns for every entry of stacked, row-distributed P's (``[k, m, r]`` each; all
+    entries of stack ``s`` share the row groups ``rows[s]``; every rank passes the same stacks in
+    the same order). New stacks, P's layout and dtype. ``cholesky_qr`` synchronizes with the host
+    once (the failure flags of all entries), more only where some P needs the fallback."""
+    index, start = [], 0
+    for P in stacks:
+        index.append(list(range(start, start + P.shape[0])))
+        start += P.shape[0]
+    per_matrix = [g for P, g in zip(stacks, rows) for _ in range(P.shape[0])]
+    return _orthonormal_stacks(stacks, index, per_matrix, method)
 
 
 def _gather_rows(P: torch.Tensor, rows: Groups) -> tuple[torch.Tensor, int]:
@@ -115,6 +220,14 @@ def orthogonalize(
     """Orthonormal columns spanning each row-distributed P (new tensors, P's layout and dtype).
 
     ``method``: ``"cholesky_qr"`` (CholeskyQR2, QR where it gives up) or ``"qr"`` (QR always).
+    Same-shape P's are computed stacked; see :func:`orthonormalize_stacked` for the host
+    synchronizations.
     """
-    out = cholesky_qr2(Ps, rows) if method == "cholesky_qr" else [None] * len(Ps)
-    return [o if o is not None else gathered_qr(P, r) for o, P, r in zip(out, Ps, rows)]
+    Ps, rows = list(Ps), list(rows)
+    index = _batches(Ps)
+    outs = _orthonormal_stacks([torch.stack([Ps[i] for i in ix]) for ix in index], index, rows, method)
+    result: list[Optional[torch.Tensor]] = [None] * len(Ps)
+    for ix, out in zip(index, outs):
+        for j, i in enumerate(ix):
+            result[i] = out[j]
+    return result  # type: ignore[return-value]

@@ -12,13 +12,15 @@ import torch
 
 from titan_commopt import comm
 
-__all__ = ["Groups", "buckets", "sum_over"]
+__all__ = ["Groups", "buckets", "group_key", "sum_over"]
 
 Groups = list[tuple[str, Any]]  # (role, process group) pairs to reduce over, in mesh-dim order
 
 
-def _key(groups: Groups) -> tuple:
+def group_key(groups: Groups) -> tuple:
+    """A hashable identity of ``groups`` (the same process groups in the same order, same key)."""
     return tuple((role, id(group)) for role, group in groups)
+
 
 
 def buckets(groups_of: Sequence[Groups]) -> list[tuple[Groups, list[int]]]:
@@ -28,7 +30,7 @@ def buckets(groups_of: Sequence[Groups]) -> list[tuple[Groups, list[int]]]:
     found: dict[tuple, tuple[Groups, list[int]]] = {}
     for i, groups in enumerate(groups_of):
         if groups:
-            found.setdefault(_key(groups), (groups, []))[1].append(i)
+            found.setdefault(group_key(groups), (groups, []))[1].append(i)
     return list(found.values())
 
 
