@@ -25,6 +25,7 @@ from titan_commopt.optim.common import BaseHParams
 from titan_commopt.options import ConfigError
 from titan_commopt.topology import Topology
 from tests.dist_utils import run_distributed
+from tests.sim_utils import nesterov_outer_step_
 
 F64 = torch.float64
 
@@ -524,14 +525,7 @@ def _simulate(cfg):
             if step % cfg["Kx"] == 0:
                 avg(lambda o, m: [p.data for p in m.parameters()])
                 if cfg.get("outer") == "nesterov":
-                    mu, olr = cfg["outer_momentum"], cfg["outer_lr"]
-                    for i, mean in enumerate(list(models[0].parameters())):
-                        delta = anchors[i] - mean
-                        bufs[i] = mu * bufs[i] + delta
-                        new = anchors[i] - olr * (delta + mu * bufs[i])
-                        anchors[i] = new.clone()
-                        for m in models:
-                            list(m.parameters())[i].data.copy_(new)
+                    nesterov_outer_step_(models, anchors, bufs, cfg["outer_momentum"], cfg["outer_lr"])
     return [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]
 
 

@@ -38,6 +38,7 @@ from titan_commopt.optim import local_adaptive as la
 from titan_commopt.optim.common import BaseHParams
 from titan_commopt.topology import Topology
 from tests.dist_utils import run_distributed
+from tests.sim_utils import nesterov_outer_step_
 from tests.test_demo import _aggregate, _extract, _phi
 
 F64 = torch.float64
@@ -268,14 +269,7 @@ def simulate_local(case):
             if step % o0.Kx == 0:
                 avg(lambda o, m: [p.data for p in m.parameters()])
                 if cfg.outer == "nesterov":
-                    mu, olr = cfg.outer_momentum, cfg.outer_lr
-                    for i, mean in enumerate(list(models[0].parameters())):
-                        delta = anchors[i] - mean
-                        bufs[i] = mu * bufs[i] + delta
-                        new = anchors[i] - olr * (delta + mu * bufs[i])
-                        anchors[i] = new.clone()
-                        for m in models:
-                            list(m.parameters())[i].data.copy_(new)
+                    nesterov_outer_step_(models, anchors, bufs, cfg.outer_momentum, cfg.outer_lr)
     return [{n: p.detach() for n, p in m.named_parameters()} for m in models], min(norms)
 
 
