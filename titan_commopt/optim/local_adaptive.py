@@ -511,7 +511,7 @@ class LocalAdaptive(CommOptimizer):
         """min(1, ρ/‖g‖) with ‖g‖ the replica's whole-model gradient norm (shards summed over S, T),
         as a 0-dim float64 tensor on the gradients' device: no host synchronization. Each tensor's
         norm is taken in its own precision (float32 at least), their squares summed in float64."""
-        device = grads[0].device if grads else torch.device("cpu")
+        device = grads[0].device if grads else comm.control_device(self.topology.shard)
         sq = torch.zeros((), dtype=torch.float64, device=device)  # on the grads' device (NCCL)
         groups: dict[tuple, list[torch.Tensor]] = {}
         for g, p in zip(grads, params):

@@ -112,7 +112,7 @@ def container_cls() -> type:
             which torchtitan logs as ``grad_norm``. Also decides this step's non-finite skip."""
             params = [p for p in parameters if p.grad is not None]
             grads = [p.grad for p in params]
-            device = local(grads[0]).device if grads else torch.device("cpu")
+            device = local(grads[0]).device if grads else comm.control_device()  # NCCL: no CPU tensors
             # This replica's ‖p.grad‖ over its S/T shards (DTensor reduces them, as torchtitan's clip).
             norm = torch.zeros((), device=device)
             if grads:
