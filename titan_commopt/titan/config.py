@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Optional
 
 from titan_commopt.optim import FAMILIES
-from titan_commopt.options import option
+from titan_commopt.options import ConfigError, option
 
 
 @dataclass
@@ -103,20 +103,37 @@ def config_file_of(argv: list[str]) -> Optional[str]:
     return None
 
 
-def read_toml(path: Optional[str]) -> dict:
-    if not path:
+def read_config_file(path: Optional[str]) -> dict:
+    """The TOML named by ``--job.config_file`` (``{}`` when none is named), or one line saying why not."""
+    if path is None:
         return {}
+    import os
+
     import tomli
 
-    with open(path, "rb") as handle:
-        return tomli.load(handle)
+    where = f"[job] config_file = {path!r}"
+    if not path:
+        raise ConfigError(f"{where}: allowed is the path of a TOML file")
+    if not os.path.exists(path):
+        raise ConfigError(f"{where}: no such file")
+    if os.path.isdir(path):
+        raise ConfigError(f"{where}: is a directory, not a TOML file")
+    try:
+        with open(path, "rb") as handle:
+            return tomli.load(handle)
+    except tomli.TOMLDecodeError as error:
+        raise ConfigError(f"{where}: not valid TOML ({error})") from error
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{where}: not valid TOML (not UTF-8 text: {error.reason})") from error
+    except OSError as error:
+        raise ConfigError(f"{where}: cannot be read ({error.strerror or error})") from error
 
 
 def user_set_keys(argv: list[str], toml: Optional[dict] = None) -> dict[str, set[str]]:
     """``{family: keys}`` the user set in ``[commopt.<family>]`` of the TOML or with
     ``--commopt.<family>.<key>`` (also ``--commopt.<family>.no-<key>`` / ``no_<key>`` for a false
     boolean, dashes for underscores). A preset fills every other key."""
-    toml = read_toml(config_file_of(argv)) if toml is None else toml
+    toml = read_config_file(config_file_of(argv)) if toml is None else toml
     tables = toml.get("commopt", {})
     out = {family: set(tables.get(family, {})) for family in FAMILIES}
     for arg in argv:

@@ -34,7 +34,7 @@ from typing import Any, Literal, Mapping, Optional, Union
 
 from titan_commopt.options import ConfigError
 
-from .config import config_file_of
+from .config import config_file_of, read_config_file
 
 __all__ = [
     "CONFIG_MODULE", "CUSTOM_IMPORT", "parse_job", "plugin_args", "read_config_file", "normalize_argv",
@@ -46,33 +46,6 @@ CUSTOM_IMPORT = "titan_commopt.titan"
 OWN_SECTION = "commopt"  # validated by titan_commopt.options (bounds, choices, cross-field rules)
 
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
-
-
-# ---- the config file -----------------------------------------------------------------------------
-def read_config_file(path: Optional[str]) -> dict:
-    """The TOML named by ``--job.config_file`` (``{}`` when none is named), or one line saying why not."""
-    if path is None:
-        return {}
-    import os
-
-    import tomli
-
-    where = f"[job] config_file = {path!r}"
-    if not path:
-        raise ConfigError(f"{where}: allowed is the path of a TOML file")
-    if not os.path.exists(path):
-        raise ConfigError(f"{where}: no such file")
-    if os.path.isdir(path):
-        raise ConfigError(f"{where}: is a directory, not a TOML file")
-    try:
-        with open(path, "rb") as handle:
-            return tomli.load(handle)
-    except tomli.TOMLDecodeError as error:
-        raise ConfigError(f"{where}: not valid TOML ({error})") from error
-    except UnicodeDecodeError as error:
-        raise ConfigError(f"{where}: not valid TOML (not UTF-8 text: {error.reason})") from error
-    except OSError as error:
-        raise ConfigError(f"{where}: cannot be read ({error.strerror or error})") from error
 
 
 def _has_flag(argv: list[str], names: tuple[str, ...]) -> bool:
