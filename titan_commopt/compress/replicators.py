@@ -33,7 +33,7 @@ import torch
 from .dct import Chunker, accumulate_chunks_, scatter_chunks, topk_per_chunk
 from .packing import WIRE_DTYPES, IndexCodec, ValueCodec
 
-__all__ = ["KINDS", "Replicator", "DeMoReplicator", "RandomReplicator", "StridingReplicator",
+__all__ = ["KINDS", "period_of", "Replicator", "DeMoReplicator", "RandomReplicator", "StridingReplicator",
            "DiLoCoReplicator", "FullReplicator", "make_replicator", "rate_of"]
 
 KINDS = ("demo", "random", "striding", "diloco", "full")
@@ -44,6 +44,11 @@ Payload = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
 def rate_of(cfg) -> float:
     """Fraction of entries sent: ``compression_rate``, or DeMo's ``k / s²`` when that is 0."""
     return cfg.compression_rate if cfg.compression_rate > 0 else min(1.0, cfg.topk / cfg.chunk**2)
+
+
+def period_of(cfg) -> int:
+    """Steps per cycle of the striding and diloco replicators: ``round(1 / rate)``, at least 1."""
+    return max(1, round(1 / rate_of(cfg)))
 
 
 class Replicator:
@@ -282,7 +287,7 @@ def make_replicator(cfg, shape, name: str, device=None) -> Replicator:
     """The replicator ``cfg.replicator`` (``[commopt.demo]`` options) for a local shard of ``shape``
     of the parameter ``name``; ``device`` is where DeMo keeps its DCT bases."""
     codec = ValueCodec(cfg.sign_before_sync, WIRE_DTYPES[cfg.transfer_dtype], cfg.pack)
-    period = max(1, round(1 / rate_of(cfg)))
+    period = period_of(cfg)
     kind = cfg.replicator
     if kind == "demo":
         return DeMoReplicator(shape, codec, cfg.chunk, cfg.topk, cfg.pack,

@@ -58,7 +58,7 @@ from torch import nn
 
 from titan_commopt import comm
 from titan_commopt.compress.dct import Chunker
-from titan_commopt.compress.replicators import KINDS, DeMoReplicator, Replicator, make_replicator, rate_of
+from titan_commopt.compress.replicators import KINDS, DeMoReplicator, Replicator, make_replicator, period_of
 from titan_commopt.options import ConfigError, option
 from titan_commopt.topology import R, Topology
 
@@ -165,7 +165,7 @@ class DeMo(CommOptimizer):
         """The diloco replicator sends every ``period`` steps; every other replicator every step."""
         if self.cfg.replicator != "diloco" or self.topology.replicate_size == 1:
             return None
-        period = max(1, round(1 / rate_of(self.cfg)))  # as make_replicator
+        period = period_of(self.cfg)
         if period == 1:
             return None
         t = max(self._steps.values(), default=0)  # Python ints: no host read of a tensor
