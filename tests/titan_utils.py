@@ -18,6 +18,7 @@ def run_train(tmp_path, nproc: int, *overrides: str, timeout: int = 600, check: 
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
         *([] if all_ranks else ["--local-ranks-filter", "0"]), "--role", "rank", "--tee", "3",
+        "--log-dir", str(Path(tmp_path) / "rank_logs"),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
         "-m", "titan_commopt.train", "--job.config_file", str(CONFIG),
         "--job.dump_folder", str(dump), "--metrics.log_freq", "1", "--metrics.disable_color_printing",
@@ -26,8 +27,21 @@ def run_train(tmp_path, nproc: int, *overrides: str, timeout: int = 600, check: 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"training failed (rc={proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"training failed (rc={proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+            + ("" if all_ranks else other_ranks_stderr(Path(tmp_path) / "rank_logs"))
+        )
     return proc, read_scalars(dump)
+
+
+def other_ranks_stderr(log_dir: Path, chars: int = 3000) -> str:
+    """The end of every rank's but rank 0's stderr (torchrun's ``--log-dir`` files): the console
+    shows rank 0 alone, and a failure on another rank is otherwise invisible."""
+    out = []
+    for path in sorted(log_dir.glob("**/stderr.log")):
+        if path.parent.name != "0":
+            out.append(f"\n--- {path.relative_to(log_dir)} ---\n{path.read_text(errors='replace')[-chars:]}")
+    return "".join(out)
 
 
 def read_scalars(dump: Path) -> dict:

@@ -132,6 +132,18 @@ def run_torchtitan(job_config: Any) -> None:
             commopt_config.set_current(job_config)
             super().__init__(job_config)
 
+        def train(self) -> None:
+            super().train()
+            # torchtitan's rank 0 sleeps 2 s here "for other ranks to complete" while the others
+            # go on to tear their process groups down; a gloo rank has been seen to abort
+            # (SIGABRT) during that teardown, once in a few hundred runs under load. All ranks
+            # leave training together instead (only on success: after an error a peer may never
+            # arrive).
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.barrier()
+
     class ParsedConfig(torchtitan_train.ConfigManager):
         """What ``torchtitan.train.main`` parses: the config already parsed and checked."""
 
