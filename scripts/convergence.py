@@ -1,19 +1,32 @@
 """Loss vs step and vs R bytes for AdamW-HSDP and every registered optimizer, same model, data,
-steps and seed, on 4 CPU processes (|R| = 2 replicas x |S| = 2 FSDP shards).
+steps and seeds, on 4 CPU processes (|R| = 2 replicas x |S| = 2 FSDP shards), with a learning-rate
+sweep and several seeds: the quality study behind each preset's recommended learning rate.
 
-    .venv/bin/python scripts/convergence.py --out docs/img --steps 300
-    .venv/bin/python scripts/convergence.py --steps 4 --flavor cpu_tiny --optimizers AdamW DeMo
+    # the shipped defaults (each preset's recommended lr) on the study corpus, one seed
+    .venv/bin/python scripts/convergence.py --steps 300 --optimizers AdamW FlexDeMo DES-LOC Dion
+    # a sweep: each optimizer at 1/3, 1 and 3 x its lr, then a second seed at the best one
+    .venv/bin/python scripts/convergence.py --steps 500 --lr-grid 0.333 1 3 --out /tmp/study
+    .venv/bin/python scripts/convergence.py --steps 500 --best-of /tmp/study --seeds 43 --out /tmp/study
+    .venv/bin/python scripts/convergence.py --steps 4 --flavor cpu_tiny --optimizers AdamW DeMo   # smoke
 
-Each run is ``titan_commopt.train`` with ``train_configs/debug_cpu.toml`` (cpu_small, the bundled
-corpus, seed 42), ``--optimizer.name`` changed and nothing else; family options via ``--set``, another seed via
-``--seed`` (a second seed of the same optimizer measures the run-to-run noise).
+Each run is ``titan_commopt.train`` with ``train_configs/debug_cpu.toml``, ``--training.dataset``
+(default ``commopt_world``: the bundled corpus whose loss still falls after 500 steps; the
+quickstart's ``commopt_tiny`` flattens early), ``--optimizer.name`` and ``--optimizer.lr`` changed
+and nothing else; family options via ``--set``. An optimizer's lr is ``--lr`` (default: the
+config's ``[optimizer] lr``), or its ``--base-lr NAME=LR``, times each ``--lr-grid`` factor; the
+preset's ``lr_scale`` then applies inside the run as in any training (the table shows the
+``--optimizer.lr`` passed). Results accumulate in ``<out>/convergence.json`` (a run already there
+is not repeated), so a sweep can grow over several invocations.
+
 Reads ``loss_metrics/global_avg_loss`` and ``comm/R_sent_bytes_total`` from each run's TensorBoard
-log, writes ``loss_vs_step.png``, ``loss_vs_r_bytes.png`` and prints the final-loss table (mean of
-the last 10% of logged steps, to damp batch noise).
+log; the final loss is the mean of the last 10% of logged steps (to damp batch noise); with several
+seeds a cell shows mean ± half the range. Writes ``loss_vs_step.png`` and ``loss_vs_r_bytes.png``
+(each optimizer at its best lr, first seed) and prints the tables.
 """
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,47 +36,109 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scripts._bench_common import cli_overrides, human, parse_overrides, read_scalars, run_train, table  # noqa: E402
 
 
-def run_all(names, steps, flavor, out: Path, overrides, lr=None, log_freq=1, seed=42) -> dict:
-    results = {}
-    for name in names:
-        dump = out / "runs" / name
-        extra = ["--lr_scheduler.warmup_steps", str(max(1, steps // 20)), "--debug.seed", str(seed)]
-        if lr is not None:
-            extra += ["--optimizer.lr", str(lr)]
-        t0 = time.time()
-        try:
-            run_train(
-                dump, 4, "--model.flavor", flavor, "--training.steps", str(steps), "--metrics.log_freq", str(log_freq),
-                "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
-                "--optimizer.name", name, *extra, *cli_overrides(name, overrides),
-            )
-        except RuntimeError as error:
-            print(f"# {name} failed: {str(error)[-1500:]}", file=sys.stderr)
-            continue
-        s = read_scalars(dump)
-        loss = s["loss_metrics/global_avg_loss"]
-        r_total = dict(s.get("comm/R_sent_bytes_total", []))
-        results[name] = {
-            "steps": [k for k, _ in loss], "loss": [v for _, v in loss],
-            "r_bytes": [r_total.get(k, float("nan")) for k, _ in loss], "seconds": time.time() - t0,
-        }
-        print(f"{name}: final loss {loss[-1][1]:.4f} in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
-    return results
+
+def config_lr() -> float:
+    """``[optimizer] lr`` of the config every run starts from."""
+    import tomllib
+
+    from scripts._bench_common import CONFIG
+
+    return float(tomllib.loads(Path(CONFIG).read_text())["optimizer"]["lr"])
+
+
+def run_key(name: str, lr: float, seed: int) -> str:
+    return f"{name}|{lr:.6g}|{seed}"
+
+
+def run_one(name, lr, seed, steps, flavor, dataset, out: Path, overrides, log_freq=1) -> dict | None:
+    dump = out / "runs" / f"{name}_lr{lr:.6g}_seed{seed}"
+    t0 = time.time()
+    try:
+        run_train(
+            dump, 4, "--model.flavor", flavor, "--training.steps", str(steps), "--metrics.log_freq", str(log_freq),
+            "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+            "--training.dataset", dataset, "--optimizer.name", name, "--optimizer.lr", f"{lr:.6g}",
+            "--lr_scheduler.warmup_steps", str(max(1, steps // 20)), "--debug.seed", str(seed),
+            *cli_overrides(name, overrides),
+        )
+    except RuntimeError as error:
+        print(f"# {name} lr {lr:g} seed {seed} failed: {str(error)[-1500:]}", file=sys.stderr)
+        return None
+    s = read_scalars(dump)
+    loss = s["loss_metrics/global_avg_loss"]
+    r_total = dict(s.get("comm/R_sent_bytes_total", []))
+    result = {
+        "name": name, "lr": lr, "seed": seed, "steps": [k for k, _ in loss], "loss": [v for _, v in loss],
+        "r_bytes": [r_total.get(k, float("nan")) for k, _ in loss], "seconds": time.time() - t0,
+    }
+    print(f"{name} lr {lr:g} seed {seed}: final loss {final_loss(result):.4f} in {result['seconds']:.0f} s",
+          file=sys.stderr, flush=True)
+    return result
+
+
+def final_loss(run: dict) -> float:
+    tail = max(1, len(run["loss"]) // 10)
+    return sum(run["loss"][-tail:]) / tail
+
+
+def cells(results: dict) -> dict:
+    """{(name, lr): [final loss per seed]}, in the order first run."""
+    out: dict = {}
+    for r in results.values():
+        out.setdefault((r["name"], r["lr"]), []).append(final_loss(r))
+    return out
+
+
+def best_lrs(results: dict) -> dict:
+    """{name: the lr with the lowest mean final loss}."""
+    best: dict = {}
+    for (name, lr), losses in cells(results).items():
+        mean = statistics.fmean(losses)
+        if name not in best or mean < best[name][1]:
+            best[name] = (lr, mean)
+    return {name: lr for name, (lr, _) in best.items()}
+
+
+def _mean_spread(losses: list[float]) -> str:
+    mean = statistics.fmean(losses)
+    return f"{mean:.4f}" if len(losses) == 1 else f"{mean:.4f} ± {(max(losses) - min(losses)) / 2:.4f} (n={len(losses)})"
+
+
+def sweep_table(results: dict) -> str:
+    best = best_lrs(results)
+    rows = [[name, f"{lr:g}" + (" *" if best.get(name) == lr else ""), _mean_spread(losses)]
+            for (name, lr), losses in sorted(cells(results).items())]
+    return table(["optimizer", "--optimizer.lr (* best)", "final loss (mean last 10%)"], rows)
 
 
 def final_table(results: dict) -> str:
+    """Each optimizer at its best lr, against AdamW-HSDP at its best."""
+    best, per_cell = best_lrs(results), cells(results)
+    base = statistics.fmean(per_cell[("AdamW", best["AdamW"])]) if "AdamW" in best else None
+    base_bytes = None
+    if "AdamW" in best:
+        base_bytes = max(r["r_bytes"][-1] for r in results.values() if r["name"] == "AdamW")
     rows = []
-    base = results.get("AdamW")
-    for name, r in results.items():
-        tail = max(1, len(r["loss"]) // 10)
-        final = sum(r["loss"][-tail:]) / tail
-        delta = f"{final - sum(base['loss'][-tail:]) / tail:+.4f}" if base else "-"  # AdamW not in this run
-        rows.append([name, f"{final:.4f}", delta, human(r["r_bytes"][-1]), f"{r['seconds']:.0f}"])
-    return table(["optimizer", "final loss (mean last 10%)", "− AdamW-HSDP", "R sent total (rank 0)", "wall s"], rows)
+    for name, lr in best.items():
+        runs = [r for r in results.values() if r["name"] == name and r["lr"] == lr]
+        mean = statistics.fmean(per_cell[(name, lr)])
+        gap = f"{100 * (mean - base) / base:+.1f}%" if base else "-"
+        sent = runs[0]["r_bytes"][-1]
+        fewer = f"{base_bytes / sent:.0f}x" if base_bytes and sent > 0 and name != "AdamW" else "-"
+        wall = statistics.fmean(r["seconds"] for r in runs)
+        rows.append([name, f"{lr:g}", _mean_spread(per_cell[(name, lr)]), gap, human(sent), fewer, f"{wall:.0f}"])
+    return table(["optimizer", "best --optimizer.lr", "final loss", "vs AdamW-HSDP best", "R sent total (rank 0)",
+                  "fewer R bytes", "wall s"], rows)
 
 
 def plot(results: dict, out: Path, title: str) -> list[Path]:
     import matplotlib
+
+    best = best_lrs(results)
+    shown: dict = {}
+    for r in results.values():
+        if best.get(r["name"]) == r["lr"] and r["name"] not in shown:
+            shown[r["name"]] = r
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -73,9 +148,9 @@ def plot(results: dict, out: Path, title: str) -> list[Path]:
                                      ("r_bytes", "R bytes sent per rank (cumulative; 0 drawn at 1)",
                                       "loss_vs_r_bytes.png", True)):
         fig, ax = plt.subplots(figsize=(8, 5))
-        for name, r in results.items():
+        for name, r in shown.items():
             xs = [max(x, 1.0) for x in r[key]] if logx else r[key]
-            ax.plot(xs, r["loss"], label=name, lw=1.2, ls="--" if name == "AdamW" else "-")
+            ax.plot(xs, r["loss"], label=f"{name} (lr {r['lr']:g})", lw=1.2, ls="--" if name == "AdamW" else "-")
         if logx:
             ax.set_xscale("log")
         ax.set_xlabel(xlabel)
@@ -95,22 +170,48 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--flavor", default="cpu_small")
+    p.add_argument("--dataset", default="commopt_world", help="[training] dataset (a bundled corpus)")
     p.add_argument("--optimizers", nargs="*", help="default: AdamW and every registered optimizer")
-    p.add_argument("--lr", type=float, help="override [optimizer] lr for every run (default: the config's)")
+    p.add_argument("--lr", type=float, default=config_lr(), help="[optimizer] lr of every optimizer (default: the config's)")
+    p.add_argument("--base-lr", nargs="*", default=[], metavar="NAME=LR", help="another lr for one optimizer")
+    p.add_argument("--lr-grid", nargs="*", type=float, default=[1.0], help="factors of each optimizer's lr to run")
+    p.add_argument("--best-of", help="a study's out folder: run each optimizer at its best lr there (no grid)")
     p.add_argument("--set", nargs="*", default=[], metavar="FAMILY.OPTION=VALUE")
-    p.add_argument("--seed", type=int, default=42, help="[debug] seed (model initialization; the data order is fixed)")
+    p.add_argument("--seeds", nargs="*", type=int, default=[42], help="[debug] seed of each run (model init)")
     p.add_argument("--out", default="outputs/convergence")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     names = a.optimizers or [n for n in available_names() if n != "Adam"]
-    results = run_all(names, a.steps, a.flavor, out, parse_overrides(a.set), a.lr, seed=a.seed)
+    base = {name: a.lr for name in names}
+    for item in a.base_lr:
+        name, _, value = item.partition("=")
+        if name not in base:
+            p.error(f"--base-lr {item}: {name!r} is not among the optimizers run ({', '.join(names)})")
+        base[name] = float(value)
+    lrs = {name: [base[name] * f for f in a.lr_grid] for name in names}
+    if a.best_of:
+        found = best_lrs(json.loads((Path(a.best_of) / "convergence.json").read_text()))
+        lrs = {name: [found[name]] for name in names if name in found}
+    store = out / "convergence.json"
+    results = json.loads(store.read_text()) if store.exists() else {}
+    overrides = parse_overrides(a.set)
+    for name, grid in lrs.items():
+        for lr in grid:
+            for seed in a.seeds:
+                key = run_key(name, float(f"{lr:.6g}"), seed)
+                if key in results:
+                    continue
+                run = run_one(name, float(f"{lr:.6g}"), seed, a.steps, a.flavor, a.dataset, out, overrides)
+                if run is not None:
+                    results[key] = run
+                    store.write_text(json.dumps(results))  # after every run: a long sweep can be resumed
     if not results:
         print("no run finished", file=sys.stderr)
         return 1
-    (out / "convergence.json").write_text(json.dumps(results))
-    lr = f", lr {a.lr:g}" if a.lr is not None else ""
-    paths = plot(results, out, f"{a.flavor}, 2 replicas x 2 shards, {a.steps} steps, seed {a.seed}{lr}")
+    paths = plot(results, out, f"{a.flavor}, {a.dataset}, 2 replicas x 2 shards, {a.steps} steps")
+    print(sweep_table(results))
+    print()
     print(final_table(results))
     print("\nplots: " + ", ".join(map(str, paths)))
     return 0

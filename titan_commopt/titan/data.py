@@ -1,10 +1,7 @@
-"""Offline data for the quickstart, tests and benchmarks: a generated corpus and a SentencePiece
-tokenizer trained on it at first use (cached), wired into torchtitan's dataset registry and
-``build_tokenizer_fn``.
-
-The corpus is produced by a seeded generator (our own text, so it is free of any licence): short
-stories with consistent entities and arithmetic ("Mia has 3 apples. Leo gives her 2 more. Now Mia
-has 5 apples.") so that a tiny model has structure to learn beyond word frequencies. About 2.3 MB.
+"""Offline data for the quickstart, tests and benchmarks: the bundled generated corpora
+(``titan/corpora.py``: ``commopt_tiny`` for the quickstart and tests, ``commopt_world`` for the
+optimizer quality study) and a SentencePiece tokenizer trained on each at first use (cached), wired
+into torchtitan's dataset registry and ``build_tokenizer_fn``.
 
 Your own data: ``[training] dataset = "textfile"`` with ``dataset_path`` = a UTF-8 text file (one
 document per line). Your own tokenizer: ``[model] hf_assets_path`` = a directory with a
@@ -14,14 +11,15 @@ HuggingFace ``tokenizer.json`` (torchtitan's own loader) or a SentencePiece ``to
 
 import fcntl
 import os
-import random
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-CORPUS_NAME = "commopt_tiny"
+from . import corpora
+
+CORPUS_NAME = "commopt_tiny"  # the default bundled corpus
+BUNDLED = tuple(corpora.GENERATORS)  # every bundled corpus: commopt_tiny, commopt_world
 TEXTFILE_NAME = "textfile"
-CORPUS_VERSION = 1
 VOCAB_SIZE = 1024  # the CPU flavors' vocab_size; SentencePiece may stop below it
 
 
@@ -45,55 +43,13 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-# ---- corpus ----------------------------------------------------------------------------------
-_NAMES = ["Mia", "Leo", "Ava", "Noah", "Ivy", "Omar", "Zoe", "Finn", "Lena", "Hugo", "Rosa", "Theo"]
-_PRONOUN = {n: ("her" if n in {"Mia", "Ava", "Ivy", "Zoe", "Lena", "Rosa"} else "him") for n in _NAMES}
-_SUBJECT = {n: ("She" if _PRONOUN[n] == "her" else "He") for n in _NAMES}
-_THINGS = ["apples", "books", "coins", "shells", "stones", "pencils", "cards", "marbles", "plums", "keys"]
-_PLACES = ["the market", "the river", "the old mill", "the garden", "the library", "the harbor",
-           "the hill", "the bakery", "the forest", "the station"]
-_ADJ = ["small", "quiet", "bright", "cold", "warm", "busy", "green", "narrow", "tall", "sunny"]
-_WEATHER = ["rain fell softly", "the wind was strong", "the sun was high", "fog covered the road",
-            "snow lay on the roofs", "the sky was clear"]
-_NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-                 "eleven", "twelve"]
-
-
-def _story(rng: random.Random) -> str:
-    a, b = rng.sample(_NAMES, 2)
-    thing = rng.choice(_THINGS)
-    place = rng.choice(_PLACES)
-    have = rng.randint(1, 9)
-    give = rng.randint(1, 3)
-    lines = [
-        f"One {rng.choice(['morning', 'evening', 'day', 'night'])}, {a} went to {place}.",
-        f"The {rng.choice(_ADJ)} streets were {rng.choice(_ADJ)}, and {rng.choice(_WEATHER)}.",
-        f"{a} had {have} {thing}.",
-    ]
-    if rng.random() < 0.5:
-        lines.append(f"{b} gave {_PRONOUN[a]} {give} more {thing}.")
-        lines.append(f"Now {a} had {have + give} {thing}.")
-    else:
-        give = min(give, have)
-        lines.append(f"{a} gave {b} {give} of the {thing}.")
-        lines.append(f"Now {a} had {have - give} {thing}, and {b} had {give}.")
-    lines.append(f"{_SUBJECT[a]} counted them: {', '.join(_NUMBER_WORDS[1:min(have, 12) + 1])}.")
-    lines.append(f"Then {a} and {b} walked home from {place}.")
-    return " ".join(lines)
-
-
-def generate_corpus(n_docs: int = 4500, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(_story(rng) for _ in range(rng.randint(1, 3))) for _ in range(n_docs)]
-
-
-def corpus_path() -> Path:
-    path = cache_dir() / f"{CORPUS_NAME}_v{CORPUS_VERSION}.txt"
+def corpus_path(name: str = CORPUS_NAME) -> Path:
+    path = cache_dir() / f"{name}_v{corpora.VERSIONS[name]}.txt"
     if not path.exists():
         with _locked(path):
             if not path.exists():
                 tmp = path.with_suffix(".tmp")
-                tmp.write_text("\n".join(generate_corpus()) + "\n", encoding="utf-8")
+                tmp.write_text("\n".join(corpora.generate(name)) + "\n", encoding="utf-8")
                 os.replace(tmp, path)
     return path
 
@@ -104,13 +60,14 @@ def read_lines(path: str | os.PathLike) -> list[str]:
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------
-def bundled_tokenizer_path() -> Path:
-    prefix = cache_dir() / f"spm_{CORPUS_NAME}_v{CORPUS_VERSION}_{VOCAB_SIZE}"
+def bundled_tokenizer_path(name: str = CORPUS_NAME) -> Path:
+    """The SentencePiece model trained on bundled corpus ``name`` (built at first use, cached)."""
+    prefix = cache_dir() / f"spm_{name}_v{corpora.VERSIONS[name]}_{VOCAB_SIZE}"
     model = Path(str(prefix) + ".model")
     if not model.exists():
         import sentencepiece as spm
 
-        corpus = corpus_path()
+        corpus = corpus_path(name)
         with _locked(model):
             if not model.exists():
                 tmp_prefix = str(prefix) + f".tmp{os.getpid()}"
@@ -163,10 +120,13 @@ class SentencePieceTokenizer(_base_tokenizer_cls()):  # type: ignore[misc]
 
 
 def build_tokenizer(job_config: Any) -> Any:
-    """``build_tokenizer_fn``: bundled SentencePiece, a user's SentencePiece model, or HF files."""
+    """``build_tokenizer_fn``: bundled SentencePiece, a user's SentencePiece model, or HF files.
+    "bundled" is the tokenizer of the bundled corpus the job trains on (``commopt_tiny``'s for any
+    other dataset)."""
     path = (job_config.model.hf_assets_path or "").strip()
     if path in ("", "bundled"):
-        return SentencePieceTokenizer(bundled_tokenizer_path())
+        dataset = job_config.training.dataset.lower()
+        return SentencePieceTokenizer(bundled_tokenizer_path(dataset if dataset in BUNDLED else CORPUS_NAME))
     p = Path(path)
     if p.is_file() and p.suffix == ".model":
         return SentencePieceTokenizer(p)
@@ -178,11 +138,14 @@ def build_tokenizer(job_config: Any) -> Any:
 
 
 # ---- dataset registration ----------------------------------------------------------------------
-def _lines_dataset(path: str | None) -> Any:
-    """``commopt_tiny``: the bundled corpus, or ``dataset_path`` when one is given."""
-    from datasets import Dataset
+def _bundled_loader(name: str) -> Any:
+    def load(path: str | None) -> Any:
+        """A bundled corpus, or ``dataset_path`` when one is given."""
+        from datasets import Dataset
 
-    return Dataset.from_dict({"text": read_lines(path or corpus_path())})
+        return Dataset.from_dict({"text": read_lines(path or corpus_path(name))})
+
+    return load
 
 
 def _textfile_dataset(path: str | None) -> Any:
@@ -207,10 +170,14 @@ def register_datasets() -> None:
     from torchtitan.hf_datasets import DatasetConfig
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
-    DATASETS.setdefault(CORPUS_NAME, DatasetConfig(path="", loader=_lines_dataset, sample_processor=_text))
+    for name in BUNDLED:
+        DATASETS.setdefault(name, DatasetConfig(path="", loader=_bundled_loader(name), sample_processor=_text))
     DATASETS.setdefault(TEXTFILE_NAME, DatasetConfig(path="", loader=_textfile_dataset, sample_processor=_text))
 
 
-if __name__ == "__main__":  # prebuild the cache: python -m titan_commopt.titan.data
-    print(corpus_path())
-    print(bundled_tokenizer_path())
+if __name__ == "__main__":  # prebuild the cache: python -m titan_commopt.titan.data [corpus ...]
+    import sys
+
+    for corpus in sys.argv[1:] or [CORPUS_NAME]:
+        print(corpus_path(corpus))
+        print(bundled_tokenizer_path(corpus))

@@ -219,7 +219,7 @@ def _dataset_problems(section: str, dataset: str, dataset_path: Optional[str], d
     name = dataset.lower()  # torchtitan lowers the name too
     if name not in DATASETS:
         return [f"[{section}] dataset = {dataset!r}: allowed is one of {', '.join(sorted(DATASETS))}"]
-    if name not in (data.CORPUS_NAME, data.TEXTFILE_NAME):
+    if name not in (*data.BUNDLED, data.TEXTFILE_NAME):
         return []  # torchtitan's own datasets: its loaders decide
     if name == data.TEXTFILE_NAME and not dataset_path:
         return [f"[{section}] dataset = {dataset!r} needs dataset_path = a UTF-8 text file, one document per line"]

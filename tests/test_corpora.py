@@ -1,0 +1,52 @@
+"""The bundled corpora: deterministic, and commopt_world's facts never contradict each other."""
+
+import re
+
+from titan_commopt.titan import corpora
+
+
+def test_generators_are_deterministic():
+    assert corpora.world(n_docs=50) == corpora.world(n_docs=50)
+    assert corpora.tiny(n_docs=50) == corpora.tiny(n_docs=50)
+    assert corpora.world(n_docs=50, seed=1) != corpora.world(n_docs=50)
+
+
+def test_world_facts_are_consistent():
+    docs = corpora.world(n_docs=400)
+    home, trade, age = {}, {}, {}
+    for doc in docs:
+        for name, tr, town in re.findall(r"(\w+) is a (\w+) from (\w+)\.", doc):
+            assert home.setdefault(name, town) == town and trade.setdefault(name, tr) == tr
+        for name, years in re.findall(r"How old is (\w+)\? \w+ is (\d+)\.", doc):
+            assert age.setdefault(name, years) == years
+        for name, town in re.findall(r"Where does (\w+) live\? \w+ lives in (\w+)\.", doc):
+            assert home.setdefault(name, town) == town
+    assert len(home) > 50 and len(age) > 20  # the checks above saw many people
+
+
+def test_world_arithmetic_holds():
+    roads = {}
+    for doc in corpora.world(n_docs=400):
+        for trip in re.findall(r"set out from \w+\.(.*?)So (\w+) walked (\d+) miles in all", doc):
+            legs = [int(m) for m in re.findall(r"(\d+) miles", trip[0])]
+            assert sum(legs) == int(trip[2])
+        for a, b, miles in re.findall(r"The road from (\w+) to (\w+) is (\d+) miles\.", doc):
+            assert roads.setdefault(frozenset((a, b)), miles) == miles
+        for price, n, cost in re.findall(r"costs (\d+) coins, so (\d+) of [\w ]+ cost (\d+) coins", doc):
+            assert int(price) * int(n) == int(cost)
+    assert roads
+
+
+def test_bundled_tokenizer_follows_the_dataset():
+    from types import SimpleNamespace
+
+    from titan_commopt.titan import data
+
+    def tokenizer(dataset):
+        return data.build_tokenizer(SimpleNamespace(model=SimpleNamespace(hf_assets_path="bundled"),
+                                                    training=SimpleNamespace(dataset=dataset)))
+
+    text = " ".join(corpora.world(n_docs=20))
+    world, tiny, other = tokenizer("commopt_world"), tokenizer("commopt_tiny"), tokenizer("c4")
+    assert len(world.encode(text)) < 0.8 * len(tiny.encode(text))  # trained on this text: fewer pieces
+    assert other.encode(text) == tiny.encode(text)  # not a bundled corpus: the default tokenizer
