@@ -221,3 +221,38 @@ def test_persistent_nonfinite_gradients_stop_the_run(tmp_path):
     # DES-LOC syncs R every Kx = 32 steps: the console says when (skipped steps push it back)
     assert re.search(r"step:  1 .*R sent: 0B/step .*next R sync at step 32\n", out)
     assert re.search(r"step:  2 .*next R sync at step 33\n", out)
+
+
+def _flush_at_end(rank, world_size):
+    from titan_commopt.optim import build_optimizer, resolve
+    from titan_commopt.titan.container import container_cls
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_replicate",))
+    topo = Topology.from_mesh(mesh)
+    out = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4))
+        resolved = resolve("DeMo", {"overlap": overlap, "chunk": 4, "topk": 2})
+        opt = build_optimizer(list(model.named_parameters()), topo, resolved)
+        container = container_cls()(
+            [model], [opt], name="DeMo", resolved=resolved, topology=topo, fsdp_traffic=None,
+            adamw_reference_r_bytes=0,
+        )
+        torch.manual_seed(1 + rank)  # replicas see different gradients
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        before = [p.detach().clone() for p in model.parameters()]
+        container.step()
+        out[f"moved_by_step_{overlap}"] = not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        container.flush()  # what the trainer calls once training ends
+        out[overlap] = [p.detach().clone() for p in model.parameters()]
+    out["equal"] = all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(out[False], out[True]))
+    return {k: v for k, v in out.items() if isinstance(k, str)}
+
+
+def test_flush_at_end_of_training_applies_the_overlapped_update():
+    for out in run_distributed(_flush_at_end, 2):
+        # overlap leaves step 1's update in flight; the end-of-training flush applies it, giving
+        # the parameters of the non-overlapped run
+        assert out == {"moved_by_step_False": True, "moved_by_step_True": False, "equal": True}

@@ -11,6 +11,9 @@ let the parameters themselves differ between syncs. The adapter needs two answer
   only then. Default: always (the family syncs parameters, or their updates, every step).
 - ``steps_to_next_sync()``: for a family that syncs R only every K steps, how many optimizer steps
   until the next sync (1 = the next one), shown on the console. Default ``None``: every step.
+- ``flush()``: finish whatever R sync is still in flight after ``step()`` (DeMo's overlapped
+  update, a streaming fragment) and apply it now; called at the end of training (and by a family's
+  own ``state_dict``). Default: nothing is ever left in flight.
 
 Parameters are passed as torch's named parameters (``(fqn, param)`` pairs, also inside param-group
 dicts), so every family finds a parameter's name in ``group["param_names"]`` the same way.
@@ -42,6 +45,9 @@ class CommOptimizer(torch.optim.Optimizer):
         """Optimizer steps until the next R sync of a periodic family (1 = the next step); ``None``
         when it syncs every step (or never)."""
         return None
+
+    def flush(self) -> None:
+        """Land every R sync still in flight and apply it now (end of training)."""
 
 
 def named_params(param_groups: list[dict]) -> Iterator[tuple[dict, str, torch.Tensor]]:

@@ -181,6 +181,14 @@ def container_cls() -> type:
             found = [n for o in self.optimizers if (n := o.steps_to_next_sync()) is not None]
             return min(found) if found else None
 
+        def flush(self) -> None:
+            """Land and apply every R sync still in flight (DeMo ``overlap``, streaming
+            ``sync_delay``): the end of training leaves no update behind."""
+            if self.owns_replicate_sync:
+                with comm.use_ledger(self.ledger):
+                    for o in self.optimizers:
+                        o.flush()
+
         def _replicas_in_sync(self) -> bool:
             return not self.owns_replicate_sync or all(o.replicas_in_sync() for o in self.optimizers)
 
