@@ -605,3 +605,111 @@ def test_distributed_fsdp_over_tensor_parallel_equals_single_process():
     # one fused collective per row group and bucket: reduce-scatter fsdp, tp (w1s), fsdp (w2), then back
     assert results[0]["nested"]["ops"] == [("S", "reduce_scatter"), ("T", "reduce_scatter"), ("S", "reduce_scatter"),
                                            ("T", "all_gather"), ("S", "all_gather"), ("S", "all_gather")]
+
+
+# ---- mixed precision (microsoft/dion's DionMixedPrecisionConfig: bf16 momentum, Q, variance) ---------
+def _mp_model():
+    torch.manual_seed(4)
+    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 8))
+
+
+def _mp_opt(model, mixed, orientation="reference", scalar="adamw"):
+    return dion.Dion(
+        [dict(params=[("0.weight", model[0].weight), ("2.weight", model[2].weight)], algorithm="dion"),
+         dict(params=[("0.bias", model[0].bias), ("2.bias", model[2].bias)], algorithm=scalar)],
+        lr=0.02, rank=4, weight_decay=0.01, mixed_precision=mixed, orientation=orientation,
+    )
+
+
+@pytest.mark.parametrize("orientation,scalar", [("reference", "adamw"), ("paper", "lion")])
+def test_mixed_precision_state_update_and_training(orientation, scalar):
+    """bf16 storage of M, Q and the scalar moments; the step stays close to the float32 one and a tiny
+    regression still learns. Tolerance: bf16 keeps 8 significant bits (relative rounding 2^-9 ≈ 2e-3);
+    the rounding of M and Q feeds back through the QR and Adam's m/sqrt(v), so after 3 steps the float32
+    and bf16 runs are compared by the relative size of their total updates, 5e-2 (a systematic error,
+    e.g. a lost factor or a transpose, is O(1)); later the two trajectories drift apart as any two
+    nearby runs do, so the 30-step runs are only held to learning about as well."""
+    torch.manual_seed(5)
+    xs, ys = torch.randn(64, 12), torch.randn(64, 8)
+    runs = {}
+    for mixed in (False, True):
+        model = _mp_model()
+        x0 = [p.detach().clone() for p in model.parameters()]
+        opt = _mp_opt(model, mixed, orientation, scalar)
+        losses = []
+        for _ in range(30):
+            opt.zero_grad()
+            loss = F.mse_loss(model(xs), ys)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+            if len(losses) == 3:
+                early = [p.detach().clone() for p in model.parameters()]
+        runs[mixed] = (model, opt, x0, losses, early)
+    model, opt, x0, losses, early = runs[True]
+    for p in model.parameters():
+        st = opt.state[p]
+        assert p.dtype == torch.float32
+        for key in ("momentum", "Q", "exp_avg", "exp_avg_sq"):
+            if key in st:
+                assert st[key].dtype == torch.bfloat16, key
+    # weights (16, 12) tall and (8, 16) wide: the reference runs the wide one transposed
+    assert opt._layouts[model[0].weight].transposed is False
+    assert opt._layouts[model[2].weight].transposed == (orientation == "reference")
+    assert losses[-1] < 0.8 * losses[0]
+    for p, q, p0 in zip(early, runs[False][4], x0):
+        assert float((p - q).norm() / (q - p0).norm()) < 5e-2
+    assert abs(losses[-1] - runs[False][3][-1]) < 5e-2 * runs[False][3][0]
+
+
+class _captured_log:
+    """Collect titan_commopt.optim.dion's log records in a string buffer."""
+
+    def __enter__(self):
+        import io
+
+        self.buf, self.logger = io.StringIO(), logging.getLogger("titan_commopt.optim.dion")
+        self.handler = logging.StreamHandler(self.buf)
+        self.logger.addHandler(self.handler)
+        return self.buf
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+
+
+def test_mixed_precision_state_dict_round_trip():
+    """torch's load_state_dict casts floating state to the parameter dtype; Dion puts it back into its
+    storage dtype, and converts (saying so) a checkpoint written with the other setting."""
+    torch.manual_seed(6)
+    xs, ys = torch.randn(16, 12), torch.randn(16, 8)
+
+    def trained(mixed):
+        model = _mp_model()
+        opt = _mp_opt(model, mixed)
+        for _ in range(3):
+            opt.zero_grad()
+            F.mse_loss(model(xs), ys).backward()
+            opt.step()
+        return model, opt
+
+    model, opt = trained(True)
+    saved = opt.state_dict()
+    fresh_model = _mp_model()
+    fresh_model.load_state_dict(model.state_dict())
+    fresh = _mp_opt(fresh_model, True)
+    fresh.load_state_dict(saved)
+    for p, q in zip(model.parameters(), fresh_model.parameters()):
+        for key, v in opt.state[p].items():
+            assert fresh.state[q][key].dtype == v.dtype and torch.equal(fresh.state[q][key], v), key
+    # a float32 checkpoint into a bf16 run (and back): converted, with a warning
+    _, opt32 = trained(False)
+    with _captured_log() as logs:
+        fresh.load_state_dict(opt32.state_dict())
+    assert "converted" in logs.getvalue()
+    assert fresh.state[fresh_model[0].weight]["momentum"].dtype == torch.bfloat16
+    back = _mp_opt(_mp_model(), False)
+    back.load_state_dict(saved)
+    assert all(v.dtype == torch.float32 for st in back.state.values() for k, v in st.items() if k != "step")
+    # the checkpoint records both options as shaping the state (a change is refused on resume)
+    shape = dion.state_shape(resolve("Dion", {"mixed_precision": True}))
+    assert shape["mixed_precision"] is True and shape["orientation"] == "reference"

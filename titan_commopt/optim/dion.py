@@ -62,6 +62,29 @@ A Dion column whose R is exactly zero after every sum moves nothing (its P colum
 Q column kept): with B = M + G zero everywhere, X changes by weight decay alone (microsoft/dion's
 rule; the QR of an all-zero P would otherwise invent directions).
 
+Orientation (``orientation``). The paper writes every matrix as X (m×n) with Q n×r. microsoft/dion,
+whose runs are the ones to match, runs some matrices transposed — on Xᵀ, with Q m×r, the error
+feedback and the update transposed back, the scale still sqrt(m/n) of X: every wide matrix (m < n),
+and for a sharded one the side its sharding picks (:func:`transposed`; FSDP rows or TP columns
+sharded: transposed, so Q follows the rows FSDP keeps local and P the side TP orthogonalizes over).
+The two forms are different algorithms (results differ by ~1e-2 relative after a few steps), so
+``"reference"`` is the default (fidelity to the authors' code) and ``"paper"`` keeps the paper's form.
+r, sqrt(m/n) and the R payload do not depend on it: transposed, P's partial sums over X's row shards
+go through the same reduce-scatter / R-mean-of-a-slice / all-gather as R's, so a rank still sends
+``(m + n)·r/k`` (``traffic.dion_r_bytes`` follows both forms). One layout keeps the paper's form
+under either setting: rows split by ``_StridedShard`` (FSDP over TP's column-wise layers), which
+microsoft/dion refuses and where Q could not follow X's non-contiguous rows.
+
+Mixed precision (``mixed_precision``). As microsoft/dion's mixed-precision setting: M, Q and the
+scalar optimizer's moments are stored in bfloat16 (half the optimizer memory of float32 state);
+orthogonalization and column norms always run in float32 at least. Unlike the reference, which
+multiplies in the storage dtype, the products (B Q, Bᵀ P, the rank-r corrections) run in the
+parameter dtype, one matrix converted at a time, so P and R go over the wire in the parameter
+dtype (the byte formula does not change) and bf16 rounding enters only where state is stored.
+torch's ``load_state_dict`` would cast the state to the parameter dtype; Dion casts it back to its
+storage dtype (converting, with a warning, a state saved under the other setting). Both options
+shape the checkpointed state (``state_shape``): a resume that changes them is refused.
+
 Momenta (M, and the scalar optimizer's moments on the compressed path's siblings) differ across
 replicas on the compressed path — by design (decoupled momentum); checkpoints must keep them per
 replica. Gradient scale: ``topology.replica_grad`` (see topology.py).
