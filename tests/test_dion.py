@@ -54,6 +54,24 @@ def dense_dion(X, grads, Q, lr, mu, wd, eps=1e-8):
     return X, M, Q
 
 
+def reference_dion(X, grads, Q, lr, mu, wd, eps=1e-8):
+    """microsoft/dion's single-matrix update (dion_reference.py ``dion_update``, one power iteration,
+    Householder QR), written again: a wide matrix (m < n) runs on Mᵀ with Q of shape m×r, the error
+    feedback and the update transposed back (R Pᵀ, Q Pᵀ), the scale still sqrt(fan_out/fan_in)."""
+    m, n = X.shape
+    transpose = m < n
+    M = torch.zeros_like(X)
+    for G in grads:
+        M = M + G
+        B = M.T if transpose else M
+        P, _ = torch.linalg.qr(B @ Q)
+        Rm = B.T @ P
+        M = M - (1 - mu) * (Rm @ P.T if transpose else P @ Rm.T)
+        Q = Rm / (Rm.norm(dim=0, keepdim=True) + eps)
+        X = X * (1 - lr * wd) - math.sqrt(m / n) * lr * (Q @ P.T if transpose else P @ Q.T)
+    return X, M, Q
+
+
 def dense_lion(X, grads, lr, b1, b2, wd):
     m = torch.zeros_like(X)
     for g in grads:
@@ -65,17 +83,29 @@ def dense_lion(X, grads, lr, b1, b2, wd):
 @pytest.mark.parametrize("shape,rank,method", [
     ((12, 8), 3, "cholesky_qr"), ((8, 12), 3, "qr"), ((10, 10), 10, "cholesky_qr"), ((6, 9), 6, "qr"),
 ])
-def test_matches_dense_equations(shape, rank, method):
+@pytest.mark.parametrize("orientation", ["paper", "reference"])
+def test_matches_dense_equations(shape, rank, method, orientation):
+    """paper: the paper's equations on every matrix; reference: microsoft/dion's update, which runs
+    the wide matrices ((8, 12), (6, 9)) transposed and the tall/square ones as the paper does."""
     torch.manual_seed(1)
     X0 = torch.randn(shape, dtype=torch.float64)
     grads = [torch.randn(shape, dtype=torch.float64) for _ in range(5)]
     p = nn.Parameter(X0.clone())
     opt = dion.Dion([dict(params=[("w", p)], algorithm="dion")], lr=0.05, mu=0.9, weight_decay=0.1,
-                    rank=rank, orthogonalize=method)
+                    rank=rank, orthogonalize=method, orientation=orientation)
     for g in grads:
         p.grad = g.clone()
         opt.step()
-    X, M, Q = dense_dion(X0, grads, dion.initial_q("w", shape[1], rank, 0, torch.float64), 0.05, 0.9, 0.1)
+    wide = shape[0] < shape[1]
+    assert opt._layouts[p].transposed == (orientation == "reference" and wide)
+    if orientation == "paper":
+        X, M, Q = dense_dion(X0, grads, dion.initial_q("w", shape[1], rank, 0, torch.float64), 0.05, 0.9, 0.1)
+    else:
+        q0 = dion.initial_q("w", min(shape) if wide else shape[1], rank, 0, torch.float64)
+        X, M, Q = reference_dion(X0, grads, q0, 0.05, 0.9, 0.1)
+        if wide:  # the two forms really differ (not round-off)
+            Xp = dense_dion(X0, grads, dion.initial_q("w", shape[1], rank, 0, torch.float64), 0.05, 0.9, 0.1)[0]
+            assert float((Xp - X).abs().max()) > 1e-3
     torch.testing.assert_close(p.detach(), X, rtol=0, atol=1e-10)
     torch.testing.assert_close(opt.state[p]["momentum"], M, rtol=0, atol=1e-10)
     # Q is defined up to the sign of each column (QR vs Cholesky-QR); P Qᵀ and P Rᵀ are not.
@@ -226,9 +256,17 @@ def train(model, opt, part=None, ledger=None):
     return r_bytes, s_bytes
 
 
-def reference(cfg):
+def orientations(opt):
+    """fqn → whether the matrix runs transposed (``orientation = "reference"`` orients by layout)."""
+    return {lay.fqn: lay.transposed for lay in opt._layouts.values()}
+
+
+def reference(cfg, flags=None):
+    """The single-process run; ``flags``: the sharded run's orientations (``dion.orient_``), so both
+    run the same form of every matrix."""
     model = make_toy()
     opt = build(model.named_parameters(), Topology.single(), cfg)
+    dion.orient_(opt, flags or {})
     train(model, opt)
     return {k: v.detach() for k, v in model.named_parameters()}
 
@@ -314,6 +352,7 @@ def test_config_validation():
 CONFIGS = {
     "low": dict(rank_fraction=0.25),  # compressed P,R sync for every block matrix
     "full_qr": dict(rank_fraction=1.0, orthogonalize="qr", scalar_optimizer="lion"),  # full-grad path
+    "low_paper": dict(rank_fraction=0.25, orientation="paper"),  # the paper's form of every matrix
 }
 
 
@@ -343,8 +382,8 @@ def _toy_run(mesh, topo, shard_mesh, dp_index, dp_count, cfg_kwargs):
     split = (shard_mesh.get_local_rank(), shard_mesh.size()) if shard_mesh is not None else (0, 1)
     expected = r_sent(local_shapes(model, split), cfg, topo.replicate_size, itemsize=8)
     shards = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
-    return dict(diff=compare(model, reference(cfg)), r_bytes=r_bytes, expected=expected, s_bytes=s_bytes,
-                shards=shards)
+    return dict(diff=compare(model, reference(cfg, orientations(opt))), r_bytes=r_bytes, expected=expected,
+                s_bytes=s_bytes, shards=shards, transposed=orientations(opt))
 
 
 def _two_ranks(rank, world):
@@ -373,6 +412,7 @@ def _matrix_case(mesh, topo, placements, shape, grads_of, cfg_kwargs, row_split=
     opt = build([("layers.0.attention.wo.weight", p)], topo, cfg)
     ref_p = nn.Parameter(X0.clone())
     ref = build([("layers.0.attention.wo.weight", ref_p)], Topology.single(), cfg)
+    dion.orient_(ref, orientations(opt))
     ledger = comm.get_ledger()
     ledger.reset()
     r_bytes = []
@@ -384,10 +424,11 @@ def _matrix_case(mesh, topo, placements, shape, grads_of, cfg_kwargs, row_split=
         ref.step()
         r_bytes.append(ledger.end_step().get("R_sent", 0.0))
     loc = tuple(p.to_local().shape)
-    expected = r_sent([("layers.0.attention.wo.weight", loc, shape, row_split)], cfg, topo.replicate_size,
-                      itemsize=8)
+    shard = ShardShape.of("layers.0.attention.wo.weight", p)
+    assert shard.local == loc and shard.row_split == (row_split if topo.replicate_size > 1 else shard.row_split)
+    expected = traffic.dion_r_bytes([shard], resolve("Dion", dataclasses.asdict(cfg)), topo.replicate_size).sent
     return dict(diff=float((p.full_tensor() - ref_p.detach()).abs().max()), r_bytes=r_bytes, expected=expected,
-                local=loc, r=dion.dion_rank(*shape, cfg))
+                local=loc, r=dion.dion_rank(*shape, cfg), transposed=opt._layouts[p].transposed)
 
 
 def _four_ranks(rank, world):
@@ -455,11 +496,22 @@ def test_distributed_dp_and_fsdp_equal_single_process():
     _check(results)
     r = results[0]
     assert r["dp/low"]["expected"] > 0 and r["fsdp/low"]["expected"] == 0  # no R without replicas
-    # S traffic of row-sharded Cholesky-QR Dion: two r×r Grams + the n×r R sum per matrix, nothing m×n
+    # microsoft/dion's orientation: unsharded, only the wide matrices run transposed; FSDP2 shards every
+    # row, and then every matrix runs transposed (Q follows X's local rows); paper: none
+    shapes = {k: tuple(v.shape) for k, v in make_toy().named_parameters()}
+    assert r["dp/low"]["transposed"] == {k: shapes[k][0] < shapes[k][1] for k in r["dp/low"]["transposed"]}
+    assert any(r["dp/low"]["transposed"].values()) and not all(r["dp/low"]["transposed"].values())
+    assert all(r["fsdp/low"]["transposed"].values())
+    assert not any(r["fsdp/low_paper"]["transposed"].values())
+    # S traffic of row-sharded Cholesky-QR Dion, nothing m×n. Paper form: two r×r Grams + the n×r R sum
+    # per matrix. Transposed (reference): the n×r sum of P (its rows are X's whole columns, orthogonalized
+    # locally: no Gram) + the r column norms of R (R's rows are X's local rows).
     cfg = dion.Config(**CONFIGS["low"])
     mats = [tuple(v.shape) for k, v in make_toy().named_parameters() if dion.route(k, v.ndim, cfg) == "dion"]
-    per_step = sum(2 * dion.dion_rank(m, n, cfg) ** 2 + n * dion.dion_rank(m, n, cfg) for m, n in mats)
-    assert r["fsdp/low"]["s_bytes"] == [8 * per_step] * STEPS and r["dp/low"]["s_bytes"] == [0.0] * STEPS
+    ranks = [(n, dion.dion_rank(m, n, cfg)) for m, n in mats]
+    assert r["fsdp/low_paper"]["s_bytes"] == [8 * sum(2 * rk**2 + n * rk for n, rk in ranks)] * STEPS
+    assert r["fsdp/low"]["s_bytes"] == [8 * sum(n * rk + rk for n, rk in ranks)] * STEPS
+    assert r["dp/low"]["s_bytes"] == [0.0] * STEPS
     # the compressed path sends less than the full gradients of the same model
     assert r["dp/low"]["expected"] < r["dp/full_qr"]["expected"]
 
@@ -476,7 +528,10 @@ def test_distributed_hsdp_and_tp_equal_single_process():
             assert all(torch.equal(sa[k], sb[k]) for k in sa), (a, b, case)
     assert r0["fsdp_tp/(11, 9)"]["local"] == (6, 5) and results[3]["fsdp_tp/(11, 9)"]["local"] == (5, 4)
     # compressed R payload: (m_loc + this rank's slice of n_loc)·r doubles; full rank: the local gradient
-    assert r0["dp_tp/cols"]["expected"] == 8 * (12 + 5) * 3
+    # TP shards the columns: microsoft/dion runs it transposed, P (X's 5 local columns) + R (X's 12 rows,
+    # split over the tp shards: 6) -- (12 + 5)·3 in the paper's form
+    assert r0["dp_tp/cols"]["transposed"] and not r0["dp_tp/rows"]["transposed"]
+    assert r0["dp_tp/cols"]["expected"] == 8 * (5 + 6) * 3
     assert r0["dp_tp/rows"]["expected"] == 8 * (6 + 5) * 3  # R's 10 rows split over the tp row shards
     assert r0["dp_tp/cols_full"]["expected"] == 8 * 12 * 5
     assert r0["hsdp/low"]["expected"] > 0
@@ -518,8 +573,8 @@ def _tp_fsdp(rank, world):
         opt = build(model.named_parameters(), topo, cfg)
         layouts = {lay.fqn: (len(lay.rows), len(lay.cols)) for lay in opt._layouts.values()}
         train(model, opt, part=(mesh.get_local_rank("fsdp"), 2))
-        out[name] = dict(diff=compare(model, reference(cfg)), r_bytes=[0.0], expected=0,
-                         placements=placements, layouts=layouts)
+        out[name] = dict(diff=compare(model, reference(cfg, orientations(opt))), r_bytes=[0.0], expected=0,
+                         placements=placements, layouts=layouts, transposed=orientations(opt))
     # The hierarchical R reduction over two row groups (w1: fsdp then tp) and one (w2: fsdp), with
     # uneven (7 rows over 4) and empty (3 rows over 4) slices, equals the plain sum over the row groups
     # (the R mean itself is a no-op here: no replicas).
@@ -550,3 +605,111 @@ def test_distributed_fsdp_over_tensor_parallel_equals_single_process():
     # one fused collective per row group and bucket: reduce-scatter fsdp, tp (w1s), fsdp (w2), then back
     assert results[0]["nested"]["ops"] == [("S", "reduce_scatter"), ("T", "reduce_scatter"), ("S", "reduce_scatter"),
                                            ("T", "all_gather"), ("S", "all_gather"), ("S", "all_gather")]
+
+
+# ---- mixed precision (microsoft/dion's DionMixedPrecisionConfig: bf16 momentum, Q, variance) ---------
+def _mp_model():
+    torch.manual_seed(4)
+    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 8))
+
+
+def _mp_opt(model, mixed, orientation="reference", scalar="adamw"):
+    return dion.Dion(
+        [dict(params=[("0.weight", model[0].weight), ("2.weight", model[2].weight)], algorithm="dion"),
+         dict(params=[("0.bias", model[0].bias), ("2.bias", model[2].bias)], algorithm=scalar)],
+        lr=0.02, rank=4, weight_decay=0.01, mixed_precision=mixed, orientation=orientation,
+    )
+
+
+@pytest.mark.parametrize("orientation,scalar", [("reference", "adamw"), ("paper", "lion")])
+def test_mixed_precision_state_update_and_training(orientation, scalar):
+    """bf16 storage of M, Q and the scalar moments; the step stays close to the float32 one and a tiny
+    regression still learns. Tolerance: bf16 keeps 8 significant bits (relative rounding 2^-9 ≈ 2e-3);
+    the rounding of M and Q feeds back through the QR and Adam's m/sqrt(v), so after 3 steps the float32
+    and bf16 runs are compared by the relative size of their total updates, 5e-2 (a systematic error,
+    e.g. a lost factor or a transpose, is O(1)); later the two trajectories drift apart as any two
+    nearby runs do, so the 30-step runs are only held to learning about as well."""
+    torch.manual_seed(5)
+    xs, ys = torch.randn(64, 12), torch.randn(64, 8)
+    runs = {}
+    for mixed in (False, True):
+        model = _mp_model()
+        x0 = [p.detach().clone() for p in model.parameters()]
+        opt = _mp_opt(model, mixed, orientation, scalar)
+        losses = []
+        for _ in range(30):
+            opt.zero_grad()
+            loss = F.mse_loss(model(xs), ys)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+            if len(losses) == 3:
+                early = [p.detach().clone() for p in model.parameters()]
+        runs[mixed] = (model, opt, x0, losses, early)
+    model, opt, x0, losses, early = runs[True]
+    for p in model.parameters():
+        st = opt.state[p]
+        assert p.dtype == torch.float32
+        for key in ("momentum", "Q", "exp_avg", "exp_avg_sq"):
+            if key in st:
+                assert st[key].dtype == torch.bfloat16, key
+    # weights (16, 12) tall and (8, 16) wide: the reference runs the wide one transposed
+    assert opt._layouts[model[0].weight].transposed is False
+    assert opt._layouts[model[2].weight].transposed == (orientation == "reference")
+    assert losses[-1] < 0.8 * losses[0]
+    for p, q, p0 in zip(early, runs[False][4], x0):
+        assert float((p - q).norm() / (q - p0).norm()) < 5e-2
+    assert abs(losses[-1] - runs[False][3][-1]) < 5e-2 * runs[False][3][0]
+
+
+class _captured_log:
+    """Collect titan_commopt.optim.dion's log records in a string buffer."""
+
+    def __enter__(self):
+        import io
+
+        self.buf, self.logger = io.StringIO(), logging.getLogger("titan_commopt.optim.dion")
+        self.handler = logging.StreamHandler(self.buf)
+        self.logger.addHandler(self.handler)
+        return self.buf
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+
+
+def test_mixed_precision_state_dict_round_trip():
+    """torch's load_state_dict casts floating state to the parameter dtype; Dion puts it back into its
+    storage dtype, and converts (saying so) a checkpoint written with the other setting."""
+    torch.manual_seed(6)
+    xs, ys = torch.randn(16, 12), torch.randn(16, 8)
+
+    def trained(mixed):
+        model = _mp_model()
+        opt = _mp_opt(model, mixed)
+        for _ in range(3):
+            opt.zero_grad()
+            F.mse_loss(model(xs), ys).backward()
+            opt.step()
+        return model, opt
+
+    model, opt = trained(True)
+    saved = opt.state_dict()
+    fresh_model = _mp_model()
+    fresh_model.load_state_dict(model.state_dict())
+    fresh = _mp_opt(fresh_model, True)
+    fresh.load_state_dict(saved)
+    for p, q in zip(model.parameters(), fresh_model.parameters()):
+        for key, v in opt.state[p].items():
+            assert fresh.state[q][key].dtype == v.dtype and torch.equal(fresh.state[q][key], v), key
+    # a float32 checkpoint into a bf16 run (and back): converted, with a warning
+    _, opt32 = trained(False)
+    with _captured_log() as logs:
+        fresh.load_state_dict(opt32.state_dict())
+    assert "converted" in logs.getvalue()
+    assert fresh.state[fresh_model[0].weight]["momentum"].dtype == torch.bfloat16
+    back = _mp_opt(_mp_model(), False)
+    back.load_state_dict(saved)
+    assert all(v.dtype == torch.float32 for st in back.state.values() for k, v in st.items() if k != "step")
+    # the checkpoint records both options as shaping the state (a change is refused on resume)
+    shape = dion.state_shape(resolve("Dion", {"mixed_precision": True}))
+    assert shape["mixed_precision"] is True and shape["orientation"] == "reference"

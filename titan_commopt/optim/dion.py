@@ -62,11 +62,35 @@ A Dion column whose R is exactly zero after every sum moves nothing (its P colum
 Q column kept): with B = M + G zero everywhere, X changes by weight decay alone (microsoft/dion's
 rule; the QR of an all-zero P would otherwise invent directions).
 
+Orientation (``orientation``). The paper writes every matrix as X (m×n) with Q n×r. microsoft/dion,
+whose runs are the ones to match, runs some matrices transposed — on Xᵀ, with Q m×r, the error
+feedback and the update transposed back, the scale still sqrt(m/n) of X: every wide matrix (m < n),
+and for a sharded one the side its sharding picks (:func:`transposed`; FSDP rows or TP columns
+sharded: transposed, so Q follows the rows FSDP keeps local and P the side TP orthogonalizes over).
+The two forms are different algorithms (results differ by ~1e-2 relative after a few steps), so
+``"reference"`` is the default (fidelity to the authors' code) and ``"paper"`` keeps the paper's form.
+r, sqrt(m/n) and the R payload do not depend on it: transposed, P's partial sums over X's row shards
+go through the same reduce-scatter / R-mean-of-a-slice / all-gather as R's, so a rank still sends
+``(m + n)·r/k`` (``traffic.dion_r_bytes`` follows both forms). One layout keeps the paper's form
+under either setting: rows split by ``_StridedShard`` (FSDP over TP's column-wise layers), which
+microsoft/dion refuses and where Q could not follow X's non-contiguous rows.
+
+Mixed precision (``mixed_precision``). As microsoft/dion's mixed-precision setting: M, Q and the
+scalar optimizer's moments are stored in bfloat16 (half the optimizer memory of float32 state);
+orthogonalization and column norms always run in float32 at least. Unlike the reference, which
+multiplies in the storage dtype, the products (B Q, Bᵀ P, the rank-r corrections) run in the
+parameter dtype, one matrix converted at a time, so P and R go over the wire in the parameter
+dtype (the byte formula does not change) and bf16 rounding enters only where state is stored.
+torch's ``load_state_dict`` would cast the state to the parameter dtype; Dion casts it back to its
+storage dtype (converting, with a warning, a state saved under the other setting). Both options
+shape the checkpointed state (``state_shape``): a resume that changes them is refused.
+
 Momenta (M, and the scalar optimizer's moments on the compressed path's siblings) differ across
 replicas on the compressed path — by design (decoupled momentum); checkpoints must keep them per
 replica. Gradient scale: ``topology.replica_grad`` (see topology.py).
 """
 
+import dataclasses
 import logging
 import math
 import zlib
@@ -94,7 +118,10 @@ try:  # FSDP2 over TP shards an already row-sharded dim again: a strided row spl
 except ImportError:  # pragma: no cover - older torch
     _StridedShard = ()  # type: ignore[assignment]
 
-__all__ = ["Config", "PRESETS", "Dion", "FAMILY", "build", "r_slice", "route", "dion_rank", "compressed", "initial_q"]
+__all__ = [
+    "Config", "PRESETS", "Dion", "FAMILY", "build", "r_slice", "route", "dion_rank", "compressed", "initial_q",
+    "transposed", "orient_",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +164,21 @@ class Config:
     head_names: str = option("output,lm_head", "Comma-separated module names routed as the output head.")
     colnorm_eps: float = option(1e-8, "ε added to the column norms of R (as microsoft/dion).", ge=0.0)
     seed: int = option(0, "Seed of the initial Q (identical on every rank).", ge=0)
+    orientation: str = option(
+        "reference",
+        "Which side of each matrix Q lives on: reference = microsoft/dion's rule (a wide matrix, m < n, "
+        "runs transposed; a sharded one is oriented by its sharding: transposed when FSDP (S) shards "
+        "its rows or TP its columns, not when FSDP shards its columns or TP its rows); paper = the "
+        "paper's form for every matrix (Q n×r). Results differ by ~1e-2 relative after a few steps; "
+        "sqrt(m/n), r and the R-sync bytes do not change.",
+        choices=("reference", "paper"),
+    )
+    mixed_precision: bool = option(
+        False,
+        "Store Dion's momentum and Q and the scalar optimizer's moments in bfloat16 (microsoft/dion's "
+        "mixed-precision setting); products, orthogonalization and column norms still run in the "
+        "parameter dtype (float32 at least), and P and R go over the wire in the parameter dtype.",
+    )
 
 
 PRESETS: dict[str, dict[str, Any]] = {"Dion": {}}
@@ -176,6 +218,30 @@ def compressed(m: int, n: int, r: int, cfg: Config) -> bool:
     return (m + n) * r < m * n
 
 
+def transposed(m: int, n: int, sharded: Sequence[tuple[str, int]], orientation: str) -> bool:
+    """Whether a matrix of global shape (m, n) runs transposed (Xᵀ, Q of shape m×r), given the
+    ``(role, tensor dim)`` of every mesh dim of size > 1 that shards it (role ``T`` for TP, anything
+    else FSDP-like, S).
+
+    ``orientation = "paper"``: never. ``"reference"``: microsoft/dion's rule
+    (``Dion._get_dion_param_config``, also in its dion_reference.py): transposed when m < n; then,
+    for a sharded matrix, not transposed when TP shards its rows or S its columns, and transposed
+    when S shards its rows or TP its columns (the last test wins: S rows + TP columns, torchtitan's
+    row-wise layers under FSDP, run transposed). The point of the rule: Q sits on the side S shards
+    (its rows stay local) and P on the side TP shards (orthogonalized over TP).
+    """
+    if orientation != "reference":
+        return False
+    s_dims = {d for role, d in sharded if role != T}
+    t_dims = {d for role, d in sharded if role == T}
+    out = m < n
+    if 0 in t_dims or 1 in s_dims:
+        out = False
+    if 0 in s_dims or 1 in t_dims:
+        out = True
+    return out
+
+
 def initial_q(fqn: str, n: int, r: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The full (n, r) initial right factor: the same on every rank for the same (seed, fqn)."""
     gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
@@ -205,6 +271,13 @@ class _Layout:
     col_offset: int  # first global column of the local shard
     q_placements: Optional[tuple] = None
     row_split: tuple[int, int] = (0, 1)  # this rank's R slice: (index, count) over the row groups
+    transposed: bool = False  # run on Xᵀ: rows/cols/col_offset/splits above describe Xᵀ (P's rows = X's columns)
+    col_split: tuple[int, int] = (0, 1)  # this rank's P slice (transposed only): (index, count) over the col groups
+
+    @property
+    def q_rows(self) -> int:
+        """Rows of the full Q: the columns of the matrix Dion runs on (X or Xᵀ)."""
+        return self.m if self.transposed else self.n
 
 
 def _group_for(mesh: Any, dim: int, name: str, topology: Topology) -> tuple[str, Any]:
@@ -216,38 +289,70 @@ def _group_for(mesh: Any, dim: int, name: str, topology: Topology) -> tuple[str,
     return role, own
 
 
+def _split_of(groups: Groups) -> tuple[int, int]:
+    """``(index, count)`` of this rank over ``groups``, mixed radix, first group most significant."""
+    index, count = 0, 1
+    for _, group in groups:
+        size = comm.group_size(group)
+        index, count = index * size + comm.group_rank(group), count * size
+    return index, count
+
+
 def _layout(fqn: str, p: torch.Tensor, topology: Topology, cfg: Config) -> _Layout:
     m, n = p.shape
     r = dion_rank(m, n, cfg)
     lay = _Layout(fqn, m, n, r, compressed(m, n, r, cfg), [], [], 0)
     if not isinstance(p, DTensor):
+        lay.transposed = transposed(m, n, (), cfg.orientation)
         return lay
     mesh = p.device_mesh
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-    q_placements = []
+    rows: Groups = []  # X's row groups and column groups
+    cols: Groups = []
+    sharded, strided_rows = [], False
     for i, pl in enumerate(p.placements):
-        q_placements.append(Shard(0) if isinstance(pl, Shard) and pl.dim == 1 else Replicate())
         if pl.is_replicate() or mesh.size(i) == 1:
             continue
         if pl.is_partial():
             raise ValueError(f"Dion: {fqn} has a Partial placement on mesh dim {names[i]!r}")
         dim = pl.dim  # Shard and _StridedShard both carry it
-        if isinstance(pl, _StridedShard) and dim == 1:
-            raise NotImplementedError(
-                f"Dion: {fqn} is strided-sharded on its columns; shard FSDP on the dim TP does not "
-                "shard (as microsoft/dion requires)"
-            )
-        (lay.rows if dim == 0 else lay.cols).append(_group_for(mesh, i, names[i], topology))
-    for _, group in lay.rows:  # mixed radix, first row group most significant (as _reduce_r splits)
-        size = comm.group_size(group)
-        lay.row_split = (lay.row_split[0] * size + comm.group_rank(group), lay.row_split[1] * size)
+        if isinstance(pl, _StridedShard):
+            if dim == 1:
+                raise NotImplementedError(
+                    f"Dion: {fqn} is strided-sharded on its columns; shard FSDP on the dim TP does not "
+                    "shard (as microsoft/dion requires)"
+                )
+            strided_rows = True
+        role, group = _group_for(mesh, i, names[i], topology)
+        sharded.append((role, dim))
+        (rows if dim == 0 else cols).append((role, group))
+    # A strided row split (FSDP over TP's column-wise layers, a layout microsoft/dion refuses) keeps the
+    # paper's form: Q would have to follow X's non-contiguous rows.
+    t = transposed(m, n, sharded, cfg.orientation) and not strided_rows
+    lay.transposed = t
+    lay.rows, lay.cols = (cols, rows) if t else (rows, cols)
+    lay.row_split, lay.col_split = _split_of(lay.rows), _split_of(lay.cols)
+    q_dim = 0 if t else 1  # the dim of X whose sharding Q's rows follow
+    lay.q_placements = tuple(
+        Shard(0) if isinstance(pl, Shard) and pl.dim == q_dim else Replicate() for pl in p.placements
+    )
     if lay.cols:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         _, offset = compute_local_shape_and_global_offset(p.shape, mesh, p.placements)
-        lay.col_offset = int(offset[1])
-    lay.q_placements = tuple(q_placements)
+        lay.col_offset = int(offset[q_dim])
     return lay
+
+
+def orient_(opt: "Dion", flags: dict[str, bool]) -> None:
+    """Force the orientation of the unsharded matrices named in ``flags`` (fqn → transposed), before
+    the first step: a single-process simulation of a sharded run under ``orientation = "reference"``
+    runs each matrix the way the sharded run oriented it."""
+    for p, lay in opt._layouts.items():
+        if lay.fqn in flags:
+            if lay.rows or lay.cols or opt.state[p]:
+                raise ValueError(f"Dion.orient_: {lay.fqn} is sharded or already has state")
+            lay.transposed = bool(flags[lay.fqn])
 
 
 # ---- the R reduction -------------------------------------------------------------------------------
@@ -332,6 +437,42 @@ def _orthogonalize(P: torch.Tensor, rows: Groups, method: str) -> torch.Tensor:
     return orthogonalize([P], [rows], method)[0]
 
 
+def _oriented(t: torch.Tensor, lay: _Layout) -> torch.Tensor:
+    """``t`` (X's local layout) as the matrix Dion runs on: its transpose (a view) where ``lay`` is
+    transposed."""
+    return t.T if lay.transposed else t
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+_STORED = ("momentum", "Q", "exp_avg", "exp_avg_sq")  # the state kept in the storage dtype
+
+
+def _report_converted_state(opt: "Dion", state_dict: dict) -> None:
+    """Load hook: say so when the loaded state's dtypes are not this run's storage dtypes (a
+    checkpoint written with another ``mixed_precision``); they are converted on load."""
+    want = torch.bfloat16 if opt.cfg.mixed_precision else None
+    seen = {v.dtype for st in state_dict.get("state", {}).values() for k, v in st.items()
+            if k in _STORED and isinstance(v, torch.Tensor) and v.is_floating_point()}
+    if seen and (seen != {want} if want is not None else torch.bfloat16 in seen):
+        logger.warning(
+            "Dion: loaded optimizer state in %s, this run stores it in %s (mixed_precision = %s): converted",
+            ", ".join(sorted(str(d) for d in seen)), want or "the parameter dtype", opt.cfg.mixed_precision,
+        )
+
+
+def _restore_storage_dtypes(opt: "Dion") -> None:
+    """Load hook: torch's ``Optimizer.load_state_dict`` casts floating state to the parameter's dtype;
+    put M, Q and the scalar moments back into this run's storage dtype."""
+    for p, st in opt.state.items():
+        dtype = opt._storage_dtype(p)
+        for k in _STORED:
+            if k in st and isinstance(st[k], torch.Tensor) and st[k].dtype != dtype:
+                st[k] = st[k].to(dtype)
+
+
 # ---- the optimizer ---------------------------------------------------------------------------------
 class Dion(CommOptimizer):
     """Dion for 2-D matrices (``algorithm = "dion"`` groups) plus AdamW/Lion for the rest.
@@ -358,14 +499,18 @@ class Dion(CommOptimizer):
         compress: str = "auto",
         colnorm_eps: float = 1e-8,
         seed: int = 0,
+        orientation: str = "reference",
+        mixed_precision: bool = False,
     ) -> None:
         defaults = dict(lr=lr, mu=mu, betas=betas, eps=eps, weight_decay=weight_decay, algorithm="dion")
         super().__init__(params, defaults)
         self.topology = topology or Topology.single()
         self.cfg = Config(
             rank=rank, rank_fraction=rank_fraction, orthogonalize=orthogonalize, compress=compress,
-            colnorm_eps=colnorm_eps, seed=seed,
+            colnorm_eps=colnorm_eps, seed=seed, orientation=orientation, mixed_precision=mixed_precision,
         )
+        self.register_load_state_dict_pre_hook(_report_converted_state)
+        self.register_load_state_dict_post_hook(_restore_storage_dtypes)
         self._layouts: dict[torch.Tensor, _Layout] = {}
         for group in self.param_groups:
             if group["algorithm"] not in ("dion", "adamw", "lion"):
@@ -378,16 +523,22 @@ class Dion(CommOptimizer):
             self._layouts[p] = _layout(name, p, self.topology, self.cfg)
 
     # -- state -------------------------------------------------------------------------------------
+    def _storage_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype of p's optimizer state: bfloat16 under ``mixed_precision``, else p's."""
+        return torch.bfloat16 if self.cfg.mixed_precision and p.is_floating_point() else p.dtype
+
     def _init_dion_state(self, p: torch.Tensor, lay: _Layout) -> dict[str, Any]:
         state = self.state[p]
-        state["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        dtype = self._storage_dtype(p)
+        state["momentum"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         x = local(p)
-        q_full = initial_q(lay.fqn, lay.n, lay.r, self.cfg.seed, dtype=x.dtype)
-        q_local = q_full[lay.col_offset : lay.col_offset + x.shape[1]].to(x.device).contiguous()
+        q_full = initial_q(lay.fqn, lay.q_rows, lay.r, self.cfg.seed, dtype=dtype)
+        q_local_rows = x.shape[0] if lay.transposed else x.shape[1]
+        q_local = q_full[lay.col_offset : lay.col_offset + q_local_rows].to(x.device).contiguous()
         if isinstance(p, DTensor):
             state["Q"] = DTensor.from_local(
                 q_local, p.device_mesh, lay.q_placements, run_check=False,
-                shape=torch.Size((lay.n, lay.r)), stride=(lay.r, 1),
+                shape=torch.Size((lay.q_rows, lay.r)), stride=(lay.r, 1),
             )
         else:
             state["Q"] = q_local
@@ -396,9 +547,10 @@ class Dion(CommOptimizer):
     def _init_scalar_state(self, p: torch.Tensor, algorithm: str) -> dict[str, Any]:
         state = self.state[p]
         state["step"] = torch.tensor(0.0)
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        dtype = self._storage_dtype(p)
+        state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         if algorithm == "adamw":
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         return state
 
     def _replica_grad(self, p: torch.Tensor, needs_copy: bool) -> torch.Tensor:
@@ -449,12 +601,17 @@ class Dion(CommOptimizer):
         state = self.state[p] or self._init_scalar_state(p, group["algorithm"])
         (beta1, beta2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
         x, m = local(p), local(state["exp_avg"])
+        stored = [m] if group["algorithm"] == "lion" else [m, local(state["exp_avg_sq"])]
+        work = [t if t.dtype == x.dtype else t.to(x.dtype) for t in stored]  # bf16 storage: compute in x's dtype
         state["step"] += 1
         if group["algorithm"] == "lion":
-            kernels.lion_(x, g, m, lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd)
-            return
-        kernels.adamw_(x, g, m, local(state["exp_avg_sq"]), lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                       weight_decay=wd, step=float(state["step"]))
+            kernels.lion_(x, g, work[0], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd)
+        else:
+            kernels.adamw_(x, g, work[0], work[1], lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                           weight_decay=wd, step=float(state["step"]))
+        for t, w in zip(stored, work):
+            if t is not w:
+                t.copy_(w)
 
     def _batches(self, matrices: list) -> list[list[int]]:
         """Indices of ``matrices`` computed together, stacked: same param group, global shape, rank,
@@ -463,7 +620,7 @@ class Dion(CommOptimizer):
         ranks; their order is first appearance in parameter order."""
         found: dict[tuple, list[int]] = {}
         for i, (p, group, lay, _) in enumerate(matrices):
-            key = (id(group), lay.m, lay.n, lay.r, lay.compressed, _group_key(lay.rows), _group_key(lay.cols),
+            key = (id(group), lay.m, lay.n, lay.r, lay.compressed, lay.transposed, _group_key(lay.rows), _group_key(lay.cols),
                    lay.q_placements, tuple(getattr(p, "placements", ())), tuple(local(p).shape), p.dtype, p.device)
             found.setdefault(key, []).append(i)
         # compressed batches first: their P means go on the wire while the others compute
@@ -490,41 +647,58 @@ class Dion(CommOptimizer):
             if not self.state[p]:
                 self._init_dion_state(p, lay)
         batches = self._batches(matrices)
-        Bs = [local(self.state[p]["momentum"]) for p, _, _, _ in matrices]
+        # B (in M's storage) and X as Dion sees them: transposed views where the layout runs on Xᵀ.
+        Bs = [_oriented(local(self.state[p]["momentum"]), lay) for p, _, lay, _ in matrices]
         Q_locals = [local(self.state[p]["Q"]) for p, _, _, _ in matrices]
         Ps, Qs, p_means = [], [], []
         for ix in batches:
-            if not matrices[ix[0]][2].compressed:
+            lay0 = matrices[ix[0]][2]
+            if not lay0.compressed:
                 full.wait()  # uncompressed: B = M + E_DP[G]
-            Q = torch.stack([Q_locals[i] for i in ix])
+            # Products in the parameter dtype, whatever the storage dtype (mixed precision: bf16 M, Q).
+            cd = matrices[ix[0]][0].dtype
+            Q = torch.stack([Q_locals[i] for i in ix]).to(cd)
             P = Q.new_empty(len(ix), Bs[ix[0]].shape[0], Q.shape[-1])
             for j, i in enumerate(ix):
-                Bs[i].add_(matrices[i][3])  # B = M + G, kept in M's storage (M is rebuilt from B below)
-                torch.mm(Bs[i], Q[j], out=P[j])  # P̂ = B̂ Q: local rows, partial over column shards
-            # E_DP[P̂] (m_loc × r per compressed matrix), one collective per batch, in flight from now.
-            compressed_batch = matrices[ix[0]][2].compressed
-            p_means.append(comm.all_reduce(P, R, topo.replicate, op="mean", async_op=True) if compressed_batch else None)
+                Bs[i].add_(_oriented(matrices[i][3], lay0))  # B = M + G, kept in M's storage (M is rebuilt from B below)
+                torch.mm(_as(Bs[i], cd), Q[j], out=P[j])  # P̂ = B̂ Q: local rows, partial over column shards
+            if lay0.transposed:
+                # P's rows are X's columns, its partial sums run over X's row shards (FSDP): the same
+                # hierarchical reduction as R's (sum over the column groups; for a compressed matrix
+                # a reduce-scatter, the R mean of this rank's slice only, an all-gather), so the R
+                # payload stays (m + n)·r/k. The R mean is in flight from now.
+                p_lays = [dataclasses.replace(matrices[i][2], rows=matrices[i][2].cols,
+                                              row_split=matrices[i][2].col_split) for i in ix]
+                p_means.append(_reduce_r_async(list(P.unbind(0)), p_lays, topo.replicate, syncs_r))
+            elif lay0.compressed:
+                # E_DP[P̂] (m_loc × r per compressed matrix), one collective per batch, in flight from now.
+                p_means.append(comm.all_reduce(P, R, topo.replicate, op="mean", async_op=True).wait)
+            else:
+                p_means.append(None)
             Ps.append(P)
             Qs.append(Q)
         full.wait()
-        for pending in p_means:
-            if pending is not None:
-                pending.wait()
-        views = [(P[j], matrices[i][2].cols) for ix, P in zip(batches, Ps) for j, i in enumerate(ix)]
+        for finish in p_means:
+            if finish is not None:
+                finish()
+        # P = Σ_j B_j Q_j over the column shards (the transposed batches summed theirs above)
+        views = [(P[j], matrices[i][2].cols) for ix, P in zip(batches, Ps) for j, i in enumerate(ix)
+                 if not matrices[i][2].transposed]
         _sum_over([v for v, _ in views], [c for _, c in views])  # P = Σ_j B_j Q_j over column shards
         Ps = orthonormalize_stacked(Ps, [matrices[ix[0]][2].rows for ix in batches], self.cfg.orthogonalize)
         Rs, r_means = [], []
         for ix, P in zip(batches, Ps):
             Rm = P.new_empty(len(ix), Bs[ix[0]].shape[1], P.shape[-1])
             for j, i in enumerate(ix):
-                torch.mm(Bs[i].T, P[j], out=Rm[j])  # R̂ = B̂ᵀ P: local columns, partial over row shards
+                torch.mm(_as(Bs[i], P.dtype).T, P[j], out=Rm[j])  # R̂ = B̂ᵀ P: local columns, partial over row shards
             # R = E_DP[Σ_i B_iᵀ P_i]: row sums now, the R mean in flight while the next batch computes.
             r_means.append(_reduce_r_async(list(Rm.unbind(0)), [matrices[i][2] for i in ix], topo.replicate, syncs_r))
             Rs.append(Rm)
         scalar_means = issue_scalars()
         for finish in r_means:
             finish()
-        sqs = [(Rm * Rm).sum(dim=1) for Rm in Rs]  # [k, r] squared column norms of R per batch
+        # [k, r] squared column norms of R per batch, in float32 at least (as microsoft/dion)
+        sqs = [Rm.to(torch.promote_types(Rm.dtype, torch.float32)).square().sum(dim=1) for Rm in Rs]
         views = [(sq[j], matrices[i][2].cols) for ix, sq in zip(batches, sqs) for j, i in enumerate(ix)]
         _sum_over([v for v, _ in views], [c for _, c in views])  # over column shards: r numbers per matrix
         for ix, P, Rm, Q, sq in zip(batches, Ps, Rs, Qs, sqs):
@@ -540,12 +714,15 @@ class Dion(CommOptimizer):
             P = torch.where(live, P, 0.0)
             Rm = torch.where(live, Rm, 0.0)
             # Q = colnorm(R); a column with R = 0 keeps its old direction instead of dying at 0.
-            Q = torch.where(live, Rm / (norm + self.cfg.colnorm_eps), Q)
-            torch._foreach_copy_([Q_locals[i] for i in ix], list(Q.unbind(0)))
+            Q = torch.where(live, (Rm / (norm + self.cfg.colnorm_eps)).to(Q.dtype), Q)
+            torch._foreach_copy_([Q_locals[i] for i in ix], list(Q.unbind(0)))  # stored in Q's dtype
             for j, i in enumerate(ix):  # one matrix at a time: its B and X stay in cache
-                Bs[i].addmm_(P[j], Rm[j].T, alpha=-(1 - mu))  # M = B − (1−μ) P Rᵀ (error feedback)
-                x = kernels.decoupled_decay_(local(matrices[i][0]), lr, wd)
-                x.addmm_(P[j], Q[j].T, alpha=-lr * math.sqrt(lay.m / lay.n))  # X −= η sqrt(m/n) P Qᵀ
+                if Bs[i].dtype == P.dtype:
+                    Bs[i].addmm_(P[j], Rm[j].T, alpha=-(1 - mu))  # M = B − (1−μ) P Rᵀ (error feedback)
+                else:  # bf16 storage: the rank-r correction in the parameter dtype, then stored
+                    Bs[i].copy_(Bs[i].to(P.dtype).addmm_(P[j], Rm[j].T, alpha=-(1 - mu)))
+                x = _oriented(kernels.decoupled_decay_(local(matrices[i][0]), lr, wd), lay)
+                x.addmm_(P[j], Q[j].T, alpha=-lr * math.sqrt(lay.m / lay.n))  # X −= η sqrt(m/n) P Qᵀ (X's m, n)
         scalar_means.wait()
 
 
@@ -573,6 +750,7 @@ def build(named_params: NamedParams, topology: Topology, resolved: Resolved) -> 
         groups, topology, lr=hparams.lr, mu=cfg.mu, betas=(hparams.beta1, hparams.beta2), eps=hparams.eps,
         weight_decay=hparams.weight_decay, rank=cfg.rank, rank_fraction=cfg.rank_fraction,
         orthogonalize=cfg.orthogonalize, compress=cfg.compress, colnorm_eps=cfg.colnorm_eps, seed=cfg.seed,
+        orientation=cfg.orientation, mixed_precision=cfg.mixed_precision,
     )
     opt.cfg = cfg  # the routing options too
     lines = [f"{name}: {topology.describe()}, scalar optimizer {algo}"]
@@ -582,6 +760,7 @@ def build(named_params: NamedParams, topology: Topology, resolved: Resolved) -> 
                 lay = opt._layouts[p]
                 how = f"r={lay.r} {'P,R' if lay.compressed else 'full-grad'} R-sync"
                 how += f" rows/{len(lay.rows)} cols/{len(lay.cols)} shard groups"
+                how += " transposed" if lay.transposed else ""
             else:
                 how = algo
             lines.append(f"  {kind:6s} {fqn} {tuple(p.shape)} -> {how}")
@@ -590,7 +769,8 @@ def build(named_params: NamedParams, topology: Topology, resolved: Resolved) -> 
 
 
 def state_shape(resolved: Resolved) -> dict[str, Any]:
-    """What shapes the checkpointed state: the rank (Q is n×r), the scalar optimizer (its moments)
+    """What shapes the checkpointed state: the rank (Q is n×r), the orientation (Q is m×r where a
+    matrix runs transposed), the storage dtype (mixed precision), the scalar optimizer (its moments)
     and the routing (which parameters hold Dion state and which the scalar optimizer's)."""
     cfg = resolved.options
     return {
@@ -599,6 +779,8 @@ def state_shape(resolved: Resolved) -> dict[str, Any]:
         "scalar_optimizer": cfg.scalar_optimizer,
         "embed_names": cfg.embed_names,
         "head_names": cfg.head_names,
+        "orientation": cfg.orientation,
+        "mixed_precision": cfg.mixed_precision,
     }
 
 

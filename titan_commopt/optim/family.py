@@ -41,6 +41,9 @@ class ShardShape:
     the S/T meshes (FSDP2's ``Shard(0)``, TP's column-wise layers) and this rank holds the
     ``index``-th part, mixed radix with the first sharding mesh dim most significant. ``itemsize``:
     bytes per element of the parameter (what a family that sends parameter-dtype tensors sends).
+    ``col_split``: the same for the columns (dim 1: TP's row-wise layers). ``sharded``: ``(role,
+    tensor dim)`` of every mesh dim of size > 1 that shards the parameter, role ``"T"`` for a mesh dim
+    named ``tp`` and ``"S"`` otherwise (as Dion assigns them; its orientation rule reads them).
     """
 
     fqn: str
@@ -48,6 +51,8 @@ class ShardShape:
     shape: tuple[int, ...]
     row_split: tuple[int, int] = (0, 1)
     itemsize: int = 4
+    col_split: tuple[int, int] = (0, 1)
+    sharded: tuple[tuple[str, int], ...] = ()
 
     @property
     def numel(self) -> int:
@@ -59,13 +64,19 @@ class ShardShape:
         to_local = getattr(p, "to_local", None)
         if to_local is None:
             return cls(fqn, tuple(p.shape), tuple(p.shape), (0, 1), p.element_size())
-        index, count = 0, 1
+        splits = [[0, 1], [0, 1]]
+        sharded = []
         mesh = p.device_mesh
+        names = mesh.mesh_dim_names or ()
         for dim, placement in enumerate(p.placements):
             size = mesh.size(dim)
-            if size > 1 and placement.is_shard() and placement.dim == 0:
-                index, count = index * size + mesh.get_local_rank(dim), count * size
-        return cls(fqn, tuple(to_local().shape), tuple(p.shape), (index, count), p.element_size())
+            if size > 1 and placement.is_shard() and placement.dim in (0, 1):
+                split = splits[placement.dim]
+                split[0], split[1] = split[0] * size + mesh.get_local_rank(dim), split[1] * size
+                role = "T" if dim < len(names) and names[dim] == "tp" else "S"
+                sharded.append((role, placement.dim))
+        return cls(fqn, tuple(to_local().shape), tuple(p.shape), tuple(splits[0]), p.element_size(),
+                   tuple(splits[1]), tuple(sharded))
 
     @classmethod
     def fsdp(cls, fqn: str, shape: Sequence[int], shards: int, rank: int = 0, itemsize: int = 4) -> "ShardShape":
@@ -75,7 +86,7 @@ class ShardShape:
             return cls(fqn, shape, shape, (0, 1), itemsize)
         chunk = math.ceil(shape[0] / shards)
         local = (max(0, min(chunk, shape[0] - rank * chunk)), *shape[1:])
-        return cls(fqn, local, shape, (rank, shards), itemsize)
+        return cls(fqn, local, shape, (rank, shards), itemsize, sharded=(("S", 0),))
 
 
 def no_problems(options: Any, hparams: BaseHParams) -> list[str]:

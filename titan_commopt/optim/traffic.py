@@ -109,8 +109,11 @@ def dion_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_siz
     """Dion, all-reduce (sent = received), in the parameter dtype: a compressed matrix costs
     ``(m_loc + slice rows)·r`` elements (P's local rows, and this rank's slice of R after the
     reduce-scatter over the row shards: ``dion.r_slice``), an uncompressed matrix and every
-    scalar-optimizer parameter its local shard."""
-    from .dion import compressed, dion_rank, r_slice, route
+    scalar-optimizer parameter its local shard. A matrix that runs transposed (``dion.transposed``)
+    costs its slice of P (X's ``n_loc`` columns split over X's row shards) plus its slice of R (X's
+    ``m_loc`` rows split over X's column shards): the same number as the paper's form wherever
+    X's columns are not sharded."""
+    from .dion import compressed, dion_rank, r_slice, route, transposed
 
     if replicate_size <= 1:
         return Bytes()
@@ -122,7 +125,10 @@ def dion_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_siz
             m, n = s.shape
             r = dion_rank(m, n, cfg)
             if compressed(m, n, r, cfg):
-                elements = (s.local[0] + r_slice(s.local[1], s.row_split)[1]) * r
+                if transposed(m, n, s.sharded, cfg.orientation):
+                    elements = (r_slice(s.local[1], s.row_split)[1] + r_slice(s.local[0], s.col_split)[1]) * r
+                else:
+                    elements = (s.local[0] + r_slice(s.local[1], s.row_split)[1]) * r
         total += elements * s.itemsize
     return Bytes(total, total)
 
