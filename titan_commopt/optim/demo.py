@@ -101,6 +101,13 @@ class Config:
     overlap: bool = option(
         False, "All-gather step t's payload during step t+1's forward/backward and apply its update at the "
         "start of step t+1 (one step stale; off: applied within step t).")
+    lr: float = option(
+        -1.0, "Initial learning rate; negative = [optimizer] lr × lr_scale. Wins over lr_scale (and over "
+        "the preset's lr_scale) when set.")
+    lr_scale: float = option(
+        1.0, "Multiplier of [optimizer] lr when the family's lr is not set (negative); presets carry the "
+        "recommended value (1.0 in every preset until a study sets them). A value you set wins over the "
+        "preset's.", gt=0.0)
 
 
 PRESETS: dict[str, dict[str, Any]] = {

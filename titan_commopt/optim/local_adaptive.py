@@ -61,8 +61,10 @@ DES-LOC is N = 1, ω = 1 (plain Adam locally); MT-DAO the general case. Base alg
 
 Where hyper-parameters come from: ``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay`` of this
 table win when set (≥ 0 / a non-empty list); a negative value / empty list takes torchtitan's
-``[optimizer]`` value (``hparams``). ``lr`` is only the initial value of ``param_groups[i]["lr"]``:
-the LR scheduler owns it afterwards and every step reads it from there.
+``[optimizer]`` value (``hparams``). An unset ``lr`` is ``[optimizer] lr × lr_scale``, computed once by
+the registry's ``resolve`` into ``Resolved.hparams.lr``, which is what ``settings`` reads (so the scale
+is never applied twice). ``lr`` is only the initial value of ``param_groups[i]["lr"]``: the LR
+scheduler owns it afterwards and every step reads it from there.
 
 Sharding: all state lives on the local FSDP2/TP shard (``local(p)``); state tensors shaped like a
 parameter are DTensors with its placement (DCP), the step counter is a plain scalar tensor in
@@ -158,7 +160,15 @@ class Config:
         choices=("none", "coordinate", "norm"),
     )
     clip_threshold: float = option(1.0, "Clipping radius ρ.", gt=0.0)
-    lr: float = option(-1.0, "Initial learning rate; negative = [optimizer] lr.")
+    lr: float = option(
+        -1.0, "Initial learning rate; negative = [optimizer] lr × lr_scale. Wins over lr_scale (and over "
+        "the preset's lr_scale) when set.",
+    )
+    lr_scale: float = option(
+        1.0, "Multiplier of [optimizer] lr when the family's lr is not set (negative); presets carry the "
+        "recommended value (1.0 in every preset until a study sets them). A value you set wins over the "
+        "preset's.", gt=0.0,
+    )
     eps: float = option(-1.0, "ε of the denominator; negative = [optimizer] eps.")
     weight_decay: float = option(-1.0, "Decoupled weight decay λ; negative = [optimizer] weight_decay.")
     bias_correction: bool = option(True, "Adam's bias correction of u_j and v (base = adam only).")
@@ -225,7 +235,8 @@ def _period(value: Any, beta: float, key: str) -> int:
 
 def settings(cfg: Config, hparams: Optional[BaseHParams] = None) -> Settings:
     """The table's concrete numbers, defaults filled in from ``hparams`` (torchtitan's
-    ``[optimizer]``). Raises ``ConfigError`` on a cross-field problem."""
+    ``[optimizer]``; ``hparams.lr`` is taken as the effective lr: ``resolve`` has applied ``lr_scale``).
+    Raises ``ConfigError`` on a cross-field problem."""
     hp = hparams or BaseHParams()
     ku, om = list(cfg.Ku), list(cfg.omega)
     b1 = list(cfg.beta1) or [hp.beta1] * len(ku)
