@@ -141,3 +141,20 @@ def test_effective_lr_preset_scale_user_lr_and_user_scale(name, monkeypatch):
 def test_dion_scalar_groups_are_relative_to_the_effective_lr():
     lrs = _group_lrs("Dion", BaseHParams(lr=0.02), lr_scale=0.5, scalar_lr_scale=0.1)
     assert lrs == [pytest.approx(0.001), 0.01]  # the bias (scalar) at 0.01 × 0.1, the matrix at 0.01
+
+
+def test_every_paper_preset_names_its_source_and_the_docs_print_it():
+    import importlib.util  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "options_reference.py"  # docs/options.md's generator
+    spec = importlib.util.spec_from_file_location("options_reference", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = module.render()
+    for family in FAMILIES.values():
+        if family.key == "dion":  # its source is Dion's module's to record
+            continue
+        for name in family.presets:
+            assert family.preset_sources.get(name), name
+            assert f"| **{name}** | `[{family.section}]` |" in text and family.preset_sources[name] in text
