@@ -43,19 +43,41 @@ def render() -> str:
         *_table(CommonOptions),
     ]
     for family in FAMILIES.values():
+        names = ", ".join(f"`{name}`" for name in family.presets)
         lines += ["", f"## `[{family.section}]`", "", family.summary + ".", "", *_table(family.options), "",
-                  "Presets (`[optimizer] name`):", ""]
-        for name, preset in family.presets.items():
-            settings = ", ".join(f"`{k} = {v!r}`" for k, v in preset.items()) or "the table's defaults"
-            lines.append(f"- **{name}**: {settings}")
-    lines += [
-        "",
-        "A preset fills only the keys you did not set (in the TOML table or with `--commopt.<family>.<key>`):",
-        "a key you set wins, even when you set it to the table's default. The resolved options are logged",
-        "once at start, written to TensorBoard (text `commopt/resolved_options`) and saved in checkpoints.",
-        "",
-    ]
+                  f"Presets (`[optimizer] name`): {names}; their values and sources under [Presets](#presets)."]
+    lines += ["", *_presets()]
     return "\n".join(lines)
+
+
+def _presets() -> list[str]:
+    """Every preset's values and where they come from (each family's ``preset_sources``)."""
+    lines = [
+        "## Presets",
+        "",
+        "`[optimizer] name` picks a family and a preset: the values below fill only the keys you did not set",
+        "(in the TOML table or with `--commopt.<family>.<key>`); a key you set wins, even when you set it to",
+        "the table's default. The resolved options are logged once at start, written to TensorBoard (text",
+        "`commopt/resolved_options`) and saved in checkpoints.",
+        "",
+        "Learning rate: each family's `lr` (negative = unset) and `lr_scale`. The run's initial lr is the",
+        "family's `lr` when set, else `[optimizer] lr × lr_scale`, where `lr_scale` is yours if you set it,",
+        "else the preset's recommended multiplier (1.0 in every preset until a study sets them). It is decided",
+        "once and shown as `effective lr` in the resolved options; torchtitan's LR scheduler scales it from",
+        "there. `lr_scale` does not apply when `[optimizer] name` is torchtitan's own AdamW/Adam.",
+        "",
+        "| name | table | values | lr_scale | source |",
+        "|---|---|---|---|---|",
+    ]
+    for family in FAMILIES.values():
+        for name, preset in family.presets.items():
+            values = ", ".join(f"`{k} = {v!r}`" for k, v in preset.items() if k != "lr_scale")
+            scale = preset.get("lr_scale", family.options().lr_scale)
+            source = family.preset_sources.get(name, "not recorded").replace("|", "\\|")
+            lines.append(f"| **{name}** | `[{family.section}]` | {values or 'the table defaults'} | `{scale!r}` "
+                         f"| {source} |")
+    lines.append("")
+    return lines
 
 
 if __name__ == "__main__":

@@ -115,6 +115,97 @@ def test_one_replica_quasi_hyperbolic_and_adopt_math():
     torch.testing.assert_close(p.detach(), x, rtol=1e-12, atol=1e-14)
 
 
+# ---- MT-DAO's switch from the base optimizer at the end of warm-up ----------------------------------
+def _run(opt, params, data):
+    out = []
+    for grads in data:
+        for p, g in zip(params, grads[0]):
+            p.grad = g.clone()
+        opt.step()
+        out.append([p.detach().clone() for p in params])
+    return out
+
+
+@pytest.mark.parametrize("base", ["adam", "adopt", "sgdm"])
+def test_switch_runs_the_plain_base_optimizer_until_switch_at(base):
+    shapes, k = [(5, 3), (4,)], 6
+    data = _grads(7, shapes, 14)
+    common = dict(base=base, lr=2e-2, beta2=0.97, eps=1e-6, weight_decay=0.05, periods_u=(4,), Kv=4, Kx=2)
+    a = [torch.ones(s, dtype=F64, requires_grad=True) for s in shapes]
+    b = [torch.ones(s, dtype=F64, requires_grad=True) for s in shapes]
+    # MT-DAO after the switch; before it the plain base optimizer with [optimizer] beta1 = 0.9
+    switched = la.LocalAdaptive(a, betas1=(0.99,), omegas=(0.8,), switch_at=k, base_beta1=0.9, **common)
+    plain = la.LocalAdaptive(b, betas1=(0.9,), omegas=(1.0,), **common)
+    got, ref = _run(switched, a, data), _run(plain, b, data)
+    for n in range(k):  # updates 1..k: bit for bit the plain base optimizer
+        assert all(torch.equal(p, q) for p, q in zip(got[n], ref[n])), n
+    for n in range(k, len(data)):  # updates k+1.. differ (configured β1, ω)
+        assert any((p - q).abs().max() > 1e-6 for p, q in zip(got[n], ref[n])), n
+
+
+def test_switch_to_the_same_momentum_is_no_switch_and_carries_the_buffer():
+    """Adam's bias correction after the switch divides u_0 by the weight it has gathered,
+    1 − β^k·β1^(n−k): switching to the same β and ω = 1 changes nothing (the buffer is carried)."""
+    shapes = [(5, 3), (4,)]
+    data = _grads(8, shapes, 12)
+    common = dict(lr=2e-2, beta2=0.97, eps=1e-6, periods_u=(4,), Kv=4, Kx=2)
+    a = [torch.ones(s, dtype=F64, requires_grad=True) for s in shapes]
+    b = [torch.ones(s, dtype=F64, requires_grad=True) for s in shapes]
+    got = _run(la.LocalAdaptive(a, betas1=(0.9,), switch_at=5, base_beta1=0.9, **common), a, data)
+    ref = _run(la.LocalAdaptive(b, betas1=(0.9,), **common), b, data)
+    for p, q in zip(got[-1], ref[-1]):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    # and to another β: u_0 carried, divided by 1 − β_base^k·β1^(n−k) (written out here)
+    x = [torch.ones(s, dtype=F64, requires_grad=True) for s in shapes]
+    got = _run(la.LocalAdaptive(x, betas1=(0.99,), switch_at=5, base_beta1=0.9, **common), x, data)
+    want = [torch.ones(s, dtype=F64) for s in shapes]
+    m, v = [torch.zeros(s, dtype=F64) for s in shapes], [torch.zeros(s, dtype=F64) for s in shapes]
+    gathered = 1.0  # Π of the β each update used: u_0 has weight 1 − Π
+    for n, (grads,) in enumerate(data, start=1):
+        beta = 0.9 if n <= 5 else 0.99
+        gathered *= beta
+        for w, mi, vi, g in zip(want, m, v, grads):
+            mi.mul_(beta).add_(g, alpha=1 - beta)
+            vi.mul_(0.97).addcmul_(g, g, value=0.03)
+            w.sub_(2e-2 * (mi / (1 - gathered)) / ((vi / (1 - 0.97**n)).sqrt() + 1e-6))
+    for p, q in zip(got[-1], want):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_switch_survives_a_checkpoint_taken_before_it():
+    shapes = [(4, 4), (3,)]
+    data = _grads(9, shapes, 12)
+    kw = dict(base="adopt", lr=1e-2, betas1=(0.999,), omegas=(0.95,), periods_u=(3,), Kv=3, Kx=3, switch_at=6,
+              base_beta1=0.9)
+    a = [torch.ones(s, dtype=F64, requires_grad=True) for s in shapes]
+    opt = la.LocalAdaptive(a, **kw)
+    _run(opt, a, data[:4])
+    saved = copy.deepcopy(opt.state_dict())
+    b = [p.detach().clone().requires_grad_() for p in a]
+    opt2 = la.LocalAdaptive(b, **kw)
+    opt2.load_state_dict(saved)
+    got, ref = _run(opt2, b, data[4:]), _run(opt, a, data[4:])
+    assert all(torch.equal(p, q) for p, q in zip(got[-1], ref[-1]))
+
+
+def test_switch_at_warmup_reads_lr_scheduler_warmup_steps():
+    hp = BaseHParams(beta1=0.9, warmup_steps=7)
+    model = nn.Linear(3, 2)
+    opt = make("MT-DAO", model.named_parameters(), Topology.single(), hp)
+    assert (opt.switch_at, opt.base_beta1, opt.param_groups[0]["eps"]) == (7, 0.9, 1e-6)
+    assert make("MT-DAO", model.named_parameters(), Topology.single(), hp, switch_at=0).switch_at == 0
+    assert make("MT-DAO", model.named_parameters(), Topology.single(), hp, switch_at=3).switch_at == 3
+    assert make("MT-DAO", model.named_parameters(), Topology.single(), BaseHParams()).switch_at == 0
+    st = la.settings(resolve("MT-DAO-halflife", hparams=hp).options, hp)
+    assert (st.betas1, st.omegas, st.periods_u, st.beta2, st.Kv, st.Kx, st.eps, st.switch_at) == (
+        (0.999,), (0.95,), (693,), 0.9999, 6931, 32, 1e-6, 7)
+    st = la.settings(resolve("DES-LOC-ADOPT", hparams=hp).options, hp)
+    assert (st.base, st.betas1, st.beta2, st.eps, st.weight_decay, st.periods_u, st.Kv, st.Kx) == (
+        "adopt", (0.95,), 0.9999, 1e-6, 0.0, (96,), 192, 32)
+    with pytest.raises(ConfigError, match=r'^\[commopt.local\] switch_at = \'soon\': allowed is an integer >= 0 or "warmup"$'):
+        resolve("MT-DAO", {"switch_at": "soon"})
+
+
 @pytest.mark.parametrize("fragments,sync_delay", [(1, 0), (3, 1), (2, 2)])
 def test_state_dict_roundtrip_continues_identically(fragments, sync_delay):
     """A checkpoint taken with fragments in flight (one replica: the Nesterov outer step still runs
@@ -172,7 +263,7 @@ def r_sent(shapes, cfg, replicate_size):
 
 
 def test_registry_names():
-    for name in ("DES-LOC", "MT-DAO", "LocalAdam", "DiLoCo"):
+    for name in ("DES-LOC", "DES-LOC-ADOPT", "MT-DAO", "MT-DAO-halflife", "LocalAdam", "DiLoCo"):
         assert family_of(name) is la.FAMILY
         preset = resolve(name).options
         assert all(getattr(preset, k) == v for k, v in la.PRESETS[name].items())
@@ -197,11 +288,16 @@ def test_presets_and_config_errors():
     assert {"DES-LOC", "MT-DAO", "LocalAdam", "DiLoCo"} <= set(la.PRESETS)
     hp = BaseHParams(lr=1e-3, beta1=0.85, beta2=0.97, eps=1e-7, weight_decay=0.05)
     model = nn.Linear(3, 2)
-    opt = make("DES-LOC", model.named_parameters(), Topology.single(), hp)
+    opt = make("LocalAdam", model.named_parameters(), Topology.single(), hp)
     g = opt.param_groups[0]
     # [optimizer] fills what the table leaves unset; the table wins where set
     assert (g["lr"], g["betas1"], g["beta2"], g["eps"], g["weight_decay"]) == (1e-3, (0.85,), 0.97, 1e-7, 0.05)
-    assert (opt.Kx, opt.periods_u, opt.Kv, opt.clip) == (32, (96,), 192, "coordinate")
+    opt = make("DES-LOC", model.named_parameters(), Topology.single(), hp)
+    g = opt.param_groups[0]  # the papers' Adam: β1 = 0.95, β2 = 0.99, no weight decay
+    assert (g["lr"], g["betas1"], g["beta2"], g["eps"], g["weight_decay"]) == (1e-3, (0.95,), 0.99, 1e-7, 0.0)
+    assert (opt.Kx, opt.periods_u, opt.Kv, opt.clip, opt.switch_at) == (32, (96,), 192, "coordinate", 0)
+    g = make("DES-LOC", model.named_parameters(), Topology.single(), hp, beta2=0.97).param_groups[0]
+    assert g["beta2"] == 0.97  # the user's value beats the preset's
     r = la.settings(resolve("MT-DAO", {"lr": 0.5, "weight_decay": 0.0}, hp).options, hp)
     assert (r.base, r.betas1, r.omegas, r.beta2, r.lr, r.weight_decay) == ("adopt", (0.999,), (0.95,), 0.9999, 0.5, 0.0)
     dl = make("DiLoCo", model.named_parameters(), Topology.single(), hp)
@@ -210,6 +306,8 @@ def test_presets_and_config_errors():
     r = la.settings(la.Config(beta1=[0.999], Ku=["auto"], beta2=0.9999, Kv="auto", Kx="auto"), hp)
     assert (r.periods_u, r.Kv, r.Kx) == ((512,), 8192, 512)
     for bad, key in [
+        (dict(switch_at="soon"), "switch_at"),
+        (dict(switch_at=-1), "switch_at"),
         (dict(Ku=[32, 64], omega=[0.5]), "omega"),
         (dict(Ku=[32], beta1=[0.9, 0.99], omega=[1.0]), "beta1"),
         (dict(Kv=-1), "Kv"),
@@ -219,7 +317,7 @@ def test_presets_and_config_errors():
         (dict(clip="global"), "clip"),
     ]:
         with pytest.raises(ConfigError) as e:
-            resolve("DES-LOC", bad, hp)  # the pre-flight resolution: before any process group exists
+            resolve("LocalAdam", bad, hp)  # the pre-flight resolution: before any process group exists
         msg = str(e.value)
         assert "\n" not in msg and f"[commopt.local] {key}" in msg, msg
 

@@ -102,3 +102,59 @@ def test_shard_shape_of_dtensors_on_a_2x2_mesh():
     assert [g[0][2] for g in got] == [(0, 4), (1, 4), (2, 4), (3, 4)]
     assert [g[1][2] for g in got] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     assert [g[1][0] for g in got] == [(5, 2), (5, 2), (4, 2), (4, 2)] and got[0][0][1] == (9, 4)
+
+
+# ---- the effective learning rate: decided once in resolve() -----------------------------------------
+FIRST_OF_EACH = [next(iter(f.presets)) for f in FAMILIES.values()]
+
+
+def _group_lrs(name, hparams, **options):
+    opt = build_optimizer(list(nn.Linear(4, 3).named_parameters()), Topology.single(),
+                          resolve(name, options, hparams))
+    return sorted({g["lr"] for g in opt.param_groups})
+
+
+@pytest.mark.parametrize("name", FIRST_OF_EACH)
+def test_effective_lr_preset_scale_user_lr_and_user_scale(name, monkeypatch):
+    family = family_of(name)
+    defaults = family.options()
+    assert (defaults.lr, defaults.lr_scale) == (-1.0, 1.0)  # every family has both, unset / neutral
+    hp = BaseHParams(lr=0.02)
+    assert resolve(name, hparams=hp).hparams.lr == 0.02
+    monkeypatch.setitem(family.presets[name], "lr_scale", 0.25)  # a preset's recommended multiplier
+    r = resolve(name, hparams=hp)
+    assert r.hparams.lr == 0.02 * 0.25 and r.optimizer_lr == 0.02 and "lr_scale" in r.preset_keys()
+    assert _group_lrs(name, hp)[-1] == 0.02 * 0.25  # the builder reads it, scaled once (not 0.02 * 0.25²)
+    assert resolve(name, {"lr_scale": 2.0}, hp).hparams.lr == 0.04  # the user's scale beats the preset's
+    r = resolve(name, {"lr": 0.003, "lr_scale": 2.0}, hp)  # the family's lr beats any scale
+    assert r.hparams.lr == 0.003 and _group_lrs(name, hp, lr=0.003, lr_scale=2.0)[-1] == 0.003
+    record = json.loads(json.dumps(resolve(name, hparams=hp).record()))
+    assert record["effective_lr"] == record["hparams"]["lr"] == 0.005
+    assert record["lr_from"] == "[optimizer] lr 0.02 × lr_scale 0.25"
+    assert resolve(name, hparams=hp).describe().splitlines()[-1] == (
+        "  effective lr = 0.005 ([optimizer] lr 0.02 × lr_scale 0.25)")
+    assert r.describe().splitlines()[-1] == f"  effective lr = 0.003 ([{family.section}] lr)"
+    with pytest.raises(ConfigError, match=rf"^\[{family.section}\] lr_scale = 0: allowed is a number > 0$"):
+        resolve(name, {"lr_scale": 0})
+
+
+def test_dion_scalar_groups_are_relative_to_the_effective_lr():
+    lrs = _group_lrs("Dion", BaseHParams(lr=0.02), lr_scale=0.5, scalar_lr_scale=0.1)
+    assert lrs == [pytest.approx(0.001), 0.01]  # the bias (scalar) at 0.01 × 0.1, the matrix at 0.01
+
+
+def test_every_paper_preset_names_its_source_and_the_docs_print_it():
+    import importlib.util  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "options_reference.py"  # docs/options.md's generator
+    spec = importlib.util.spec_from_file_location("options_reference", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = module.render()
+    for family in FAMILIES.values():
+        if family.key == "dion":  # its source is Dion's module's to record
+            continue
+        for name in family.presets:
+            assert family.preset_sources.get(name), name
+            assert f"| **{name}** | `[{family.section}]` |" in text and family.preset_sources[name] in text

@@ -142,7 +142,7 @@ def test_resume_with_options_that_do_not_shape_state_is_allowed_and_logged(tmp_p
     with caplog.at_level("INFO"):
         assert resume_problem(_job(tmp_path, "DES-LOC"), resolved, 2) is None
     assert "[commopt.local] Ku [96] -> [128], Kx 32 -> 64" in caplog.text
-    assert "[optimizer] lr = 0.01 in this run, 0.0008" in caplog.text  # the scheduler keeps the saved lr
+    assert "lr / lr_scale) = 0.01 in this run, 0.0008" in caplog.text  # the scheduler keeps the saved lr
     _save(tmp_path, 4, "FlexDeMo")
     with caplog.at_level("INFO"):
         assert resume_problem(_job(tmp_path, "DeMo"), resolve("DeMo"), 2) is None

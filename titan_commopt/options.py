@@ -30,13 +30,14 @@ def option(
     gt: Optional[float] = None,
     le: Optional[float] = None,
     lt: Optional[float] = None,
-    auto: bool = False,
+    auto: "bool | str" = False,
     kind: Optional[type] = None,
 ) -> Any:
     """A dataclass field with validation metadata.
 
     ``kind`` defaults to ``type(default)`` (``float`` also accepts ints); ``auto=True`` additionally
-    accepts the string ``"auto"`` (periods resolved from a half-life).
+    accepts the string ``"auto"`` (periods resolved from a half-life), ``auto="<word>"`` that word
+    (e.g. ``"warmup"``: a step count taken from another section).
     """
     meta = {
         "help": help,
@@ -73,12 +74,17 @@ def allowed_text(meta: Mapping[str, Any]) -> str:
             bounds.append(f"<= {meta['le']:g}")
         parts.append(name + (" " + " and ".join(bounds) if bounds else ""))
     if meta["auto"]:
-        parts.append('or "auto"')
+        parts.append(f'or "{_word(meta)}"')
     return " ".join(parts)
 
 
+def _word(meta: Mapping[str, Any]) -> str:
+    """The one string an ``auto`` option accepts besides its kind."""
+    return "auto" if meta["auto"] is True else meta["auto"]
+
+
 def _check_value(value: Any, meta: Mapping[str, Any]) -> bool:
-    if meta["auto"] and value == "auto":
+    if meta["auto"] and value == _word(meta):
         return True
     kind = meta["kind"]
     if kind is float:

@@ -52,7 +52,11 @@ def family_of(name: str) -> Family:
 
 def resolve(name: str, given: Optional[Mapping[str, Any]] = None, hparams: Optional[BaseHParams] = None) -> Resolved:
     """The options ``name`` trains with: the family defaults, the preset of ``name`` on the keys the
-    user did not set, the user's ``given`` keys; validated once (every problem, one line each)."""
+    user did not set, the user's ``given`` keys; validated once (every problem, one line each).
+
+    The effective learning rate is decided here, once: the family's ``lr`` when >= 0, else
+    ``hparams.lr × lr_scale`` (the preset's recommended multiplier unless the user set one). It is
+    stored as the returned ``hparams.lr``, which every builder reads, so no scale is applied twice."""
     family = family_of(name)
     given = dict(given or {})
     hparams = hparams if hparams is not None else BaseHParams()
@@ -65,7 +69,8 @@ def resolve(name: str, given: Optional[Mapping[str, Any]] = None, hparams: Optio
         found = family.check(options, hparams)
     if found:
         raise ConfigError("\n".join(found))
-    return Resolved(name, family, options, hparams, frozenset(given))
+    lr = options.lr if options.lr >= 0 else hparams.lr * options.lr_scale
+    return Resolved(name, family, options, dataclasses.replace(hparams, lr=lr), frozenset(given), hparams.lr)
 
 
 def build_optimizer(named_params: NamedParams, topology: Topology, resolved: Resolved) -> CommOptimizer:

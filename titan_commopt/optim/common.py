@@ -20,13 +20,16 @@ NamedParams = list[tuple[str, nn.Parameter]]
 
 @dataclass(frozen=True)
 class BaseHParams:
-    """The generic knobs of torchtitan's ``[optimizer]`` section (same names)."""
+    """The generic knobs of torchtitan's ``[optimizer]`` section (same names), and its
+    ``[lr_scheduler] warmup_steps``. In a :class:`~titan_commopt.optim.Resolved` value ``lr`` is the
+    effective initial learning rate (the family's ``lr``, or this ``lr`` × the family's ``lr_scale``)."""
 
     lr: float = 8e-4
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
+    warmup_steps: int = 0
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

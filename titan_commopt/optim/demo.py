@@ -101,12 +101,31 @@ class Config:
     overlap: bool = option(
         False, "All-gather step t's payload during step t+1's forward/backward and apply its update at the "
         "start of step t+1 (one step stale; off: applied within step t).")
+    lr: float = option(
+        -1.0, "Initial learning rate; negative = [optimizer] lr × lr_scale. Wins over lr_scale (and over "
+        "the preset's lr_scale) when set.")
+    lr_scale: float = option(
+        1.0, "Multiplier of [optimizer] lr when the family's lr is not set (negative); presets carry the "
+        "recommended value (1.0 in every preset until a study sets them). A value you set wins over the "
+        "preset's.", gt=0.0)
 
 
 PRESETS: dict[str, dict[str, Any]] = {
     "DeMo": {},  # the Config defaults are DeMo's (s = 64, k = 32, beta = 0.999, sign after aggregation)
-    # DeToNATION's defaults: chunk 32, sign before sync (ternary), fp32 transfer; k = 16 → rate 1/64
+    # The FlexDeMo paper's experiments: chunk 32, sign before sync (ternary), fp32 transfer; k = 16 →
+    # rate 1/64. (DeToNATION 0.5.2's code defaults differ: chunk 64, top-k 32, sign after aggregation —
+    # the DeMo preset's values, or chunk = 64, topk = 32, sign_before_sync = false here.)
     "FlexDeMo": {"chunk": 32, "topk": 16, "sign_before_sync": True, "transfer_dtype": "fp32"},
+}
+
+# Where each preset's values come from (docs/options.md prints it beside the preset).
+PRESET_SOURCES: dict[str, str] = {
+    "DeMo": "DeMo (Peng, Quesnelle, Kingma 2024), its experiments and reference code: chunk 64, top-k 32, "
+    "β = 0.999, sign of the aggregate",
+    "FlexDeMo": "DeToNATION/FlexDeMo paper, Experiments, \"Overall Setup\" (ablations in its appendix B): "
+    "chunk size 32, fp32 transfer, only the sign synced; top-k varied for the compression rate (16: 1/64 of "
+    "a 32×32 chunk). Alternative: the DeToNATION 0.5.2 code defaults, chunk 64, top-k 32, sign after "
+    "aggregation (set chunk = 64, topk = 32, sign_before_sync = false)",
 }
 
 
@@ -528,5 +547,6 @@ FAMILY = Family(
     r_bytes=demo_r_bytes,
     check=check,
     state_shape=state_shape,
+    preset_sources=PRESET_SOURCES,
     summary="top-k DCT coefficients of the decoupled momentum (DeMo), or a DeToNATION replicator (FlexDeMo)",
 )

@@ -152,6 +152,15 @@ class Config:
         "adamw", "Optimizer of embeddings, output head, norms, biases.", choices=("adamw", "lion")
     )
     scalar_lr_scale: float = option(1.0, "lr of the scalar optimizer = [optimizer] lr × this.", gt=0.0)
+    lr: float = option(
+        -1.0, "Initial learning rate; negative = [optimizer] lr × lr_scale. Wins over lr_scale (and over "
+        "the preset's lr_scale) when set. scalar_lr_scale and head_lr_scale multiply this effective lr.",
+    )
+    lr_scale: float = option(
+        1.0, "Multiplier of [optimizer] lr when the family's lr is not set (negative); presets carry the "
+        "recommended value (1.0 in every preset until a study sets them). A value you set wins over the "
+        "preset's.", gt=0.0,
+    )
     head_lr_scale: float = option(
         0.0,
         "Extra lr factor of the output head; 0 = auto: 1/sqrt(d_in) with Lion (microsoft/dion), "

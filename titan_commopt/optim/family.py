@@ -13,7 +13,7 @@ container fills it from the live DTensors, the comm report from a meta-device mo
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -111,7 +111,12 @@ class Family:
     - ``state_shape(resolved)``: ``{option key: value}`` of what decides the optimizer state's keys,
       shapes and meaning (JSON values); a checkpoint records it and a resume with another value is
       refused (``titan/checkpoint.py``). Every other option may change on resume;
-    - ``summary``: one line for the docs.
+    - ``summary``: one line for the docs;
+    - ``preset_sources``: ``{optimizer name: where its values come from}`` (paper, section/table),
+      printed beside each preset in ``docs/options.md``.
+
+    Every ``options`` dataclass has ``lr`` (negative = unset) and ``lr_scale``: the registry turns
+    them into the effective learning rate once (``resolve``), so builders read ``hparams.lr`` only.
     """
 
     key: str
@@ -122,6 +127,7 @@ class Family:
     check: Callable[[Any, BaseHParams], list[str]] = no_problems
     state_shape: Callable[["Resolved"], Mapping[str, Any]] = no_state_shape
     summary: str = ""
+    preset_sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def section(self) -> str:
@@ -133,7 +139,9 @@ class Resolved:
     """``[optimizer]`` + ``[commopt.<family>]`` + the preset of ``name``: what a run trains with.
 
     ``options`` is the family's options dataclass with the preset filled in where the user left a
-    key unset (``user_set`` names the keys the user set); ``hparams`` are ``[optimizer]``'s.
+    key unset (``user_set`` names the keys the user set); ``hparams`` are ``[optimizer]``'s, with
+    ``lr`` the effective initial learning rate (``options.lr`` when >= 0, else ``optimizer_lr`` ×
+    ``options.lr_scale``); ``optimizer_lr`` is ``[optimizer] lr`` as given.
     """
 
     name: str
@@ -141,6 +149,7 @@ class Resolved:
     options: Any
     hparams: BaseHParams
     user_set: frozenset[str] = frozenset()
+    optimizer_lr: Optional[float] = None
 
     def preset_keys(self) -> list[str]:
         """Keys whose value came from the preset (not set by the user)."""
@@ -153,15 +162,26 @@ class Resolved:
             "family": self.family.key,
             "options": dataclasses.asdict(self.options),
             "hparams": dataclasses.asdict(self.hparams),
+            "effective_lr": self.hparams.lr,
+            "lr_from": self.lr_source(),
             "from_preset": self.preset_keys(),
             "state_shape": dict(self.family.state_shape(self)),
         }
 
+    def lr_source(self) -> str:
+        """Where the effective initial learning rate ``hparams.lr`` came from."""
+        if getattr(self.options, "lr", -1.0) >= 0:
+            return f"[{self.family.section}] lr"
+        if self.optimizer_lr is None:
+            return "[optimizer] lr"
+        return f"[optimizer] lr {self.optimizer_lr!r} × lr_scale {self.options.lr_scale!r}"
+
     def describe(self) -> str:
-        """One line per option, marking where each value came from."""
+        """One line per option, marking where each value came from; last the effective lr."""
         preset = set(self.preset_keys())
         lines = [f"{self.name} ([{self.family.section}], [optimizer] {dataclasses.asdict(self.hparams)}):"]
         for f in dataclasses.fields(self.options):
             source = "set" if f.name in self.user_set else "preset" if f.name in preset else "default"
             lines.append(f"  {f.name} = {getattr(self.options, f.name)!r} ({source})")
+        lines.append(f"  effective lr = {self.hparams.lr!r} ({self.lr_source()})")
         return "\n".join(lines)

@@ -223,10 +223,11 @@ def _quasi_hyperbolic_multi(
 def qh_adamw_multi_(
     xs: Tensors, gs: Tensors, moments: Sequence[Tensors], vs: Tensors, *, lr: float, betas1: Sequence[float],
     omegas: Sequence[float], beta2: float, eps: float, weight_decay: float, step: float,
-    bias_correction: bool = True,
+    bias_correction: bool = True, corrections1: Optional[Sequence[float]] = None,
 ) -> None:
-    """:func:`qh_adamw_` over lists."""
-    if len(moments) == 1 and omegas[0] == 1.0:
+    """:func:`qh_adamw_` over lists. ``corrections1``: the first momenta's bias corrections when not
+    1 − β1_j^t (a momentum whose β changed mid-run, MT-DAO's switch)."""
+    if corrections1 is None and len(moments) == 1 and omegas[0] == 1.0:
         adamw_multi_(xs, gs, moments[0], vs, lr=lr, beta1=betas1[0], beta2=beta2, eps=eps,
                      weight_decay=weight_decay, step=step, bias_correction=bias_correction)
         return
@@ -236,7 +237,7 @@ def qh_adamw_multi_(
     torch._foreach_mul_(vs, beta2)
     torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
     denom = _denominator_multi(vs, beta2, step, eps, bias_correction)
-    corrections = [_correction(b, step, bias_correction) for b in betas1]
+    corrections = corrections1 if corrections1 is not None else [_correction(b, step, bias_correction) for b in betas1]
     torch._foreach_addcdiv_(xs, _quasi_hyperbolic_multi(gs, moments, omegas, corrections), denom, value=-lr)
 
 

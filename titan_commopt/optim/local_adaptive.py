@@ -61,8 +61,10 @@ DES-LOC is N = 1, ω = 1 (plain Adam locally); MT-DAO the general case. Base alg
 
 Where hyper-parameters come from: ``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay`` of this
 table win when set (≥ 0 / a non-empty list); a negative value / empty list takes torchtitan's
-``[optimizer]`` value (``hparams``). ``lr`` is only the initial value of ``param_groups[i]["lr"]``:
-the LR scheduler owns it afterwards and every step reads it from there.
+``[optimizer]`` value (``hparams``). An unset ``lr`` is ``[optimizer] lr × lr_scale``, computed once by
+the registry's ``resolve`` into ``Resolved.hparams.lr``, which is what ``settings`` reads (so the scale
+is never applied twice). ``lr`` is only the initial value of ``param_groups[i]["lr"]``: the LR
+scheduler owns it afterwards and every step reads it from there.
 
 Sharding: all state lives on the local FSDP2/TP shard (``local(p)``); state tensors shaped like a
 parameter are DTensors with its placement (DCP), the step counter is a plain scalar tensor in
@@ -79,9 +81,19 @@ Outer optimizer ``nesterov`` (DiLoCo): with ``a`` = x at the previous sync (``ou
 ``b`` = ``outer_buf``: Δ = a − mean_R(x); b ← μ·b + Δ; x ← a − η_out·(Δ + μ·b); a ← x. With one
 replica it still runs (DiLoCo with one worker is not plain Adam).
 
-Presets (``PRESETS``): ``DES-LOC`` (Adam, Kx=32, Ku=96=3Kx, Kv=192=6Kx, coordinate clip),
-``MT-DAO`` (ADOPT, β1=0.999, ω=0.95, β2=0.9999, K=32 for all), ``LocalAdam``
+Presets (``PRESETS``, their sources in ``PRESET_SOURCES``): ``DES-LOC`` (Adam β1=0.95, β2=0.99, no
+weight decay, Kx=32, Ku=96=3Kx, Kv=192=6Kx, coordinate clip), ``DES-LOC-ADOPT`` (the same on ADOPT,
+β2=0.9999, ε=1e-6), ``MT-DAO`` (ADOPT, β1=0.999, ω=0.95, β2=0.9999, ε=1e-6, K=32 for all, switch at
+the end of warm-up), ``MT-DAO-halflife`` (the same with Ku=693, Kv=6931), ``LocalAdam``
 (Kx=Ku=Kv=32), ``DiLoCo`` (Kx=32, Ku=Kv=0, Nesterov outer lr 0.7, μ 0.9).
+
+MT-DAO's switch (``switch_at`` = k; MT-DAO appendix B.2, "a simple switch from a base optimizer (e.g.
+ADOPT) to its multi-timescale variant at the end of the warmup period"): updates n ≤ k run the plain
+base optimizer — one momentum u_0 with ``[optimizer] beta1``, ω = 1 (Adam/ADOPT/SGDM as torch has
+them) — and updates n > k the configured β1_j, ω_j. u_0 is carried across the switch (u_j, j ≥ 1,
+start at zero there); with Adam's bias correction each u_j is divided by the weight it has gathered
+(1 − β^k·β1_0^(n−k) for u_0). The syncs keep their schedule. Decided by the step counter alone, so the
+same on every replica and after a resume.
 
 Clipping: under torchtitan, ``[training] max_norm`` has already clipped every replica's gradient
 by the replicas' common norm (``titan/container.py``) when ``step()`` runs. ``clip`` is a second,
@@ -158,11 +170,25 @@ class Config:
         choices=("none", "coordinate", "norm"),
     )
     clip_threshold: float = option(1.0, "Clipping radius ρ.", gt=0.0)
-    lr: float = option(-1.0, "Initial learning rate; negative = [optimizer] lr.")
+    lr: float = option(
+        -1.0, "Initial learning rate; negative = [optimizer] lr × lr_scale. Wins over lr_scale (and over "
+        "the preset's lr_scale) when set.",
+    )
+    lr_scale: float = option(
+        1.0, "Multiplier of [optimizer] lr when the family's lr is not set (negative); presets carry the "
+        "recommended value (1.0 in every preset until a study sets them). A value you set wins over the "
+        "preset's.", gt=0.0,
+    )
     eps: float = option(-1.0, "ε of the denominator; negative = [optimizer] eps.")
     weight_decay: float = option(-1.0, "Decoupled weight decay λ; negative = [optimizer] weight_decay.")
     bias_correction: bool = option(True, "Adam's bias correction of u_j and v (base = adam only).")
     adopt_clip: bool = option(True, "ADOPT's clip of the normalized gradient to ±(step−1)^¼.")
+    switch_at: Union[int, str] = option(
+        0, "MT-DAO's switch (appendix B.2): the first switch_at updates run the plain base optimizer (one "
+        "momentum with [optimizer] beta1, ω = 1), later ones the configured beta1/omega; the momentum is "
+        "carried across. 0 = no switch; \"warmup\" = [lr_scheduler] warmup_steps.",
+        ge=0, auto="warmup", kind=int,
+    )
     transfer_dtype: str = option(
         "fp32", "dtype of synced states on the wire (native = the state's own dtype).",
         choices=("fp32", "bf16", "native"),
@@ -181,18 +207,57 @@ class Config:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # DES-LOC: Adam, parameters synced most often, states at multiples of Kx (Ku = 3Kx, Kv = 6Kx).
-    "DES-LOC": {"base": "adam", "Kx": 32, "Ku": [96], "Kv": 192, "clip": "coordinate"},
-    # MT-DAO as the paper runs it: N = 1 quasi-hyperbolic slow momentum on ADOPT, K = 32 for all.
-    # Its norm clip at rho = 1 (paper, Table 2) is the training loop's: [training] max_norm = 1.
+    # DES-LOC-Adam: parameters synced most often, states at multiples of Kx (Ku = 3Kx, Kv = 6Kx: 2×
+    # less than Local Adam's 3/K per step), the paper's coordinate clip; its Adam β1 = 0.95, β2 = 0.99,
+    # no weight decay (the DES-LOC β search picks β1 = 0.95 for every experiment, β2 = 0.99 for Adam).
+    "DES-LOC": {
+        "base": "adam", "beta1": [0.95], "beta2": 0.99, "weight_decay": 0.0,
+        "Kx": 32, "Ku": [96], "Kv": 192, "clip": "coordinate",
+    },
+    # DES-LOC-ADOPT, the DES-LOC paper's main setting: ADOPT with its defaults β2 = 0.9999, ε = 1e-6, the
+    # same β1 = 0.95 and no weight decay; periods as DES-LOC-Adam's (Ku = 3Kx, Kv = 6Kx).
+    "DES-LOC-ADOPT": {
+        "base": "adopt", "beta1": [0.95], "beta2": 0.9999, "eps": 1e-6, "weight_decay": 0.0,
+        "Kx": 32, "Ku": [96], "Kv": 192, "clip": "coordinate",
+    },
+    # MT-DAO as the paper runs it: N = 1 quasi-hyperbolic slow momentum on ADOPT (ε = 1e-6, ADOPT's),
+    # K = 32 for all, the base optimizer until the end of warm-up. Its norm clip at rho = 1 (paper,
+    # Table 2) is the training loop's: [training] max_norm = 1.
     "MT-DAO": {
-        "base": "adopt", "beta1": [0.999], "omega": [0.95], "beta2": 0.9999,
-        "Kx": 32, "Ku": [32], "Kv": 32,
+        "base": "adopt", "beta1": [0.999], "omega": [0.95], "beta2": 0.9999, "eps": 1e-6,
+        "Kx": 32, "Ku": [32], "Kv": 32, "switch_at": "warmup",
+    },
+    # MT-DAO with half-life periods: each state synced about once per half-life of its β,
+    # τ(β) = ln 0.5 / ln β: τ(0.999) = 693 for u, τ(0.9999) = 6931 for v; x stays at 32.
+    "MT-DAO-halflife": {
+        "base": "adopt", "beta1": [0.999], "omega": [0.95], "beta2": 0.9999, "eps": 1e-6,
+        "Kx": 32, "Ku": [693], "Kv": 6931, "switch_at": "warmup",
     },
     # Local Adam: everything synced together.
     "LocalAdam": {"base": "adam", "Kx": 32, "Ku": [32], "Kv": 32},
     # DiLoCo-style: states never synced (persistent local state), Nesterov outer step every Kx.
     "DiLoCo": {"base": "adam", "Kx": 32, "Ku": [0], "Kv": 0, "outer": "nesterov"},
+}
+
+
+# Where each preset's values come from (docs/options.md prints it beside the preset).
+PRESET_SOURCES: dict[str, str] = {
+    "DES-LOC": "DES-LOC (Iacob et al.): appendix B.2 (no weight decay), B.2.1 (Adam β1 = 0.95, β2 = 0.99; also "
+    "MT-DAO appendix E.2 Table 3, DES-LOC-ADAM), Algorithm 1 (coordinate clip), §5.3 / Fig. 5 (Kx = 32, "
+    "Ku = 3Kx, Kv = 6Kx: the 2× reduction over Local Adam; our reading, the extracted figure lost the numbers)",
+    "DES-LOC-ADOPT": "DES-LOC §4.1 (ADOPT with its default β2 = 0.9999 is the main optimizer), B.2.1 (β1 = 0.95 "
+    "for all experiments; also MT-DAO appendix E.2 Table 3, DES-LOC-ADOPT), B.2 (no weight decay), periods "
+    "as DES-LOC's; ε = 1e-6 is ADOPT's default (Taniguchi et al. 2024). Alternative: MT-DAO Table 3's "
+    "half-life periods for it, Ku = 32, Kv = 6931",
+    "MT-DAO": "MT-DAO §4.1 (ADOPT, β2 = 0.9999, N = 1, K = Kx = K1 = Kv = 32), appendix E.2 Table 3, "
+    "\"MT-DAO-ADOPT (Unified)\" (β1 = 0.999, ω = 0.95), appendix B.2 (switch from the base optimizer at the "
+    "end of warm-up); ε = 1e-6 is ADOPT's default (Taniguchi et al. 2024)",
+    "MT-DAO-halflife": "MT-DAO appendix E.2 Table 3, \"MT-DAO-ADOPT (Half-Life)\": ω = 0.95, β1 = 0.999, "
+    "β2 = 0.9999, Kx = 32, Ku = 693, Kv = 6931 (the half-lives of β1 and β2)",
+    "LocalAdam": "Local Adam baseline of DES-LOC §4.1 and MT-DAO §4.1: every state synced together, K = 32 "
+    "(MT-DAO appendix E.2 Table 3, \"Unified\")",
+    "DiLoCo": "DiLoCo (Douillard et al. 2023): Nesterov outer step, outer lr 0.7, momentum 0.9; states never "
+    "synced (FedAvg with persistent local states, DES-LOC §4.1 baseline (iii))",
 }
 
 
@@ -211,6 +276,8 @@ class Settings:
     weight_decay: float
     fragments: int = 1
     sync_delay: int = 0
+    switch_at: int = 0
+    base_beta1: float = 0.9
 
 
 def _period(value: Any, beta: float, key: str) -> int:
@@ -225,7 +292,8 @@ def _period(value: Any, beta: float, key: str) -> int:
 
 def settings(cfg: Config, hparams: Optional[BaseHParams] = None) -> Settings:
     """The table's concrete numbers, defaults filled in from ``hparams`` (torchtitan's
-    ``[optimizer]``). Raises ``ConfigError`` on a cross-field problem."""
+    ``[optimizer]``; ``hparams.lr`` is taken as the effective lr: ``resolve`` has applied ``lr_scale``).
+    Raises ``ConfigError`` on a cross-field problem."""
     hp = hparams or BaseHParams()
     ku, om = list(cfg.Ku), list(cfg.omega)
     b1 = list(cfg.beta1) or [hp.beta1] * len(ku)
@@ -274,6 +342,8 @@ def settings(cfg: Config, hparams: Optional[BaseHParams] = None) -> Settings:
         weight_decay=hp.weight_decay if cfg.weight_decay < 0 else cfg.weight_decay,
         fragments=int(cfg.fragments),
         sync_delay=int(cfg.sync_delay),
+        switch_at=hp.warmup_steps if cfg.switch_at == "warmup" else int(cfg.switch_at),
+        base_beta1=float(hp.beta1),
     )
 
 
@@ -386,6 +456,8 @@ class LocalAdaptive(CommOptimizer):
         transfer_dtype: Optional[torch.dtype] = torch.float32,
         fragments: int = 1,
         sync_delay: int = 0,
+        switch_at: int = 0,
+        base_beta1: float = 0.9,
         ledger: Optional["comm.CommLedger"] = None,
     ) -> None:
         if not (len(betas1) == len(omegas) == len(periods_u) >= 1):
@@ -417,6 +489,12 @@ class LocalAdaptive(CommOptimizer):
         if fragments < 1 or sync_delay < 0 or (positive and sync_delay >= min(positive)):
             raise ValueError(f"fragments = {fragments} (>= 1), sync_delay = {sync_delay} (>= 0, below every period > 0)")
         self.sync_delay = int(sync_delay)
+        if switch_at < 0 or not 0.0 <= base_beta1 < 1.0:
+            raise ValueError(f"switch_at = {switch_at} (>= 0), base_beta1 = {base_beta1} (in [0, 1))")
+        # Global, not per group: read with the checkpointed step counter, a resume switches at the same
+        # update; param_groups saved before the switch existed still load.
+        self.switch_at = int(switch_at)
+        self.base_beta1 = float(base_beta1)
         # The step counter: one Python int (no host read per parameter); every parameter's
         # state["step"] is the same CPU scalar tensor holding it, so checkpoints carry it.
         self._n = 0
@@ -576,19 +654,25 @@ class LocalAdaptive(CommOptimizer):
     def _update(self, group: dict, cols: list[list[torch.Tensor]], n: int) -> None:
         """One local step: ``cols`` = [xs, gs, u_0s, …, u_{N−1}s(, vs)] of some parameters of ``group``."""
         nm = len(group["betas1"])
-        xs, gs, moments = cols[0], cols[1], cols[2 : 2 + nm]
-        hp = dict(lr=group["lr"], betas1=group["betas1"], omegas=group["omegas"],
-                  weight_decay=group["weight_decay"])
+        xs, gs, moments, vs = cols[0], cols[1], cols[2 : 2 + nm], cols[2 + nm] if self.base != "sgdm" else None
+        betas1, omegas, corrections = group["betas1"], group["omegas"], None
+        k = self.switch_at
+        if n <= k:  # before MT-DAO's switch: the plain base optimizer on u_0 (the other u_j stay 0)
+            betas1, omegas, moments = (self.base_beta1,), (1.0,), moments[:1]
+        elif k > 0 and self.base == "adam" and self.bias_correction:
+            # The weight each EMA has gathered: u_0 was built with the base β for k updates, then β1_0
+            # (1 − β^k·β1_0^(n−k)); u_j (j ≥ 1) started at zero at the switch (1 − β1_j^(n−k)).
+            carried = [self.base_beta1**k] + [1.0] * (nm - 1)
+            corrections = [1 - c * b ** (n - k) for c, b in zip(carried, betas1)]
+        hp = dict(lr=group["lr"], betas1=betas1, omegas=omegas, weight_decay=group["weight_decay"])
         if self.base == "sgdm":
             kernels.sgdm_multi_(xs, gs, moments, **hp)
-            return
-        vs = cols[2 + nm]
-        if self.base == "adopt":
+        elif self.base == "adopt":
             kernels.adopt_multi_(xs, gs, moments, vs, **hp, beta2=group["beta2"], eps=group["eps"], step=n,
                                  clip=self.adopt_clip)
         else:
             kernels.qh_adamw_multi_(xs, gs, moments, vs, **hp, beta2=group["beta2"], eps=group["eps"], step=n,
-                                    bias_correction=self.bias_correction)
+                                    bias_correction=self.bias_correction, corrections1=corrections)
 
     # ---- the R syncs -----------------------------------------------------------------------------
     def _due(self, n: int) -> dict[str, set[int]]:
@@ -698,6 +782,8 @@ def build(named_params: NamedParams, topology: Topology, resolved: Resolved) -> 
         transfer_dtype=None if cfg.transfer_dtype == "native" else comm.DTYPES[cfg.transfer_dtype],
         fragments=st.fragments,
         sync_delay=st.sync_delay,
+        switch_at=st.switch_at,
+        base_beta1=st.base_beta1,
     )
 
 
@@ -721,6 +807,7 @@ FAMILY = Family(
     r_bytes=local_r_bytes,
     check=check,
     state_shape=state_shape,
+    preset_sources=PRESET_SOURCES,
     summary="parameters every Kx, first moments every K_j, second moment every Kv steps (DES-LOC, MT-DAO, "
     "Local Adam, DiLoCo)",
 )

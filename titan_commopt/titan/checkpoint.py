@@ -238,7 +238,8 @@ def _log_allowed_changes(path: str, record: dict[str, Any], resolved: Any) -> No
         )
     if saved_lr is not None and ours_lr is not None and saved_lr != ours_lr:
         logger.warning(
-            "titan_commopt: [optimizer] lr = %r in this run, %r in %s: torchtitan restores the LR scheduler "
+            "titan_commopt: effective lr ([optimizer] lr, or the family's lr / lr_scale) = %r in this run, %r in "
+            "%s: torchtitan restores the LR scheduler "
             "from the checkpoint, and with it the checkpoint's base lr", ours_lr, saved_lr, path,
         )
 

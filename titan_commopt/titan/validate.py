@@ -23,13 +23,16 @@ __all__ = ["resolve_job", "hparams_of", "remember", "resolved_for"]
 _preflight: dict[str, Optional[Resolved]] = {}  # the pre-flight check's result, by optimizer name
 
 
-def hparams_of(optimizer_config: Any) -> BaseHParams:
+def hparams_of(optimizer_config: Any, lr_scheduler_config: Any = None) -> BaseHParams:
+    """``[optimizer]``'s generic knobs, and ``[lr_scheduler] warmup_steps`` (MT-DAO's switch at the
+    end of warm-up reads it; 0 when no scheduler table is given)."""
     return BaseHParams(
         lr=optimizer_config.lr,
         beta1=optimizer_config.beta1,
         beta2=optimizer_config.beta2,
         eps=optimizer_config.eps,
         weight_decay=optimizer_config.weight_decay,
+        warmup_steps=int(getattr(lr_scheduler_config, "warmup_steps", 0)),
     )
 
 
@@ -86,7 +89,8 @@ def resolve_job(
     found += _unsupported(job_config, name)
     resolved = None
     try:
-        resolved = resolve(name, config.given_options(job_config, family.key, argv), hparams_of(job_config.optimizer))
+        hparams = hparams_of(job_config.optimizer, job_config.lr_scheduler)
+        resolved = resolve(name, config.given_options(job_config, family.key, argv), hparams)
     except ConfigError as error:
         found.append(str(error))
     if found:
