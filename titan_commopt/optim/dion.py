@@ -192,6 +192,14 @@ class Config:
 
 PRESETS: dict[str, dict[str, Any]] = {"Dion": {}}
 
+# Where each preset's values come from (docs/options.md prints it beside the preset).
+PRESET_SOURCES: dict[str, str] = {
+    "Dion": "Dion (Ahn et al.): Algorithms 1–2 (error-feedback momentum μ, rank r, √(m/n) scale), §5 (rank "
+    "d/4 to d/16; AdamW for embedding, head, norms); microsoft/dion's Dion class: μ = 0.95, ε = 1e-8, the "
+    "transposed orientation of wide and row-sharded matrices, fp32 orthogonalization. One difference by "
+    "choice: rank_fraction = 0.25 where microsoft/dion defaults to 1.0 (full rank, no compression of R).",
+}
+
 
 # ---- routing and shapes (shared by build and the byte formula, traffic.dion_r_bytes) ----------------
 _WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module"}
@@ -797,6 +805,7 @@ FAMILY = Family(
     key="dion",
     options=Config,
     presets=PRESETS,
+    preset_sources=PRESET_SOURCES,
     build=build,
     r_bytes=dion_r_bytes,
     state_shape=state_shape,
