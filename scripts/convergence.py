@@ -169,7 +169,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--flavor", default="cpu_small")
+    p.add_argument("--flavor", default="cpu_tiny", help="model flavor (the study: cpu_tiny)")
     p.add_argument("--dataset", default="commopt_world", help="[training] dataset (a bundled corpus)")
     p.add_argument("--optimizers", nargs="*", help="default: AdamW and every registered optimizer")
     p.add_argument("--lr", type=float, default=config_lr(), help="[optimizer] lr of every optimizer (default: the config's)")
@@ -179,6 +179,7 @@ def main(argv=None) -> int:
     p.add_argument("--set", nargs="*", default=[], metavar="FAMILY.OPTION=VALUE")
     p.add_argument("--seeds", nargs="*", type=int, default=[42], help="[debug] seed of each run (model init)")
     p.add_argument("--out", default="outputs/convergence")
+    p.add_argument("--report", action="store_true", help="run nothing: tables and plots of <out>/convergence.json")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -196,6 +197,10 @@ def main(argv=None) -> int:
     store = out / "convergence.json"
     results = json.loads(store.read_text()) if store.exists() else {}
     overrides = parse_overrides(a.set)
+    if a.report:
+        lrs = {}
+        if a.optimizers:
+            results = {k: r for k, r in results.items() if r["name"] in a.optimizers}
     for name, grid in lrs.items():
         for lr in grid:
             for seed in a.seeds:

@@ -64,7 +64,8 @@ def test_resolve_reports_every_problem_once_with_did_you_mean():
 def test_resolved_record_is_plain_data_and_names_the_preset_keys(name):
     resolved = resolve(name, hparams=BaseHParams(lr=1e-3))
     record = json.loads(json.dumps(resolved.record()))
-    assert record["optimizer"] == name and record["hparams"]["lr"] == 1e-3
+    scale = resolved.family.presets[name].get("lr_scale", 1.0)
+    assert record["optimizer"] == name and record["hparams"]["lr"] == pytest.approx(1e-3 * scale)
     assert record["from_preset"] == sorted(resolved.family.presets[name])
     assert all(f"({'preset' if k in record['from_preset'] else 'default'})" in line
                for k, line in zip(record["options"], resolved.describe().splitlines()[1:]))
@@ -120,7 +121,7 @@ def test_effective_lr_preset_scale_user_lr_and_user_scale(name, monkeypatch):
     defaults = family.options()
     assert (defaults.lr, defaults.lr_scale) == (-1.0, 1.0)  # every family has both, unset / neutral
     hp = BaseHParams(lr=0.02)
-    assert resolve(name, hparams=hp).hparams.lr == 0.02
+    assert resolve(name, hparams=hp).hparams.lr == pytest.approx(0.02 * family.presets[name].get("lr_scale", 1.0))
     monkeypatch.setitem(family.presets[name], "lr_scale", 0.25)  # a preset's recommended multiplier
     r = resolve(name, hparams=hp)
     assert r.hparams.lr == 0.02 * 0.25 and r.optimizer_lr == 0.02 and "lr_scale" in r.preset_keys()

@@ -137,8 +137,8 @@ def test_resume_with_options_that_do_not_shape_state_is_allowed_and_logged(tmp_p
     from titan_commopt.optim import BaseHParams, resolve
     from titan_commopt.titan.checkpoint import resume_problem
 
-    _save(tmp_path, 2, "DES-LOC")
-    resolved = resolve("DES-LOC", {"Kx": 64, "Ku": [128]}, BaseHParams(lr=1e-2))
+    _save(tmp_path, 2, "DES-LOC", lr_scale=1.0)  # lr_scale pinned: the lrs below are the [optimizer] ones
+    resolved = resolve("DES-LOC", {"Kx": 64, "Ku": [128], "lr_scale": 1.0}, BaseHParams(lr=1e-2))
     with caplog.at_level("INFO"):
         assert resume_problem(_job(tmp_path, "DES-LOC"), resolved, 2) is None
     assert "[commopt.local] Ku [96] -> [128], Kx 32 -> 64" in caplog.text

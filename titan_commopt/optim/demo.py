@@ -110,12 +110,14 @@ class Config:
         "preset's.", gt=0.0)
 
 
+# lr_scale: the quality study's best lr ÷ AdamW-HSDP's best (docs/benchmarks.md §4).
 PRESETS: dict[str, dict[str, Any]] = {
-    "DeMo": {},  # the Config defaults are DeMo's (s = 64, k = 32, beta = 0.999, sign after aggregation)
+    # the Config defaults are DeMo's (s = 64, k = 32, beta = 0.999, sign after aggregation)
+    "DeMo": {"lr_scale": 0.333},
     # The FlexDeMo paper's experiments: chunk 32, sign before sync (ternary), fp32 transfer; k = 16 →
     # rate 1/64. (DeToNATION 0.5.2's code defaults differ: chunk 64, top-k 32, sign after aggregation —
     # the DeMo preset's values, or chunk = 64, topk = 32, sign_before_sync = false here.)
-    "FlexDeMo": {"chunk": 32, "topk": 16, "sign_before_sync": True, "transfer_dtype": "fp32"},
+    "FlexDeMo": {"chunk": 32, "topk": 16, "sign_before_sync": True, "transfer_dtype": "fp32", "lr_scale": 0.577},
 }
 
 # Where each preset's values come from (docs/options.md prints it beside the preset).

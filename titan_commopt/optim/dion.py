@@ -190,7 +190,8 @@ class Config:
     )
 
 
-PRESETS: dict[str, dict[str, Any]] = {"Dion": {}}
+# lr_scale: the quality study's best lr ÷ AdamW-HSDP's best (docs/benchmarks.md §4).
+PRESETS: dict[str, dict[str, Any]] = {"Dion": {"lr_scale": 1.92}}
 
 # Where each preset's values come from (docs/options.md prints it beside the preset).
 PRESET_SOURCES: dict[str, str] = {

@@ -206,19 +206,21 @@ class Config:
     )
 
 
+# lr_scale: the quality study's best lr ÷ AdamW-HSDP's best (docs/benchmarks.md §4); 1 where they
+# coincide (LocalAdam, DiLoCo, MT-DAO and MT-DAO-halflife: the default).
 PRESETS: dict[str, dict[str, Any]] = {
     # DES-LOC-Adam: parameters synced most often, states at multiples of Kx (Ku = 3Kx, Kv = 6Kx: 2×
     # less than Local Adam's 3/K per step), the paper's coordinate clip; its Adam β1 = 0.95, β2 = 0.99,
     # no weight decay (the DES-LOC β search picks β1 = 0.95 for every experiment, β2 = 0.99 for Adam).
     "DES-LOC": {
         "base": "adam", "beta1": [0.95], "beta2": 0.99, "weight_decay": 0.0,
-        "Kx": 32, "Ku": [96], "Kv": 192, "clip": "coordinate",
+        "Kx": 32, "Ku": [96], "Kv": 192, "clip": "coordinate", "lr_scale": 0.577,
     },
     # DES-LOC-ADOPT, the DES-LOC paper's main setting: ADOPT with its defaults β2 = 0.9999, ε = 1e-6, the
     # same β1 = 0.95 and no weight decay; periods as DES-LOC-Adam's (Ku = 3Kx, Kv = 6Kx).
     "DES-LOC-ADOPT": {
         "base": "adopt", "beta1": [0.95], "beta2": 0.9999, "eps": 1e-6, "weight_decay": 0.0,
-        "Kx": 32, "Ku": [96], "Kv": 192, "clip": "coordinate",
+        "Kx": 32, "Ku": [96], "Kv": 192, "clip": "coordinate", "lr_scale": 0.333,
     },
     # MT-DAO as the paper runs it: N = 1 quasi-hyperbolic slow momentum on ADOPT (ε = 1e-6, ADOPT's),
     # K = 32 for all, the base optimizer until the end of warm-up. Its norm clip at rho = 1 (paper,
