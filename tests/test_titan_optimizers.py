@@ -51,7 +51,8 @@ def test_optimizer_trains_through_torchtitan_hsdp(tmp_path, name):
     # the resolved options, once, as text: what the run trained with and where each value came from
     (text,) = read_texts(tmp_path / "out")["commopt/resolved_options/text_summary"]
     record = json.loads(text.strip("`\n"))
-    assert record["optimizer"] == name and record["hparams"]["lr"] == float(LR.get(name, "0.003"))
+    scaled = float(LR.get(name, "0.003")) * resolve(name).options.lr_scale  # the preset's recommended scale
+    assert record["optimizer"] == name and record["hparams"]["lr"] == pytest.approx(scaled)
 
 
 # 2 replicas x TP 2 (no FSDP: dp_shard = 1): gradients reach the optimizers with TP's own placements
