@@ -12,8 +12,8 @@ sweep and several seeds: the quality study behind each preset's recommended lear
 Each run is ``titan_commopt.train`` with ``train_configs/debug_cpu.toml``, ``--training.dataset``
 (default ``commopt_world``: the bundled corpus whose loss still falls after 500 steps; the
 quickstart's ``commopt_tiny`` flattens early), ``--optimizer.name`` and ``--optimizer.lr`` changed
-and nothing else; family options via ``--set``. An optimizer's lr is ``--lr`` (default: the
-config's ``[optimizer] lr``), or its ``--base-lr NAME=LR``, times each ``--lr-grid`` factor; the
+and nothing else; family options via ``--set``. An optimizer's lr is ``--lr`` (default 0.027, AdamW-HSDP's
+best in the study), or its ``--base-lr NAME=LR``, times each ``--lr-grid`` factor; the
 preset's ``lr_scale`` then applies inside the run as in any training (the table shows the
 ``--optimizer.lr`` passed). Results accumulate in ``<out>/convergence.json`` (a run already there
 is not repeated), so a sweep can grow over several invocations.
@@ -37,13 +37,10 @@ from scripts._bench_common import cli_overrides, human, parse_overrides, read_sc
 
 
 
-def config_lr() -> float:
-    """``[optimizer] lr`` of the config every run starts from."""
-    import tomllib
-
-    from scripts._bench_common import CONFIG
-
-    return float(tomllib.loads(Path(CONFIG).read_text())["optimizer"]["lr"])
+# AdamW-HSDP's best [optimizer] lr in the quality study (docs/benchmarks.md §4: cpu_tiny, commopt_world,
+# 2 x 2, 500 steps). Each preset's lr_scale is relative to it, so running every optimizer at this lr
+# runs each at its recommended one.
+STUDY_ADAMW_LR = 0.027
 
 
 def run_key(name: str, lr: float, seed: int) -> str:
@@ -172,7 +169,8 @@ def main(argv=None) -> int:
     p.add_argument("--flavor", default="cpu_tiny", help="model flavor (the study: cpu_tiny)")
     p.add_argument("--dataset", default="commopt_world", help="[training] dataset (a bundled corpus)")
     p.add_argument("--optimizers", nargs="*", help="default: AdamW and every registered optimizer")
-    p.add_argument("--lr", type=float, default=config_lr(), help="[optimizer] lr of every optimizer (default: the config's)")
+    p.add_argument("--lr", type=float, default=STUDY_ADAMW_LR,
+                   help="[optimizer] lr of every optimizer (default: AdamW-HSDP's best in the study; the presets scale it)")
     p.add_argument("--base-lr", nargs="*", default=[], metavar="NAME=LR", help="another lr for one optimizer")
     p.add_argument("--lr-grid", nargs="*", type=float, default=[1.0], help="factors of each optimizer's lr to run")
     p.add_argument("--best-of", help="a study's out folder: run each optimizer at its best lr there (no grid)")
