@@ -294,7 +294,7 @@ def test_presets_and_check():
     # a key set to the family default is the user's, not the preset's
     off = resolve("FlexDeMo", {"sign_before_sync": False, "chunk": 64})
     assert not off.options.sign_before_sync and off.options.chunk == 64 and off.options.topk == 16
-    assert off.preset_keys() == ["topk", "transfer_dtype"]
+    assert off.preset_keys() == ["lr_scale", "topk", "transfer_dtype"]
     with pytest.raises(ConfigError, match="topk = 17"):
         resolve("DeMo", {"chunk": 4, "topk": 17})
 

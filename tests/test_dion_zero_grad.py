@@ -25,7 +25,7 @@ def test_all_zero_gradient_moves_by_weight_decay_only(orthogonalize, wd):
     for _ in range(3):
         p.grad = torch.zeros_like(p)
         opt.step()
-        expected.mul_(1 - lr * wd)
+        expected.mul_(1 - opt.param_groups[0]["lr"] * wd)  # lr × the preset's lr_scale
         assert torch.equal(p.detach(), expected)
     assert torch.equal(opt.state[p]["momentum"], torch.zeros_like(p))  # nothing fed back either
 

@@ -212,7 +212,7 @@ def simulate_demo(case, pieces):
     cfg = _resolved(case).options
     model = make_net()
     params = dict(model.named_parameters())
-    state, lr, wd = {}, DEMO_LR, HP.weight_decay
+    state, lr, wd = {}, _resolved(case).hparams.lr, HP.weight_decay  # DEMO_LR × the preset's lr_scale
     b1, b2, eps = HP.beta1, HP.beta2, HP.eps
     for t in range(1, STEPS + 1):
         grads = [_replica_grads(model, r, t) for r in range(W)]
@@ -322,8 +322,9 @@ def _check(results, case, n_ranks):
     if case in ZERO:  # the all-zero-gradient matrix changed by weight decay only, exactly
         n = ZERO[case]
         x = start[n].detach().clone()
+        lr = _resolved(case).hparams.lr  # HP.lr × the preset's lr_scale
         for _ in range(STEPS):
-            x.mul_(1 - HP.lr * HP.weight_decay)
+            x.mul_(1 - lr * HP.weight_decay)
         for res in results:
             o = res["out"][case]
             assert torch.equal(o["local"][n], x[_index(o["slices"][n])]), res["replica"]

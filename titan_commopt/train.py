@@ -134,7 +134,10 @@ def run_torchtitan(job_config: Any) -> None:
 
         def train(self) -> None:
             super().train()
-            self.optimizers.flush()  # an overlapped update or a streaming fragment still in flight
+            from .titan.container import container_cls
+
+            if isinstance(self.optimizers, container_cls()):  # not a stock TrainSpec's own container
+                self.optimizers.flush()  # an overlapped update or a streaming fragment still in flight
             # torchtitan's rank 0 sleeps 2 s here "for other ranks to complete" while the others
             # go on to tear their process groups down; a gloo rank has been seen to abort
             # (SIGABRT) during that teardown, once in a few hundred runs under load. All ranks
