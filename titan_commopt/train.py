@@ -140,7 +140,7 @@ def run_torchtitan(job_config: Any) -> None:
                 self.optimizers.flush()  # an overlapped update or a streaming fragment still in flight
             # torchtitan's rank 0 sleeps 2 s here "for other ranks to complete" while the others
             # go on to tear their process groups down; a gloo rank has been seen to abort
-            # (SIGABRT) during that teardown, once in a few hundred runs under load. All ranks
+            # (SIGABRT) during that teardown (twice in one CI run of ~100 launches, under load). All ranks
             # leave training together instead (only on success: after an error a peer may never
             # arrive).
             import torch.distributed as dist
