@@ -96,6 +96,16 @@ def best_lrs(results: dict) -> dict:
     return {name: lr for name, (lr, _) in best.items()}
 
 
+def best_runs(results: dict) -> dict:
+    """{name: [its runs (one per seed) at its best lr]}."""
+    best = best_lrs(results)
+    out: dict = {name: [] for name in best}  # in the order of first run, as the tables
+    for r in results.values():
+        if best[r["name"]] == r["lr"]:
+            out[r["name"]].append(r)
+    return out
+
+
 def _mean_spread(losses: list[float]) -> str:
     mean = statistics.fmean(losses)
     return f"{mean:.4f}" if len(losses) == 1 else f"{mean:.4f} ± {(max(losses) - min(losses)) / 2:.4f} (n={len(losses)})"
@@ -110,20 +120,18 @@ def sweep_table(results: dict) -> str:
 
 def final_table(results: dict) -> str:
     """Each optimizer at its best lr, against AdamW-HSDP at its best."""
-    best, per_cell = best_lrs(results), cells(results)
-    base = statistics.fmean(per_cell[("AdamW", best["AdamW"])]) if "AdamW" in best else None
-    base_bytes = None
-    if "AdamW" in best:
-        base_bytes = max(r["r_bytes"][-1] for r in results.values() if r["name"] == "AdamW")
+    at_best = best_runs(results)
+    adamw = at_best.get("AdamW")
+    base = statistics.fmean(final_loss(r) for r in adamw) if adamw else None
+    base_bytes = adamw[0]["r_bytes"][-1] if adamw else None  # the same at every lr and seed
     rows = []
-    for name, lr in best.items():
-        runs = [r for r in results.values() if r["name"] == name and r["lr"] == lr]
-        mean = statistics.fmean(per_cell[(name, lr)])
-        gap = f"{100 * (mean - base) / base:+.1f}%" if base else "-"
+    for name, runs in at_best.items():
+        losses = [final_loss(r) for r in runs]
+        gap = f"{100 * (statistics.fmean(losses) - base) / base:+.1f}%" if base else "-"
         sent = runs[0]["r_bytes"][-1]
         fewer = f"{base_bytes / sent:.0f}x" if base_bytes and sent > 0 and name != "AdamW" else "-"
         wall = statistics.fmean(r["seconds"] for r in runs)
-        rows.append([name, f"{lr:g}", _mean_spread(per_cell[(name, lr)]), gap, human(sent), fewer, f"{wall:.0f}"])
+        rows.append([name, f"{runs[0]['lr']:g}", _mean_spread(losses), gap, human(sent), fewer, f"{wall:.0f}"])
     return table(["optimizer", "best --optimizer.lr", "final loss", "vs AdamW-HSDP best", "R sent total (rank 0)",
                   "fewer R bytes", "wall s"], rows)
 
@@ -131,11 +139,7 @@ def final_table(results: dict) -> str:
 def plot(results: dict, out: Path, title: str) -> list[Path]:
     import matplotlib
 
-    best = best_lrs(results)
-    shown: dict = {}
-    for r in results.values():
-        if best.get(r["name"]) == r["lr"] and r["name"] not in shown:
-            shown[r["name"]] = r
+    shown = {name: runs[0] for name, runs in best_runs(results).items()}  # first seed at the best lr
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -188,24 +192,25 @@ def main(argv=None) -> int:
         if name not in base:
             p.error(f"--base-lr {item}: {name!r} is not among the optimizers run ({', '.join(names)})")
         base[name] = float(value)
-    lrs = {name: [base[name] * f for f in a.lr_grid] for name in names}
-    if a.best_of:
-        found = best_lrs(json.loads((Path(a.best_of) / "convergence.json").read_text()))
-        lrs = {name: [found[name]] for name in names if name in found}
     store = out / "convergence.json"
     results = json.loads(store.read_text()) if store.exists() else {}
-    overrides = parse_overrides(a.set)
     if a.report:
-        lrs = {}
+        lrs: dict = {}
         if a.optimizers:
             results = {k: r for k, r in results.items() if r["name"] in a.optimizers}
+    elif a.best_of:
+        found = best_lrs(json.loads((Path(a.best_of) / "convergence.json").read_text()))
+        lrs = {name: [found[name]] for name in names if name in found}
+    else:  # 6 significant digits: the lr passed on the command line, and the run's key
+        lrs = {name: [float(f"{base[name] * f:.6g}") for f in a.lr_grid] for name in names}
+    overrides = parse_overrides(a.set)
     for name, grid in lrs.items():
         for lr in grid:
             for seed in a.seeds:
-                key = run_key(name, float(f"{lr:.6g}"), seed)
+                key = run_key(name, lr, seed)
                 if key in results:
                     continue
-                run = run_one(name, float(f"{lr:.6g}"), seed, a.steps, a.flavor, a.dataset, out, overrides)
+                run = run_one(name, lr, seed, a.steps, a.flavor, a.dataset, out, overrides)
                 if run is not None:
                     results[key] = run
                     store.write_text(json.dumps(results))  # after every run: a long sweep can be resumed
