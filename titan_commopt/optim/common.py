@@ -38,15 +38,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t if to_local is None else to_local()
 
 
-def _dim_role(mesh, dim: int, topology: Topology) -> str:
-    """T for the tensor-parallel mesh dim (named ``tp`` or the topology's T group), S otherwise
-    (R is never part of a parameter's mesh: the optimizer syncs it itself)."""
+def mesh_dim_role(mesh, dim: int, topology: Optional[Topology] = None) -> str:
+    """T for the tensor-parallel mesh dim of a parameter's mesh: named ``tp``, or (given a topology)
+    holding the ranks of its T group; S otherwise (R is never part of a parameter's mesh: the
+    optimizer syncs it itself)."""
     names = mesh.mesh_dim_names or ()
     if dim < len(names) and names[dim] == "tp":
         return T
-    if topology.tp is not None and dist.get_process_group_ranks(topology.tp) == dist.get_process_group_ranks(
-        mesh.get_group(dim)
-    ):
+    if topology is not None and topology.tp is not None and dist.get_process_group_ranks(
+        topology.tp
+    ) == dist.get_process_group_ranks(mesh.get_group(dim)):
         return T
     return S
 
@@ -78,7 +79,7 @@ def _redistribute_counted(grad, p, topology: Topology, ledger: Optional["comm.Co
             sent, recv = before, after  # reshard between dims (all-to-all)
         if w > 1 and (sent or recv):
             (ledger or comm.get_ledger()).record(
-                _dim_role(mesh, dim, topology), "grad_redistribute", sent, recv, time.perf_counter() - start
+                mesh_dim_role(mesh, dim, topology), "grad_redistribute", sent, recv, time.perf_counter() - start
             )
     return grad
 

@@ -103,11 +103,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from titan_commopt import comm
 from titan_commopt.options import option
-from titan_commopt.topology import R, S, T, Topology
+from titan_commopt.topology import R, T, Topology
 
 from . import kernels
 from .base import CommOptimizer, named_params
-from .common import BaseHParams, NamedParams, local, replica_grad
+from .common import BaseHParams, NamedParams, local, mesh_dim_role, replica_grad
 from .family import Family, Resolved
 from .orthogonalize import cholesky_qr2, orthogonalize, orthonormalize_stacked
 from .shard_groups import Groups, buckets as _buckets, group_key as _group_key, sum_over as _sum_over
@@ -298,8 +298,9 @@ class _Layout:
         return self.m if self.transposed else self.n
 
 
-def _group_for(mesh: Any, dim: int, name: str, topology: Topology) -> tuple[str, Any]:
-    role, candidate = (T, topology.tp) if name == "tp" else (S, topology.shard)
+def _group_for(mesh: Any, dim: int, topology: Topology) -> tuple[str, Any]:
+    role = mesh_dim_role(mesh, dim)  # by the mesh dim's name, as ShardShape.of (the byte formula's)
+    candidate = topology.tp if role == T else topology.shard
     own = mesh.get_group(dim)
     # Prefer the Topology's group (the roles' single source of truth) when it is the same set of ranks.
     if candidate is not None and comm.group_ranks(candidate) == comm.group_ranks(own):
@@ -341,7 +342,7 @@ def _layout(fqn: str, p: torch.Tensor, topology: Topology, cfg: Config) -> _Layo
                     "shard (as microsoft/dion requires)"
                 )
             strided_rows = True
-        role, group = _group_for(mesh, i, names[i], topology)
+        role, group = _group_for(mesh, i, topology)
         sharded.append((role, dim))
         (rows if dim == 0 else cols).append((role, group))
     # A strided row split (FSDP over TP's column-wise layers, a layout microsoft/dion refuses) keeps the

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from .common import BaseHParams, NamedParams
+from .common import BaseHParams, NamedParams, mesh_dim_role
 
 __all__ = ["Family", "Resolved", "ShardShape", "Bytes"]
 
@@ -67,14 +67,12 @@ class ShardShape:
         splits = [[0, 1], [0, 1]]
         sharded = []
         mesh = p.device_mesh
-        names = mesh.mesh_dim_names or ()
         for dim, placement in enumerate(p.placements):
             size = mesh.size(dim)
             if size > 1 and placement.is_shard() and placement.dim in (0, 1):
                 split = splits[placement.dim]
                 split[0], split[1] = split[0] * size + mesh.get_local_rank(dim), split[1] * size
-                role = "T" if dim < len(names) and names[dim] == "tp" else "S"
-                sharded.append((role, placement.dim))
+                sharded.append((mesh_dim_role(mesh, dim), placement.dim))
         return cls(fqn, tuple(to_local().shape), tuple(p.shape), tuple(splits[0]), p.element_size(),
                    tuple(splits[1]), tuple(sharded))
 
