@@ -38,12 +38,11 @@ VARIANTS = {
 def test_r_bytes_vs_adamw_hsdp():
     print()
     for flavor in ("debugmodel", "300M"):
-        shapes = _shapes(flavor)
-        adamw = sum(torch.Size(s).numel() for _, s in shapes) * 4  # fp32 gradient all-reduce payload
+        shards = [ShardShape(fqn, shape, shape) for fqn, shape in _shapes(flavor)]
+        adamw = traffic.adamw_hsdp_r_bytes(shards, 2).sent  # fp32 gradient all-reduce payload
         print(f"{flavor}: {adamw / 2**20:.2f} MiB/step/rank AdamW-HSDP (fp32 all-reduce)")
         ratios = {}
         for label, (name, kw) in VARIANTS.items():
-            shards = [ShardShape(fqn, shape, shape) for fqn, shape in shapes]
             sent = traffic.demo_r_bytes(shards, resolve(name, kw), 2).sent
             ratios[label] = adamw / sent
             print(f"  {label:45s} {sent / 2**20:8.3f} MiB/step  {adamw / sent:7.1f}x less")

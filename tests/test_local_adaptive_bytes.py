@@ -48,7 +48,7 @@ def _measure(rank, world):
 
 def test_measured_r_bytes_vs_adamw_hsdp():
     res = run_distributed(_measure, 2)
-    adamw = D * 4 * STEPS  # AdamW-HSDP: d fp32 per step
+    adamw = traffic.adamw_hsdp_r_bytes([ShardShape("w", (D,), (D,))], 2).sent * STEPS  # d fp32 per step
     print(f"\nR bytes/step vs AdamW-HSDP (d fp32/step), {STEPS} steps, 2 replicas:")
     for name, cfg in CONFIGS.items():
         sent, calls = res[0][name]
