@@ -21,8 +21,9 @@ EXTRA = {
 }
 
 
-# Presets whose code path a name above already runs through torchtitan (same family, same base
-# optimizer; they differ in numbers only): not run again, to keep the suite's time.
+# Presets whose code path a name above already runs through torchtitan on HSDP (same family, same
+# base optimizer; they differ in numbers only): not run again there, to keep the suite's time. The
+# replicas x TP runs below take every name.
 COVERED_BY = {"DES-LOC-ADOPT": "MT-DAO", "MT-DAO-halflife": "MT-DAO"}
 
 
@@ -64,9 +65,11 @@ EXTRA_TP = {
     "LocalAdam": ["--commopt.local.Kx", "4", "--commopt.local.Ku", "4", "--commopt.local.Kv", "4"],
     "DiLoCo": ["--commopt.local.Kx", "3"],
 }
+EXTRA_TP["DES-LOC-ADOPT"] = EXTRA_TP["DES-LOC"]
+EXTRA_TP["MT-DAO-halflife"] = EXTRA_TP["MT-DAO"]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + list(COVERED_BY))
 def test_optimizer_trains_through_torchtitan_replicas_x_tp(tmp_path, name):
     steps = 6
     proc, tb = run_train(

@@ -16,8 +16,9 @@ gradient of the whole model directly, in float64:
 - DeMo / FlexDeMo (every replicator): per parameter *piece* — the local shard a rank holds, read
   from the distributed run's placements — per replica, the momentum, extraction and aggregation of
   ``tests/test_demo.py``'s simulation (DeMo works on the local shard; its momenta are float32).
-- DES-LOC / MT-DAO / LocalAdam / DiLoCo: two single-replica optimizers (``Topology.single()``, so
-  the norm clip sees the whole model) with the R syncs done by hand, as ``tests/test_local_adaptive.py``.
+- DES-LOC (Adam and ADOPT) / MT-DAO / LocalAdam / DiLoCo: two single-replica optimizers
+  (``Topology.single()``, so the norm clip sees the whole model) with the R syncs done by hand, as
+  ``tests/test_local_adaptive.py``.
 - Dion: one centralized Dion on the mean gradient of both replicas (Theorem 2.1), including a
   matrix whose gradient is zero on every rank (it must change by weight decay only).
 
@@ -61,10 +62,12 @@ DEMO_CASES = {
     # top-k is all ties, so it is paired with an index-free replicator here
     "FlexDeMo/adamw_random": ("FlexDeMo", dict(base="adamw", replicator="random", compression_rate=0.25)),
 }
-# every preset, periods short enough that each kind of sync happens within STEPS; clip thresholds
-# low enough that the clips are active (checked below)
+# every preset (MT-DAO-halflife is MT-DAO with longer periods: with the periods set here, the same
+# run), periods short enough that each kind of sync happens within STEPS; clip thresholds low enough
+# that the clips are active (checked below)
 LOCAL_CASES = {
     "DES-LOC": dict(Kx=2, Ku=[3], Kv=6, clip_threshold=0.02),
+    "DES-LOC-ADOPT": dict(Kx=2, Ku=[3], Kv=6, clip_threshold=0.02),  # ADOPT under the coordinate clip
     "MT-DAO": dict(Kx=2, Ku=[3], Kv=3, beta1=[0.9], beta2=0.99, clip_threshold=0.05),
     "LocalAdam": dict(Kx=3, Ku=[3], Kv=3),
     "DiLoCo": dict(Kx=2),
