@@ -293,9 +293,11 @@ def test_presets_and_config_errors():
     # [optimizer] fills what the table leaves unset; the table wins where set
     assert (g["lr"], g["betas1"], g["beta2"], g["eps"], g["weight_decay"]) == (1e-3, (0.85,), 0.97, 1e-7, 0.05)
     opt = make("DES-LOC", model.named_parameters(), Topology.single(), hp)
-    g = opt.param_groups[0]  # the papers' Adam: β1 = 0.95, β2 = 0.99, no weight decay
+    g = opt.param_groups[0]  # [optimizer]'s Adam β and eps (the study's winners), no weight decay
     assert g["lr"] == pytest.approx(1e-3 * la.PRESETS["DES-LOC"]["lr_scale"])  # the recommended multiplier
-    assert (g["betas1"], g["beta2"], g["eps"], g["weight_decay"]) == ((0.95,), 0.99, 1e-7, 0.0)
+    assert (g["betas1"], g["beta2"], g["eps"], g["weight_decay"]) == ((0.85,), 0.97, 1e-7, 0.0)
+    g = make("DES-LOC-ADOPT", model.named_parameters(), Topology.single(), hp).param_groups[0]
+    assert (g["betas1"], g["beta2"], g["eps"], g["weight_decay"]) == ((0.95,), 0.9999, 1e-6, 0.0)
     assert (opt.Kx, opt.periods_u, opt.Kv, opt.clip, opt.switch_at) == (32, (96,), 192, "coordinate", 0)
     g = make("DES-LOC", model.named_parameters(), Topology.single(), hp, beta2=0.97).param_groups[0]
     assert g["beta2"] == 0.97  # the user's value beats the preset's

@@ -81,9 +81,9 @@ Outer optimizer ``nesterov`` (DiLoCo): with ``a`` = x at the previous sync (``ou
 ``b`` = ``outer_buf``: Δ = a − mean_R(x); b ← μ·b + Δ; x ← a − η_out·(Δ + μ·b); a ← x. With one
 replica it still runs (DiLoCo with one worker is not plain Adam).
 
-Presets (``PRESETS``, their sources in ``PRESET_SOURCES``): ``DES-LOC`` (Adam β1=0.95, β2=0.99, no
+Presets (``PRESETS``, their sources in ``PRESET_SOURCES``): ``DES-LOC`` (Adam with [optimizer]'s β, no
 weight decay, Kx=32, Ku=96=3Kx, Kv=192=6Kx, coordinate clip), ``DES-LOC-ADOPT`` (the same on ADOPT,
-β2=0.9999, ε=1e-6), ``MT-DAO`` (ADOPT, β1=0.999, ω=0.95, β2=0.9999, ε=1e-6, K=32 for all, switch at
+β1=0.95, β2=0.9999, ε=1e-6), ``MT-DAO`` (ADOPT, β1=0.999, ω=0.95, β2=0.9999, ε=1e-6, K=32 for all, switch at
 the end of warm-up), ``MT-DAO-halflife`` (the same with Ku=693, Kv=6931), ``LocalAdam``
 (Kx=Ku=Kv=32), ``DiLoCo`` (Kx=32, Ku=Kv=0, Nesterov outer lr 0.7, μ 0.9).
 
@@ -210,11 +210,13 @@ class Config:
 # coincide (LocalAdam, DiLoCo, MT-DAO and MT-DAO-halflife: the default).
 PRESETS: dict[str, dict[str, Any]] = {
     # DES-LOC-Adam: parameters synced most often, states at multiples of Kx (Ku = 3Kx, Kv = 6Kx: 2×
-    # less than Local Adam's 3/K per step), the paper's coordinate clip; its Adam β1 = 0.95, β2 = 0.99,
-    # no weight decay (the DES-LOC β search picks β1 = 0.95 for every experiment, β2 = 0.99 for Adam).
+    # less than Local Adam's 3/K per step), the paper's coordinate clip, no weight decay. Adam's β are
+    # [optimizer]'s (torchtitan's 0.9, 0.95: SmolLM2's, which DES-LOC's billion-scale runs adopt) and
+    # its lr is AdamW-HSDP's: the quality study's winners, 300 and 500 steps (docs/benchmarks.md §4).
+    # MT-DAO Table 3's DES-LOC-ADAM β (0.95, 0.99) trained worse there: beta1 = [0.95], beta2 = 0.99.
     "DES-LOC": {
-        "base": "adam", "beta1": [0.95], "beta2": 0.99, "weight_decay": 0.0,
-        "Kx": 32, "Ku": [96], "Kv": 192, "clip": "coordinate", "lr_scale": 0.577,
+        "base": "adam", "weight_decay": 0.0,
+        "Kx": 32, "Ku": [96], "Kv": 192, "clip": "coordinate", "lr_scale": 1.0,
     },
     # DES-LOC-ADOPT, the DES-LOC paper's main setting: ADOPT with its defaults β2 = 0.9999, ε = 1e-6, the
     # same β1 = 0.95 and no weight decay; periods as DES-LOC-Adam's (Ku = 3Kx, Kv = 6Kx).
@@ -244,9 +246,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # Where each preset's values come from (docs/options.md prints it beside the preset).
 PRESET_SOURCES: dict[str, str] = {
-    "DES-LOC": "DES-LOC (Iacob et al.): appendix B.2 (no weight decay), B.2.1 (Adam β1 = 0.95, β2 = 0.99; also "
-    "MT-DAO appendix E.2 Table 3, DES-LOC-ADAM), Algorithm 1 (coordinate clip), §5.3 / Fig. 5 (Kx = 32, "
-    "Ku = 3Kx, Kv = 6Kx: the 2× reduction over Local Adam; our reading, the extracted figure lost the numbers)",
+    "DES-LOC": "DES-LOC (Iacob et al.): appendix B.2 (no weight decay), Algorithm 1 (coordinate clip), §5.3 / "
+    "Fig. 5 (Kx = 32, Ku = 3Kx, Kv = 6Kx: the 2× reduction over Local Adam; our reading, the extracted figure "
+    "lost the numbers); Adam's β1, β2 from [optimizer] (torchtitan's 0.9, 0.95 are SmolLM2's, whose "
+    "hyper-parameters DES-LOC §4.1 adopts for its billion-scale model and B.2.1 finds β2 to agree with), "
+    "chosen over MT-DAO appendix E.2 Table 3's DES-LOC-ADAM β1 = 0.95, β2 = 0.99 by our quality study "
+    "(docs/benchmarks.md §4: 10 % lower loss at 500 steps). Alternative: the Table 3 values, "
+    "beta1 = [0.95], beta2 = 0.99",
     "DES-LOC-ADOPT": "DES-LOC §4.1 (ADOPT with its default β2 = 0.9999 is the main optimizer), B.2.1 (β1 = 0.95 "
     "for all experiments; also MT-DAO appendix E.2 Table 3, DES-LOC-ADOPT), B.2 (no weight decay), periods "
     "as DES-LOC's; ε = 1e-6 is ADOPT's default (Taniguchi et al. 2024). Alternative: MT-DAO Table 3's "
