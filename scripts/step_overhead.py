@@ -1,6 +1,6 @@
 """Optimizer step time of every registered optimizer vs torch AdamW, on CPU, |R| real replicas.
 
-    .venv/bin/python scripts/step_overhead.py --flavors cpu_small 100M --repeats 5
+    .venv/bin/python scripts/step_overhead.py --flavors debugmodel 100M --repeats 7 --runs 3
 
 The model is torchtitan's llama3 ``Transformer`` (real weights, random gradients). The optimizers
 run on ``--replicas`` processes (default 2, gloo on loopback, one thread each) forming the R group,
@@ -10,7 +10,10 @@ P/R averages and orthogonalization, the local-adaptive family its local step (th
 are priced by ``comm_report.py``; a median over ``--repeats`` steps shorter than a period leaves
 them out). torchtitan's AdamW is ``torch.optim.AdamW`` (foreach, the default on CPU) without any
 collective: the reference. Times are rank 0's medians over ``--repeats`` steps after one warm-up
-step, each step started together on every rank (barrier).
+step, each step started together on every rank (barrier); with ``--runs`` N the whole measurement is
+repeated in fresh processes and the table gives the medians over the runs and the range of each
+optimizer's ratio to AdamW (taken within each run: on a shared machine the ratio is steadier than a
+time).
 """
 
 import argparse
@@ -86,9 +89,9 @@ def _worker(rank: int, world: int, port: int, out: str, flavors, names, repeats,
                     if rank == 0:
                         print(f"# {flavor} {name}: {type(error).__name__}: {error}", file=sys.stderr)
                     continue
-                rows.append([f"{flavor} ({n_params / 1e6:.1f}M)", name, f"{t * 1e3:.1f}", f"{t / ref:.2f}"])
+                rows.append([f"{flavor} ({n_params / 1e6:.1f}M)", name, t, t / ref, n_params])
                 if rank == 0:
-                    print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+                    print(f"{rows[-1][0]} | {name} | {t * 1e3:.1f} ms | {t / ref:.2f}", file=sys.stderr, flush=True)
         if rank == 0:
             torch.save(rows, out)
     finally:
@@ -110,6 +113,22 @@ def run(flavors: list[str], names: list[str] | None, repeats: int, overrides: di
         return torch.load(out, weights_only=False)
 
 
+def summarize(runs: list[list[list]]) -> list[list[str]]:
+    """One row per (model, optimizer) over several runs: the median step time and ratio to AdamW
+    (each run's ratio is taken within that run), the ratio's range over the runs, ns per parameter."""
+    by_key: dict[tuple, list] = {}
+    for rows in runs:
+        for model, name, t, ratio, n_params in rows:
+            by_key.setdefault((model, name), []).append((t, ratio, n_params))
+    out = []
+    for (model, name), cells in by_key.items():
+        ts, ratios = [c[0] for c in cells], [c[1] for c in cells]
+        t = statistics.median(ts)
+        out.append([model, name, f"{t * 1e3:.1f}", f"{statistics.median(ratios):.2f}",
+                    f"{min(ratios):.2f}–{max(ratios):.2f}", f"{t * 1e9 / cells[0][2]:.1f}"])
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flavors", nargs="+", default=["cpu_small", "100M"])
@@ -117,11 +136,16 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--replicas", type=int, default=2, help="processes in the R group (gloo, loopback)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--runs", type=int, default=1, help="independent runs (fresh processes); the table "
+                   "gives medians over them and the range of the ratio to AdamW")
     p.add_argument("--set", nargs="*", default=[], metavar="FAMILY.OPTION=VALUE")
     a = p.parse_args(argv)
-    rows = run(a.flavors, a.optimizers, a.repeats, parse_overrides(a.set), a.replicas, a.threads)
-    print(f"|R| = {a.replicas} processes, {a.threads} torch thread(s) each\n")
-    print(table(["model", "optimizer", "step ms (median)", "÷ torch AdamW"], rows))
+    runs = [run(a.flavors, a.optimizers, a.repeats, parse_overrides(a.set), a.replicas, a.threads)
+            for _ in range(a.runs)]
+    print(f"|R| = {a.replicas} processes, {a.threads} torch thread(s) each; median of {a.repeats} steps "
+          f"per run, {a.runs} run(s)\n")
+    print(table(["model", "optimizer", "step ms (median)", "÷ torch AdamW", "÷ AdamW, range over runs",
+                 "ns / parameter"], summarize(runs)))
     return 0
 
 
