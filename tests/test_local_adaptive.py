@@ -62,6 +62,24 @@ def test_one_replica_adam_equals_torch(wd, ref_cls):
     torch.testing.assert_close(st["exp_avg"], ref_opt.state_dict()["state"][0]["exp_avg"])
 
 
+def test_one_replica_adam_is_torchtitans_fused_adamw_bit_for_bit():
+    """Plain Adam (one momentum, ω = 1) runs torch's fused AdamW kernel: on one replica, float32, the
+    same bits as ``torch.optim.AdamW(fused=True)``, the optimizer torchtitan builds by default."""
+    shapes = [(6, 4), (4,)]
+    init = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
+    ours = [t.clone().requires_grad_() for t in init]
+    ref = [t.clone().requires_grad_() for t in init]
+    opt = la.LocalAdaptive(ours, lr=3e-2, betas1=(0.8,), beta2=0.95, eps=1e-6, weight_decay=0.1,
+                           periods_u=(3,), Kv=5, Kx=2, outer="average")
+    ref_opt = torch.optim.AdamW(ref, lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, fused=True)
+    for (grads,) in _grads(1, shapes, 12):
+        for p, q, g in zip(ours, ref, grads):
+            p.grad, q.grad = g.float(), g.float()
+        opt.step()
+        ref_opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(ours, ref))
+
+
 def test_one_replica_sgdm_equals_torch_sgd_momentum():
     beta, lr = 0.9, 0.05
     shapes = [(5, 3)]

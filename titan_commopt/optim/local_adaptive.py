@@ -680,7 +680,7 @@ class LocalAdaptive(CommOptimizer):
                                  clip=self.adopt_clip)
         else:
             kernels.qh_adamw_multi_(xs, gs, moments, vs, **hp, beta2=group["beta2"], eps=group["eps"], step=n,
-                                    bias_correction=self.bias_correction, corrections1=corrections)
+                                    bias_correction=self.bias_correction, corrections1=corrections, fused=True)
 
     # ---- the R syncs -----------------------------------------------------------------------------
     def _due(self, n: int) -> dict[str, set[int]]:
