@@ -251,7 +251,7 @@ PRESET_SOURCES: dict[str, str] = {
     "lost the numbers); Adam's β1, β2 from [optimizer] (torchtitan's 0.9, 0.95 are SmolLM2's, whose "
     "hyper-parameters DES-LOC §4.1 adopts for its billion-scale model and B.2.1 finds β2 to agree with), "
     "chosen over MT-DAO appendix E.2 Table 3's DES-LOC-ADAM β1 = 0.95, β2 = 0.99 by our quality study "
-    "(docs/benchmarks.md §4: 10 % lower loss at 500 steps). Alternative: the Table 3 values, "
+    "(docs/benchmarks.md §4: 9–10 % lower loss at 500 steps). Alternative: the Table 3 values, "
     "beta1 = [0.95], beta2 = 0.99",
     "DES-LOC-ADOPT": "DES-LOC §4.1 (ADOPT with its default β2 = 0.9999 is the main optimizer), B.2.1 (β1 = 0.95 "
     "for all experiments; also MT-DAO appendix E.2 Table 3, DES-LOC-ADOPT), B.2 (no weight decay), periods "
