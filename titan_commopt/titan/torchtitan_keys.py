@@ -42,6 +42,8 @@ def _integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")  # torchtitan's checkpoint states
+
 # (section, key, test, what is allowed); each test sees the value only.
 _RULES: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("optimizer", "lr", lambda v: _number(v) and math.isfinite(v) and v >= 0, "a finite number >= 0"),
@@ -63,6 +65,9 @@ _RULES: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("metrics", "log_freq", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("checkpoint", "interval", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("checkpoint", "keep_latest_k", lambda v: _integer(v) and v >= 0, "an integer >= 0"),
+    ("checkpoint", "exclude_from_loading", lambda v: all(x in _STATES for x in v),
+     "a list of: " + ", ".join(_STATES)),
+    ("checkpoint", "load_step", lambda v: _integer(v) and v >= -1, "-1 (the newest checkpoint) or an integer >= 0"),
     ("comm", "init_timeout_seconds", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("comm", "train_timeout_seconds", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("parallelism", "data_parallel_replicate_degree", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
@@ -182,10 +187,26 @@ def _model_problems(job_config: Any) -> tuple[list[str], Any]:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # what the loaders read
 
 
+_HF_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")  # what torchtitan's build_hf_tokenizer reads
+
+
 def _tokenizer_problems(model: Any, spec: Any) -> list[str]:
     """Our specs' tokenizer (``titan/data.py: build_tokenizer``): ``bundled``, a SentencePiece
-    ``.model`` file, or a directory holding one of the files torchtitan's loader reads."""
-    if spec is None or getattr(spec, "build_tokenizer_fn", None) is not data.build_tokenizer:
+    ``.model`` file, or a directory holding one of the files torchtitan's loader reads; torchtitan's
+    own specs (``build_hf_tokenizer``): a directory holding one of those files."""
+    from torchtitan.components.tokenizer import build_hf_tokenizer
+
+    builder = getattr(spec, "build_tokenizer_fn", None) if spec is not None else None
+    if builder is build_hf_tokenizer:
+        path = model.hf_assets_path or ""
+        where = f"[model] hf_assets_path = {path!r}"
+        allowed = f"allowed is a directory with {', '.join(_HF_FILES[:-1])} or {_HF_FILES[-1]} (model {model.name!r})"
+        if not os.path.isdir(path):
+            return [f"{where}: {'not a directory' if os.path.exists(path) else 'no such directory'}; {allowed}"]
+        if not any(os.path.isfile(os.path.join(path, f)) for f in _HF_FILES):
+            return [f"{where}: holds no tokenizer; {allowed}"]
+        return []
+    if builder is not data.build_tokenizer:
         return []
     path = (model.hf_assets_path or "").strip()
     if path in ("", "bundled") or (os.path.isfile(path) and path.endswith(".model")):
