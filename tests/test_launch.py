@@ -96,6 +96,7 @@ def test_known_cpu_noise_is_filtered_and_nothing_else():
         "DTensor manual_seed() may not have complete support on cpu device mesh",
         "In CPU autocast, but the target dtype is not supported. Disabling autocast.\nCPU Autocast only supports ...",
         "'set_vital' is deprecated, please do not call",
+        "Set timeout is now only supported for either nccl or gloo.",
     ):
         assert any(re.match(pattern, message) for pattern in NOISE_WARNINGS), message
 
