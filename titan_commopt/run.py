@@ -13,6 +13,9 @@ workers stop a run on purpose (``titan/stop.py``: a refused resume, status 2; a 
 training, status 1). Every other failure is reported by torchrun as usual.
 ``TITAN_COMMOPT_TRACEBACK=1`` adds the traceback of a pre-flight error.
 
+With ``--max-restarts`` > 0 it also sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless set), which
+torchrun's restarts need (``titan/elastic.py``).
+
 On a multi-node job each node's launcher checks the config on that node (same files as its workers).
 """
 
@@ -23,6 +26,7 @@ from typing import Optional
 __all__ = ["main", "world_size_of"]
 
 TRAIN_MODULE = "titan_commopt.train"
+FRESH_STORE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 def world_size_of(args) -> Optional[int]:
@@ -87,6 +91,18 @@ def _launch(args) -> None:
         raise SystemExit(status) from None
 
 
+def fresh_store_per_restart(args) -> bool:
+    """With ``--max-restarts`` > 0, give every restart round a fresh rendezvous store
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, unless the environment sets it): with the store
+    shared across rounds the restarted workers' gloo init waits on the failed attempt's dead peers,
+    then fails (``titan/elastic.py``). Returns whether it set it."""
+    name, value = FRESH_STORE  # titan/elastic.py's FIX (not imported: that would import torchtitan)
+    if getattr(args, "max_restarts", 0) > 0 and name not in os.environ:
+        os.environ[name] = value
+        return True
+    return False
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.run import parse_args
@@ -94,6 +110,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if _is_ours(args):
         _pre_flight(args)
+    fresh_store_per_restart(args)
     record(_launch)(args)  # as torchrun's own main: a worker's error file reaches the scheduler
 
 
