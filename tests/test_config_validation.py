@@ -186,6 +186,9 @@ BAD_TORCHTITAN = [
     ((), "", ["--training.dataset", "textfile", "--training.dataset_path", "{tmp}/one.txt",
               "--parallelism.data_parallel_replicate_degree", "2"], 2, ["has 1 non-blank line(s)", "data-parallel degree is 2"]),
     ((), "", ["--training.dataset", "c5"], None, ["[training] dataset = 'c5'", "commopt_tiny", "textfile"]),
+    ((), "", ["--training.dataset", "c4_test"], None, ["[training] dataset = 'c4_test': ", "tests/assets/c4_test does not exist"]),
+    ((), "", ["--training.dataset", "c4", "--training.dataset_path", "{tmp}/no_c4"], None,
+     ["[training] dataset_path = '{tmp}/no_c4': {tmp}/no_c4 does not exist (torchtitan's 'c4' reads it)"]),
     # the config file
     ((), "", ["--job.config_file", "{tmp}/missing.toml"], None, ["[job] config_file = '", "missing.toml': no such file"]),
     ((), "", ["--job.config_file", "{tmp}"], None, ["is a directory, not a TOML file"]),

@@ -234,6 +234,9 @@ def _nonblank_lines(path: str, at_least: int) -> int:
     return count
 
 
+_LOCAL_DATASETS = ("c4_test",)  # torchtitan datasets whose default path is a local directory
+
+
 def _dataset_problems(section: str, dataset: str, dataset_path: Optional[str], dp: int) -> list[str]:
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
@@ -241,7 +244,19 @@ def _dataset_problems(section: str, dataset: str, dataset_path: Optional[str], d
     if name not in DATASETS:
         return [f"[{section}] dataset = {dataset!r}: allowed is one of {', '.join(sorted(DATASETS))}"]
     if name not in (*data.BUNDLED, data.TEXTFILE_NAME):
-        return []  # torchtitan's own datasets: its loaders decide
+        # torchtitan's own datasets: its loaders decide, except for a local path that does not exist
+        # (c4_test reads ./tests/assets/c4_test; a dataset_path given as a filesystem path)
+        path = dataset_path or DATASETS[name].path
+        local = name in _LOCAL_DATASETS or os.path.isabs(path) or path.startswith(("./", "../", "~"))
+        if local and not os.path.exists(os.path.expanduser(path)):
+            key = "dataset_path" if dataset_path else "dataset"
+            shown = dataset_path if dataset_path else dataset
+            return [
+                f"[{section}] {key} = {shown!r}: {os.path.abspath(os.path.expanduser(path))} does not exist "
+                f"(torchtitan's {name!r} reads it); allowed is an existing dataset directory, or dataset = "
+                f"\"textfile\" with dataset_path = a UTF-8 text file"
+            ]
+        return []
     if name == data.TEXTFILE_NAME and not dataset_path:
         return [f"[{section}] dataset = {dataset!r} needs dataset_path = a UTF-8 text file, one document per line"]
     if not dataset_path:
