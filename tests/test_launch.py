@@ -60,6 +60,12 @@ def test_readme_toml_trains_as_written(tmp_path):
     assert len(LOSS_LINE.findall(proc.stdout)) == 2
     assert "FlexDeMo" in proc.stdout and "R vs AdamW-HSDP" in proc.stdout
     assert list((tmp_path / "out" / "tb").iterdir())  # TensorBoard on, as the README says
+    # a quiet console: no Python warning, no torchtitan WARNING but its note on this short run's warm-up
+    import re
+
+    noisy = [line for line in (proc.stdout + proc.stderr).splitlines()
+             if re.search(r"Warning\b|warnings\.warn| - WARNING - ", line) and "Warmup steps (200) exceed" not in line]
+    assert not noisy, noisy
 
 
 def test_known_cpu_noise_is_filtered_and_nothing_else():
