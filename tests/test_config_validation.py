@@ -189,6 +189,9 @@ BAD_TORCHTITAN = [
     ((), "", ["--training.dataset", "c4_test"], None, ["[training] dataset = 'c4_test': ", "tests/assets/c4_test does not exist"]),
     ((), "", ["--training.dataset", "c4", "--training.dataset_path", "{tmp}/no_c4"], None,
      ["[training] dataset_path = '{tmp}/no_c4': {tmp}/no_c4 does not exist (torchtitan's 'c4' reads it)"]),
+    # the output folder
+    ((), "", ["--job.dump_folder", "{tmp}/one.txt/out"], None, ["[job] dump_folder = '{tmp}/one.txt/out': {tmp}/one.txt is a file"]),
+    ((), "", ["--job.dump_folder", "{tmp}/one.txt"], None, ["[job] dump_folder = '{tmp}/one.txt': is a file"]),
     # the config file
     ((), "", ["--job.config_file", "{tmp}/missing.toml"], None, ["[job] config_file = '", "missing.toml': no such file"]),
     ((), "", ["--job.config_file", "{tmp}"], None, ["is a directory, not a TOML file"]),

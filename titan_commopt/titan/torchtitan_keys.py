@@ -289,13 +289,32 @@ def _uses_text_datasets(spec: Any) -> bool:
     return getattr(spec, "build_dataloader_fn", None) is build_text_dataloader
 
 
+# ---- the output folder -----------------------------------------------------------------------------
+def _folder_problems(job: Any) -> list[str]:
+    """``[job] dump_folder`` (logs, checkpoints, TensorBoard under it): a directory, or one that can
+    be created (its nearest existing parent is a writable directory)."""
+    path = os.path.abspath(os.path.expanduser(job.dump_folder or "."))
+    where = f"[job] dump_folder = {job.dump_folder!r}"
+    allowed = "allowed is a directory, or a path where one can be created"
+    if os.path.exists(path):
+        return [] if os.path.isdir(path) else [f"{where}: is a file; {allowed}"]
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return [f"{where}: {parent} is a file; {allowed}"]
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return [f"{where}: {parent} is not writable; {allowed}"]
+    return []
+
+
 # ---- all of it -------------------------------------------------------------------------------------
 def torchtitan_problems(job_config: Any, world_size: Optional[int] = None) -> list[str]:
     """Every bad torchtitan setting a titan_commopt run depends on, one line each."""
     rules = [r for r in _RULES if r[0] != "checkpoint" or job_config.checkpoint.enable]
     if job_config.validation.enable:
         rules += _VALIDATION_RULES
-    out = _rule_problems(job_config, rules)
+    out = _rule_problems(job_config, rules) + _folder_problems(job_config.job)
     bad = {line.split("]")[0].lstrip("[") for line in out}  # sections with a bad value already
     parallelism, training = job_config.parallelism, job_config.training
     dp = None
