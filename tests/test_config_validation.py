@@ -65,6 +65,7 @@ def test_bad_config_is_refused_with_one_line_each(tmp_path, name, toml, cli, exp
         check_config(["--job.config_file", str(path), "--optimizer.name", name, *cli])
     message = str(info.value)
     for piece in expected:
+        piece = piece.replace("{tmp}", str(tmp_path))
         assert piece in message, f"{piece!r} not in:\n{message}"
     _one_line_each(message)
 
@@ -144,6 +145,10 @@ BAD_TORCHTITAN = [
     ((), "", ["--lr_scheduler.min_lr_factor", "2"], None, ["[lr_scheduler] min_lr_factor = 2.0", "<= 1"]),
     ((), "", ["--metrics.log_freq", "0"], None, ["[metrics] log_freq = 0", ">= 1"]),
     ((("enable = false", "enable = true"), ("interval = 20", "interval = 0")), "", [], None, ["[checkpoint] interval = 0", ">= 1"]),
+    ((("enable = false", "enable = true"),), "", ["--checkpoint.exclude_from_loading", "optimzer"], None,
+     ["[checkpoint] exclude_from_loading = ['optimzer']", "a list of: model, optimizer, lr_scheduler"]),
+    ((("enable = false", "enable = true"),), "", ["--checkpoint.load_step", "-2"], None,
+     ["[checkpoint] load_step = -2", "-1 (the newest checkpoint)"]),
     # mixed precision: a dtype name torch knows by another spelling
     ((('mixed_precision_param = "float32"', 'mixed_precision_param = "bf16"'),), "", [], None,
      ["[training] mixed_precision_param = 'bf16'", "one of 'bfloat16', 'float32'"]),
@@ -157,6 +162,13 @@ BAD_TORCHTITAN = [
      ["[model] name = 'llama3' with [optimizer] name = 'DeMo'", "'llama3_commopt'"]),
     ((), "", ["--model.name", "llama3_reference", "--optimizer.name", "Dion"], None, ["[model] name = 'llama3_reference'"]),
     ((), "", ["--model.name", "lama3"], None, ["[model] name = 'lama3'", "llama3_commopt"]),
+    # torchtitan's own llama3 spec reads hf_assets_path with its HuggingFace loader
+    ((), "", ["--model.name", "llama3", "--model.flavor", "debugmodel", "--model.hf_assets_path", "{tmp}/nope"], None,
+     ["[model] hf_assets_path = '{tmp}/nope': no such directory", "tokenizer.json", "(model 'llama3')"]),
+    ((), "", ["--model.name", "llama3", "--model.flavor", "debugmodel", "--model.hf_assets_path", "{tmp}"], None,
+     ["[model] hf_assets_path = '{tmp}': holds no tokenizer", "(model 'llama3')"]),
+    ((), "", ["--model.name", "llama3", "--model.flavor", "debugmodel", "--model.hf_assets_path", "{tmp}/one.txt"], None,
+     ["[model] hf_assets_path = '{tmp}/one.txt': not a directory"]),
     # the mesh against WORLD_SIZE (torchrun's, known before any process group)
     ((), "", ["--parallelism.data_parallel_replicate_degree", "3"], 2,
      ["data_parallel_replicate_degree = 3", "must divide WORLD_SIZE = 2"]),
@@ -174,6 +186,12 @@ BAD_TORCHTITAN = [
     ((), "", ["--training.dataset", "textfile", "--training.dataset_path", "{tmp}/one.txt",
               "--parallelism.data_parallel_replicate_degree", "2"], 2, ["has 1 non-blank line(s)", "data-parallel degree is 2"]),
     ((), "", ["--training.dataset", "c5"], None, ["[training] dataset = 'c5'", "commopt_tiny", "textfile"]),
+    ((), "", ["--training.dataset", "c4_test"], None, ["[training] dataset = 'c4_test': ", "tests/assets/c4_test does not exist"]),
+    ((), "", ["--training.dataset", "c4", "--training.dataset_path", "{tmp}/no_c4"], None,
+     ["[training] dataset_path = '{tmp}/no_c4': {tmp}/no_c4 does not exist (torchtitan's 'c4' reads it)"]),
+    # the output folder
+    ((), "", ["--job.dump_folder", "{tmp}/one.txt/out"], None, ["[job] dump_folder = '{tmp}/one.txt/out': {tmp}/one.txt is a file"]),
+    ((), "", ["--job.dump_folder", "{tmp}/one.txt"], None, ["[job] dump_folder = '{tmp}/one.txt': is a file"]),
     # the config file
     ((), "", ["--job.config_file", "{tmp}/missing.toml"], None, ["[job] config_file = '", "missing.toml': no such file"]),
     ((), "", ["--job.config_file", "{tmp}"], None, ["is a directory, not a TOML file"]),
@@ -210,6 +228,7 @@ def test_bad_torchtitan_setting_is_refused_with_one_line_each(tmp_path, replace,
         check_config(cli, world_size=world_size)
     message = str(info.value)
     for piece in expected:
+        piece = piece.replace("{tmp}", str(tmp_path))
         assert piece in message, f"{piece!r} not in:\n{message}"
     _one_line_each(message)
 

@@ -60,6 +60,12 @@ def test_readme_toml_trains_as_written(tmp_path):
     assert len(LOSS_LINE.findall(proc.stdout)) == 2
     assert "FlexDeMo" in proc.stdout and "R vs AdamW-HSDP" in proc.stdout
     assert list((tmp_path / "out" / "tb").iterdir())  # TensorBoard on, as the README says
+    # a quiet console: no Python warning, no torchtitan WARNING but its note on this short run's warm-up
+    import re
+
+    noisy = [line for line in (proc.stdout + proc.stderr).splitlines()
+             if re.search(r"Warning\b|warnings\.warn| - WARNING - ", line) and "Warmup steps (200) exceed" not in line]
+    assert not noisy, noisy
 
 
 def test_known_cpu_noise_is_filtered_and_nothing_else():
@@ -96,17 +102,20 @@ def test_known_cpu_noise_is_filtered_and_nothing_else():
         "DTensor manual_seed() may not have complete support on cpu device mesh",
         "In CPU autocast, but the target dtype is not supported. Disabling autocast.\nCPU Autocast only supports ...",
         "'set_vital' is deprecated, please do not call",
+        "Set timeout is now only supported for either nccl or gloo.",
     ):
         assert any(re.match(pattern, message) for pattern in NOISE_WARNINGS), message
 
 
 def test_a_worker_records_its_lines_for_torchruns_summary(tmp_path, monkeypatch, capsys):
-    """Under plain torchrun the agent's failure summary shows the worker's error file: our lines."""
+    """Under plain torchrun the agent's failure summary shows the worker's error file: our lines;
+    titan_commopt.run prints them instead, with the worker's status, whichever rank failed first."""
     import pytest
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     from titan_commopt.options import ConfigError
-    from titan_commopt.run import _root_config_error
+    from titan_commopt.run import recorded_stop
+    from titan_commopt.titan.stop import RunStopped, stop_run
     from titan_commopt.train import report_config_error
 
     error_file = tmp_path / "error.json"
@@ -119,7 +128,33 @@ def test_a_worker_records_its_lines_for_torchruns_summary(tmp_path, monkeypatch,
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
     line = PREFIX + "[training] seq_len = 0: allowed is an integer >= 1"
     assert line in ChildFailedError("titan_commopt.train", {0: failure}).format_msg()
-    assert _root_config_error(failure) == line  # what titan_commopt.run prints instead of the summary
+    # rank 0 stopped by torchrun's SIGTERM (no error file) at the same second: still our line
+    killed = ProcessFailure(local_rank=1, pid=2, exitcode=-15, error_file=str(tmp_path / "none.json"))
+    killed.timestamp = failure.timestamp - 1
+    assert recorded_stop(ChildFailedError("titan_commopt.train", {0: killed, 1: failure})) == (line, 2)
+
+    # A run stopped on purpose after the process group exists (a refused resume, a safeguard)
+    for status in (2, 1):
+        with pytest.raises(RunStopped) as info:
+            stop_run("cannot resume [optimizer] name = 'DES-LOC' from x: ...", status)
+        assert info.value.code == status and capsys.readouterr().err == ""  # rank 1 prints nothing
+        failure = ProcessFailure(local_rank=0, pid=1, exitcode=status, error_file=str(error_file))
+        stopped = "titan_commopt: cannot resume [optimizer] name = 'DES-LOC' from x: ..."
+        assert stopped in ChildFailedError("titan_commopt.train", {0: failure}).format_msg()
+        assert recorded_stop(ChildFailedError("titan_commopt.train", {0: failure})) == (stopped, status)
+    # rank 0 prints the line, unless titan_commopt.run will (it set TITAN_COMMOPT_LAUNCHER)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RunStopped):
+        stop_run("stopped", 1)
+    assert capsys.readouterr().err == "titan_commopt: stopped\n"
+    monkeypatch.setenv("TITAN_COMMOPT_LAUNCHER", "1")
+    with pytest.raises(RunStopped):
+        stop_run("stopped", 1)
+    assert capsys.readouterr().err == ""
+    # any other failure of a worker is torchrun's to report
+    error_file.write_text('{"message": {"message": "RuntimeError: boom", "extraInfo": {"timestamp": "1"}}}')
+    other = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
+    assert recorded_stop(ChildFailedError("titan_commopt.train", {0: other})) is None
 
 
 def test_traceback_only_when_asked(monkeypatch, capsys):

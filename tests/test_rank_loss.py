@@ -1,7 +1,8 @@
 """A rank lost while a checkpoint is being saved: the job exits non-zero within a bounded time, the
 unfinished step folder is skipped and the previous checkpoint resumes; torchrun ``--max-restarts``
 does that restart by itself when its rendezvous store is not shared across restarts
-(``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see ``titan_commopt/titan/elastic.py``).
+(``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see ``titan_commopt/titan/elastic.py``; ``python -m
+titan_commopt.run`` sets it).
 
 The kill comes from ``tests/save_crash_hook/sitecustomize.py``: rank 1 SIGKILLs itself when DCP
 hands it step 20's data to write, so step-20 never gets its ``.metadata``.
@@ -18,9 +19,10 @@ from tests.titan_utils import CONFIG, ROOT
 HOOK = Path(__file__).resolve().parent / "save_crash_hook"
 
 
-def _launch(dump: Path, *extra: str, kill_save: str = "", env: dict = {}) -> subprocess.Popen:
+def _launch(dump: Path, *extra: str, kill_save: str = "", env: dict = {},
+            launcher: str = "torch.distributed.run") -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend", "c10d",
+        sys.executable, "-m", launcher, "--nproc_per_node=2", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", "localhost:0", "--monitor-interval", "0.5", *extra,
         "-m", "titan_commopt.train", "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
         "--model.flavor", "cpu_tiny", "--parallelism.data_parallel_replicate_degree", "2",
@@ -28,6 +30,8 @@ def _launch(dump: Path, *extra: str, kill_save: str = "", env: dict = {}) -> sub
         "--checkpoint.interval", "10", "--metrics.log_freq", "10", "--comm.train_timeout_seconds", "30",
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env:
+        full_env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     if kill_save:
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HOOK), os.environ.get("PYTHONPATH", "")]))
         full_env["TITAN_COMMOPT_TEST_KILL_SAVE"] = kill_save
@@ -60,10 +64,11 @@ def test_rank_killed_while_saving_exits_and_the_previous_checkpoint_resumes(tmp_
 
 
 def test_torchrun_max_restarts_resumes_by_itself(tmp_path):
+    """Through titan_commopt.run, which sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun's
+    restarts (plain torchrun needs it exported: the same variable, read by the same torchrun code)."""
     dump = tmp_path / "out"
     start = time.monotonic()
-    proc = _launch(dump, "--max-restarts", "1", kill_save="step-20:1:0",
-                   env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    proc = _launch(dump, "--max-restarts", "1", kill_save="step-20:1:0", launcher="titan_commopt.run")
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out[-4000:]
     assert time.monotonic() - start < 300
@@ -86,3 +91,19 @@ def test_restart_with_shared_rendezvous_store_warns(monkeypatch, capsys):
     assert err.count("\n") == 1 and FIX in err and "pytorch/pytorch#135712" in err
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what FIX makes torchrun pass
     assert not warn_if_restart_would_hang()
+
+
+def test_the_launcher_sets_the_fresh_store_for_restarts(monkeypatch):
+    from torch.distributed.run import parse_args
+
+    from titan_commopt.run import FRESH_STORE, fresh_store_per_restart
+    from titan_commopt.titan.elastic import FIX
+
+    assert "=".join(FRESH_STORE) == FIX
+    monkeypatch.delenv(FRESH_STORE[0], raising=False)
+    assert not fresh_store_per_restart(parse_args(["--nproc_per_node=2", "x.py"]))
+    assert FRESH_STORE[0] not in os.environ
+    assert fresh_store_per_restart(parse_args(["--nproc_per_node=2", "--max-restarts", "2", "x.py"]))
+    assert os.environ[FRESH_STORE[0]] == "1"
+    monkeypatch.setenv(FRESH_STORE[0], "0")  # the user's own choice stays
+    assert not fresh_store_per_restart(parse_args(["--max-restarts", "2", "x.py"]))

@@ -62,26 +62,30 @@ def test_resume_with_other_replica_count_fails_clearly(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     lines = [line for line in out.splitlines() if "titan_commopt: cannot resume" in line]
-    assert len(lines) == 1 and lines[0].startswith("[rank0]:"), lines
-    assert "holds optimizer state for 2 replicas and this run has 1" in lines[0]
+    printed = [line for line in lines if line.startswith("[rank")]
+    assert len(printed) == 1 and printed[0].startswith("[rank0]:"), lines
+    assert "holds optimizer state for 2 replicas and this run has 1" in printed[0]
     assert "failed (exitcode: 2)" in out  # torchrun's summary of the first worker to exit
+    # ... which shows the line too (the workers' error files), instead of "To enable traceback see"
+    assert any(line.strip().startswith("traceback : titan_commopt: cannot resume") for line in lines), out[-3000:]
     assert "titan_commopt/titan" not in out  # no traceback through our code
 
 
 # ---- resume checks on small hand-made checkpoints (no processes) -------------------------------
-def _job(dump, name, load_step=-1, exclude=()):
+def _job(dump, name, load_step=-1, exclude=(), initial_load_path=None):
     from types import SimpleNamespace
 
     return SimpleNamespace(
         job=SimpleNamespace(dump_folder=str(dump)),
         checkpoint=SimpleNamespace(
-            enable=True, folder="checkpoint", load_step=load_step, exclude_from_loading=list(exclude)
+            enable=True, folder="checkpoint", load_step=load_step, exclude_from_loading=list(exclude),
+            initial_load_path=initial_load_path,
         ),
         optimizer=SimpleNamespace(name=name),
     )
 
 
-def _save(dump, step, name, replicas=2, **options):
+def _save(dump, step, name, replicas=2, dp=2, drop=(), **options):
     """A checkpoint as our container writes it: per-replica state and the resolved record."""
     import json
 
@@ -96,6 +100,12 @@ def _save(dump, step, name, replicas=2, **options):
         state[f"optimizer.replica{r}/commopt_resolved"] = record
         state[f"optimizer.replica{r}/state.w.exp_avg"] = torch.arange(1000.0)
     state["model.w"] = torch.ones(1000)
+    # what torchtitan saves besides (its dataloader: one entry per data-parallel rank)
+    state.update({"lr_scheduler.last_epoch": torch.tensor(step), "train_state.step": torch.tensor(step),
+                  "dataloader.world_size": torch.tensor(dp)})
+    state.update({f"dataloader.dp_rank_{r}": torch.zeros(4) for r in range(dp)})
+    for name_ in drop:
+        state = {k: v for k, v in state.items() if not k.startswith(name_ + ".")}
     path = dump / "checkpoint" / f"step-{step}"
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
     return path
@@ -187,3 +197,88 @@ def test_resume_equals_uninterrupted_with_tp(tmp_path):
     uninterrupted, resumed = _resume_pair(tmp_path, "DES-LOC", TP)
     assert len(uninterrupted) == 8 and len(resumed) == 4
     assert resumed == uninterrupted[4:]
+
+
+def test_what_torchtitan_would_fail_on_inside_dcp_is_named(tmp_path):
+    """A load_step with no folder, a model-only (last step) checkpoint, dataloader state for another
+    data-parallel degree: one line each, with the way back (the escape hatch it names works)."""
+    from titan_commopt.optim import resolve
+    from titan_commopt.titan.checkpoint import resume_problem
+
+    resolved = resolve("DES-LOC")
+    missing = tmp_path / "checkpoint"
+    assert resume_problem(_job(tmp_path, "DES-LOC", load_step=6), resolved, 2) == (
+        f"[checkpoint] load_step = 6: {missing} does not exist; complete checkpoints: none (load_step = -1: the newest)"
+    )
+    assert resume_problem(_job(tmp_path, "DES-LOC", load_step=6, initial_load_path="/x"), resolved, 2) is None
+    _save(tmp_path, 2, "DES-LOC")
+    assert resume_problem(_job(tmp_path, "DES-LOC", load_step=6), resolved, 2) == (
+        f"[checkpoint] load_step = 6: {missing} has no step-6; complete checkpoints: step-2 (load_step = -1: the newest)"
+    )
+    assert resume_problem(_job(tmp_path, "DES-LOC", load_step=2), resolved, 2, dp_degree=2) is None
+
+    last = _save(tmp_path, 4, "DES-LOC", drop=("optimizer", "lr_scheduler", "dataloader", "train_state"))
+    problem = resume_problem(_job(tmp_path, "DES-LOC"), resolved, 2, dp_degree=2)
+    assert problem.startswith(f"cannot resume from {last}: it holds no optimizer, lr_scheduler, dataloader, "
+                              "train_state state (only the model") and "\n" not in problem
+    assert "last_save_model_only = true" in problem and "load_step" in problem
+    hatch = ["optimizer", "lr_scheduler", "dataloader", "train_state"]
+    assert 'exclude_from_loading = ["optimizer", "lr_scheduler", "dataloader", "train_state"]' in problem
+    assert resume_problem(_job(tmp_path, "DES-LOC", exclude=hatch), resolved, 2, dp_degree=2) is None
+    assert resume_problem(_job(tmp_path, "DES-LOC", load_step=2), resolved, 2, dp_degree=2) is None
+
+    (last / ".metadata").unlink()
+    problem = resume_problem(_job(tmp_path, "DES-LOC"), resolved, 2, dp_degree=4)
+    assert "dataloader state is for a data-parallel degree" in problem and "of 2 and this run has 4" in problem
+    assert resume_problem(_job(tmp_path, "DES-LOC", exclude=["dataloader"]), resolved, 2, dp_degree=4) is None
+
+
+def _launch(tmp_path, nproc, *args):
+    """``python -m titan_commopt.run`` as a user runs it: every rank's console, as the user sees it."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.titan_utils import CONFIG, ROOT
+
+    cmd = [sys.executable, "-m", "titan_commopt.run", f"--nproc_per_node={nproc}", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "localhost:0", "-m", "titan_commopt.train", "--job.config_file", str(CONFIG),
+           "--job.dump_folder", str(tmp_path / "out"), "--model.flavor", "cpu_tiny", "--metrics.log_freq", "1",
+           "--parallelism.data_parallel_replicate_degree", "2", "--checkpoint.enable", "--checkpoint.interval", "2",
+           "--optimizer.name", "FlexDeMo", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("TITAN_COMMOPT_TRACEBACK", None)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _last_line(proc) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def test_refused_resumes_end_the_launchers_output_and_the_shard_degree_may_change(tmp_path):
+    """Through titan_commopt.run: a refused resume is the last line, once, exit status 2, no
+    traceback (torchrun's failure summary replaced); 2 replicas × 2 shards → 2 × 1 resumes once the
+    dataloader state (per data-parallel rank, not reshardable) is left out."""
+    assert _launch(tmp_path, 4, "--training.steps", "3").returncode == 0
+    checkpoint = tmp_path / "out" / "checkpoint"
+
+    def refused(*args: str) -> str:
+        proc = _launch(tmp_path, 2, "--training.steps", "4", *args)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2, out[-3000:]
+        line = _last_line(proc)
+        assert line.startswith("titan_commopt: ") and out.count(line) == 1, out[-3000:]
+        assert "Traceback" not in out and "ChildFailedError" not in out
+        return line
+
+    # the last step's checkpoint is model-only (torchtitan's default): named, not a DCP missing-key traceback
+    assert "step-3: it holds no optimizer, lr_scheduler, dataloader, train_state state" in refused()
+    shutil.rmtree(checkpoint / "step-3")
+    assert "load_step = 7: " in refused("--checkpoint.load_step", "7")
+    assert "dataloader state is for a data-parallel degree" in refused()
+    assert "holds the state of 'FlexDeMo'" in refused("--optimizer.name", "DES-LOC", "--checkpoint.exclude_from_loading",
+                                                      "dataloader")
+    proc = _launch(tmp_path, 2, "--training.steps", "4", "--checkpoint.exclude_from_loading", "dataloader")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "Training starts at step 3" in proc.stdout + proc.stderr

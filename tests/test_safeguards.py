@@ -214,6 +214,7 @@ def test_persistent_nonfinite_gradients_stop_the_run(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     lines = [line for line in out.splitlines() if "titan_commopt: the last 3 optimizer steps" in line]
+    lines = [line for line in lines if line.startswith("[rank")]  # torchrun's summary shows it too
     assert len(lines) == 1 and lines[0].startswith("[rank0]:"), out[-3000:]
     assert "max_consecutive_skips = 3" in lines[0]
     assert "failed (exitcode: 1)" in out and "titan_commopt/titan" not in out

@@ -335,6 +335,10 @@ def all_reduce_fused(
     return Pending(None, finish, None)
 
 
+# torch 2.13 deprecates all_gather_into_tensor (a FutureWarning on every rank) for all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_gather(
     tensor: torch.Tensor,
     role: str,
@@ -355,7 +359,7 @@ def all_gather(
     src = tensor.contiguous()
     return _issue(
         ledger, role, "all_gather", n, (w - 1) * n, tensor.device,
-        lambda a: dist.all_gather_into_tensor(out.view(-1), src.view(-1), group=group, async_op=a), lambda: out,
+        lambda a: _all_gather_single(out.view(-1), src.view(-1), group=group, async_op=a), lambda: out,
         async_op,
     )
 

@@ -8,8 +8,13 @@ The arguments are exactly torchrun's (``torch.distributed.run``). When the train
 (key or file, value, what is allowed) and exits with status 2 before any worker starts. Otherwise
 (or when all is well) it runs torchrun unchanged; if the workers then stop on a pre-flight error
 (something only they can see), torchrun's ~40-line failure summary is replaced by that error's
-lines, last on the console, and the exit status is 2. Every other failure is reported by torchrun
-as usual. ``TITAN_COMMOPT_TRACEBACK=1`` adds the traceback of a pre-flight error.
+lines, last on the console, and the exit status is 2. The same holds for the lines with which the
+workers stop a run on purpose (``titan/stop.py``: a refused resume, status 2; a safeguard that stops
+training, status 1). Every other failure is reported by torchrun as usual.
+``TITAN_COMMOPT_TRACEBACK=1`` adds the traceback of a pre-flight error.
+
+With ``--max-restarts`` > 0 it also sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless set), which
+torchrun's restarts need (``titan/elastic.py``).
 
 On a multi-node job each node's launcher checks the config on that node (same files as its workers).
 """
@@ -21,6 +26,7 @@ from typing import Optional
 __all__ = ["main", "world_size_of"]
 
 TRAIN_MODULE = "titan_commopt.train"
+FRESH_STORE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 def world_size_of(args) -> Optional[int]:
@@ -56,34 +62,45 @@ def _pre_flight(args) -> None:
         report_config_error(error, launcher=True)
 
 
-def _root_config_error(failure) -> Optional[str]:
-    """The pre-flight lines a failed worker recorded (``train.report_config_error``), if any."""
-    from .train import PREFIX
+def recorded_stop(error) -> Optional[tuple[str, int]]:
+    """``(lines, status)`` that a failed worker recorded for us (``titan/stop.py``: a pre-flight
+    error, a refused resume, a safeguard's stop), the earliest if several did; None otherwise.
+    Every failure is looked at: a peer torchrun stopped with SIGTERM may be the "first" one."""
+    from .titan.stop import recorded_stop as recorded
 
-    message = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    if failure.exitcode == 2 and isinstance(message, str) and message.startswith(PREFIX):
-        return message
-    return None
+    ours = [(f.timestamp, rank, found) for rank, f in error.failures.items() if (found := recorded(f))]
+    return min(ours)[2] if ours else None
 
 
 def _launch(args) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
-    from .train import LAUNCHER_ENV
+    from .titan.stop import LAUNCHER_ENV
 
-    os.environ[LAUNCHER_ENV] = "1"  # the workers leave printing a pre-flight error to us
+    os.environ[LAUNCHER_ENV] = "1"  # the workers leave printing our lines to us
     try:
         run(args)
     except ChildFailedError as error:
-        text = _root_config_error(error.get_first_failure()[1])
-        if text is None:
+        found = recorded_stop(error)
+        if found is None:
             raise
+        text, status = found
         sys.stdout.flush()
         print(text, file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        raise SystemExit(status) from None
+
+
+def fresh_store_per_restart(args) -> bool:
+    """With ``--max-restarts`` > 0, give every restart round a fresh rendezvous store
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, unless the environment sets it): with the store
+    shared across rounds the restarted workers' gloo init waits on the failed attempt's dead peers,
+    then fails (``titan/elastic.py``). Returns whether it set it."""
+    name, value = FRESH_STORE  # titan/elastic.py's FIX (not imported: that would import torchtitan)
+    if getattr(args, "max_restarts", 0) > 0 and name not in os.environ:
+        os.environ[name] = value
+        return True
+    return False
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -93,6 +110,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if _is_ours(args):
         _pre_flight(args)
+    fresh_store_per_restart(args)
     record(_launch)(args)  # as torchrun's own main: a worker's error file reaches the scheduler
 
 

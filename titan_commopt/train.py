@@ -19,16 +19,13 @@ too.) Differences from ``python -m torchtitan.train``, all before torchtitan's T
    imported).
 """
 
-import json
 import os
 import sys
-import time
 import traceback
 from typing import Any, Optional
 
 PREFIX = "titan_commopt: bad config: "  # every pre-flight line starts with it
 TRACEBACK_ENV = "TITAN_COMMOPT_TRACEBACK"  # =1: print the traceback of a pre-flight error too
-LAUNCHER_ENV = "TITAN_COMMOPT_LAUNCHER"  # set by titan_commopt.run: workers leave the printing to it
 
 
 def check_config(argv: list[str], world_size: Optional[int] = None):
@@ -70,32 +67,20 @@ def format_error(error: BaseException) -> str:
     return "\n".join(PREFIX + line for line in str(error).splitlines() if line.strip())
 
 
-def _write_elastic_error_file(text: str) -> bool:
-    """Tell torchrun's agent why this worker failed: its failure summary shows ``text``.
-    Returns whether it did (there is no error file outside torchrun)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return False
-    try:
-        with open(path, "w") as handle:
-            extra = {"py_callstack": text, "timestamp": str(int(time.time()))}
-            json.dump({"message": {"message": text, "extraInfo": extra}}, handle)
-        return True
-    except OSError:
-        return False
-
-
 def report_config_error(error: BaseException, launcher: bool = False) -> None:
     """Print the pre-flight lines once (rank 0, or nobody when ``titan_commopt.run`` prints them;
     ``launcher``: this is that launcher), record them for torchrun's agent, and exit with status 2."""
+    from .titan.stop import announce
+
     text = format_error(error)
-    recorded = not launcher and _write_elastic_error_file(text)
     if launcher or os.environ.get("RANK", "0") == "0":
         if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             traceback.print_exception(error)
-        if launcher or not (os.environ.get(LAUNCHER_ENV) and recorded):  # else the launcher prints it, last
-            sys.stdout.flush()
-            print(text, file=sys.stderr, flush=True)
+    if launcher:
+        sys.stdout.flush()
+        print(text, file=sys.stderr, flush=True)
+    else:
+        announce(text, 2)  # rank 0 prints it, unless titan_commopt.run prints it from the error file, last
     raise SystemExit(2)
 
 

@@ -7,8 +7,14 @@ a folder without it is a save that did not finish (a rank died while saving) and
 log line. :func:`check_resume` runs in ``build_optimizers`` before anything is built, on every rank
 alike, reading only the ``.metadata`` file, the sizes of the data files and one small item of them:
 
+0. ``[checkpoint] load_step``, when given, names a complete step folder (torchtitan would raise
+   ``FileNotFoundError``, or start afresh when the checkpoint folder does not exist);
 1. the checkpoint is intact: ``.metadata`` unpickles, every data file it names exists and is as long
    as the metadata says (a truncated or missing file is named, instead of DCP's ``EOFError``);
+   and it holds what torchtitan loads after step 0 (optimizer, LR scheduler, dataloader, train state,
+   less ``exclude_from_loading``: the last step's checkpoint is model-only by default), the
+   dataloader's for this run's data-parallel degree (torchtitan cannot reshard it; DCP would fail on
+   a missing key or torchtitan on an assertion);
 2. it fits the run's replicas: optimizers that own R save per replica (``optimizer.replica<r>/``
    keys, ``titan_commopt.state``); another replica count, or another kind of optimizer (ours vs
    torchtitan's AdamW/Adam), is refused;
@@ -41,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 _REPLICA_KEY = re.compile(r"^optimizer\.replica(\d+)/")
 _STEP = re.compile(r"step-(\d+)")
+_DATALOADER_KEY = re.compile(r"^dataloader\.dp_rank_(\d+)$")
+TORCHTITAN_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state")  # loaded with the model after step 0
 MODEL_ONLY = 'load only the model: [checkpoint] exclude_from_loading = ["optimizer"]'
 
 
@@ -155,8 +163,38 @@ def _changes(saved: dict[str, Any], ours: dict[str, Any]) -> list[str]:
     return [f"{k} {_show(saved[k])} -> {_show(ours[k])}" for k in sorted(ours) if k in saved and saved[k] != ours[k]]
 
 
-def resume_problem(job_config: Any, resolved: Any, replicas: int) -> Optional[str]:
-    """What keeps this run from resuming the checkpoint torchtitan would load (one line), or None."""
+def _unloadable(path: str, keys: Any, excluded: list[str], dp_degree: Optional[int]) -> Optional[str]:
+    """What torchtitan would fail on inside DCP's load (a raw traceback on every rank), or None:
+    a state it loads that the checkpoint lacks (the last step's checkpoint is model-only by default,
+    ``[checkpoint] last_save_model_only``), or dataloader state saved for another data-parallel degree
+    (torchtitan cannot reshard it)."""
+    m = _STEP.fullmatch(os.path.basename(path))
+    if m is None or int(m.group(1)) == 0:  # torchtitan loads only the model from step 0
+        return None
+    keys = list(keys)
+    missing = [c for c in TORCHTITAN_STATES if c not in excluded and not any(k.startswith(c + ".") for k in keys)]
+    if missing:
+        later = ", ".join(f'"{c}"' for c in [*excluded, *missing] if c != "model")
+        return (
+            f"cannot resume from {path}: it holds no {', '.join(missing)} state (only the model: torchtitan saves "
+            "the last step model-only, [checkpoint] last_save_model_only = true). Resume from an earlier "
+            "checkpoint ([checkpoint] load_step), start from its weights at step 1 with [checkpoint] "
+            f"exclude_from_loading = [{later}], or start afresh in another dump_folder"
+        )
+    ranks = {int(m.group(1)) for k in keys if (m := _DATALOADER_KEY.match(k))}
+    if dp_degree is not None and "dataloader" not in excluded and ranks and max(ranks) + 1 != dp_degree:
+        return (
+            f"cannot resume from {path}: its dataloader state is for a data-parallel degree "
+            f"(data_parallel_replicate_degree × data_parallel_shard_degree) of {max(ranks) + 1} and this run has "
+            f"{dp_degree}, which torchtitan cannot reshard: resume with the same degrees, or "
+            'read the data from its start with [checkpoint] exclude_from_loading = ["dataloader"]'
+        )
+    return None
+
+
+def resume_problem(job_config: Any, resolved: Any, replicas: int, dp_degree: Optional[int] = None) -> Optional[str]:
+    """What keeps this run from resuming the checkpoint torchtitan would load (one line), or None.
+    ``dp_degree``: this run's data-parallel degree (dp_replicate × dp_shard), None: not checked."""
     path = checkpoint_to_load(job_config)
     wanted = job_config.checkpoint.load_step
     if path is None and job_config.checkpoint.enable and wanted > 0:
@@ -167,10 +205,21 @@ def resume_problem(job_config: Any, resolved: Any, replicas: int) -> Optional[st
                 f"finish (a rank stopped while saving); complete checkpoints: "
                 f"{', '.join(f'step-{s}' for s in sorted(complete)) or 'none'}"
             )
+        folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
+        # torchtitan: a missing folder means a first run, which loads initial_load_path if given
+        if os.path.isdir(folder) or not getattr(job_config.checkpoint, "initial_load_path", None):
+            where = f"{folder} has no step-{wanted}" if os.path.isdir(folder) else f"{folder} does not exist"
+            return (
+                f"[checkpoint] load_step = {wanted}: {where}; complete checkpoints: "
+                f"{', '.join(f'step-{s}' for s in sorted(complete)) or 'none'} (load_step = -1: the newest)"
+            )
     if path is None:
         return None
     try:
         metadata = read_metadata(path)
+        problem = _unloadable(path, metadata.state_dict_metadata, job_config.checkpoint.exclude_from_loading, dp_degree)
+        if problem:
+            return problem
         optimizer_excluded = "optimizer" in job_config.checkpoint.exclude_from_loading
         saved = None if optimizer_excluded else saved_replicas(metadata.state_dict_metadata)
         record = read_record(path, metadata) if saved else None
@@ -194,7 +243,8 @@ def resume_problem(job_config: Any, resolved: Any, replicas: int) -> Optional[st
         return (
             f"{prefix}: it holds optimizer state for {saved} replicas and this run has {replicas}. Replica-local "
             "state (momenta, parameters between syncs) has no sound mapping onto another set of replicas: resume "
-            "with the same data_parallel_replicate_degree (the shard degree may change: DCP reshards), or "
+            "with the same data_parallel_replicate_degree (the shard degree may change when the dataloader state is "
+            'not loaded, exclude_from_loading = ["dataloader"]: DCP reshards the rest), or '
             f"{MODEL_ONLY}"
         )
     if record is None:  # saved before records existed: the replica count is all we can check
@@ -244,8 +294,8 @@ def _log_allowed_changes(path: str, record: dict[str, Any], resolved: Any) -> No
         )
 
 
-def check_resume(job_config: Any, resolved: Any, replicas: int) -> None:
+def check_resume(job_config: Any, resolved: Any, replicas: int, dp_degree: Optional[int] = None) -> None:
     """Refuse (one line, exit status 2) a resume that cannot work; see the module docstring."""
-    problem = resume_problem(job_config, resolved, replicas)
+    problem = resume_problem(job_config, resolved, replicas, dp_degree)
     if problem is not None:
         stop_run(problem, RESUME_REFUSED)

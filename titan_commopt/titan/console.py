@@ -23,7 +23,11 @@ Python warnings (``UserWarning``):
   our models initialize on each rank and replicas are made equal by a broadcast;
 - ``In CPU autocast, but the target dtype is not supported. Disabling autocast.``: float32 training on
   CPU, where autocast has nothing to do;
-- ``'set_vital' is deprecated``: torchdata's dataloader calls a deprecated torch hook.
+- ``'set_vital' is deprecated``: torchdata's dataloader calls a deprecated torch hook;
+- ``Set timeout is now only supported for either nccl or gloo.``: when torchtitan lowers the
+  process groups' timeout after the first step, its expert-parallel ``efsdp`` mesh (built whenever
+  ``dp_shard`` > 1, even without experts) is a ``FakeProcessGroup`` that issues no collective, so
+  there is no timeout to set; every real group here is gloo and gets it.
 """
 
 import logging
@@ -46,6 +50,7 @@ NOISE_WARNINGS = (
     r"DTensor manual_seed\(\) may not have complete support on cpu device mesh",
     r"In CPU autocast, but the target dtype is not supported",
     r"'set_vital' is deprecated",
+    r"Set timeout is now only supported for either nccl or gloo\.",
 )
 
 

@@ -10,6 +10,7 @@ init_timeout_seconds = 30``, more than 4 minutes with the default 300) before th
 next restart does the same (pytorch/pytorch#135712; NCCL can pick up a stale unique id likewise).
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment gives every round a fresh store
 (rank 0 hosts it): restarts then resume from the last checkpoint (tests/test_rank_loss.py).
+``python -m titan_commopt.run`` sets it when ``--max-restarts`` > 0 (``titan_commopt/run.py``).
 :func:`warn_if_restart_would_hang` says so on the console of a restarted run without it.
 """
 
@@ -30,7 +31,8 @@ def warn_if_restart_would_hang() -> bool:
         print(
             f"titan_commopt: warning: torchrun restart {attempt} reuses the rendezvous store of the failed "
             "attempt, and process-group init may wait minutes on its dead peers, then fail "
-            f"(pytorch/pytorch#135712): launch torchrun with {FIX} in its environment",
+            f"(pytorch/pytorch#135712): launch torchrun with {FIX} in its environment (python -m titan_commopt.run "
+            "sets it)",
             file=sys.stderr, flush=True,
         )
     return True

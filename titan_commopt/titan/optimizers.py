@@ -51,7 +51,7 @@ def build_optimizers(
     name = optimizer_config.name
     topology = topology_of(parallel_dims)
     resolved = resolved_for(job_config)
-    check_resume(job_config, resolved, topology.replicate_size)
+    check_resume(job_config, resolved, topology.replicate_size, parallel_dims.dp_replicate * parallel_dims.dp_shard)
     if resolved is None:
         from torchtitan.components.optimizer import build_optimizers as stock_build
 

@@ -5,16 +5,28 @@ max_consecutive_skips`` in ``titan/container.py``) is decided alike on every ran
 :class:`RunStopped`; only global rank 0 prints the message, as one line on stderr. It is a
 ``SystemExit``: torchtitan's ``main`` and torch.distributed.elastic's ``@record`` let it through
 without a traceback, so the worker exits with ``status`` and the line above is the whole story.
+
+Under torchrun every rank also records the line in its elastic error file (:func:`record_for_launcher`;
+the pre-flight check of ``titan_commopt.train`` does the same): torchrun's failure summary shows it
+in its ``traceback :`` fields, and ``python -m titan_commopt.run`` prints it instead of that summary,
+last on the console, and exits with the worker's status (rank 0 then leaves the printing to it).
 """
 
+import json
 import os
 import sys
-from typing import NoReturn
+import time
+from typing import Any, NoReturn, Optional
 
-__all__ = ["RunStopped", "stop_run", "RESUME_REFUSED", "TRAINING_STOPPED"]
+__all__ = [
+    "RunStopped", "stop_run", "RESUME_REFUSED", "TRAINING_STOPPED", "LAUNCHER_ENV", "record_for_launcher",
+    "recorded_stop",
+]
 
 RESUME_REFUSED = 2  # the checkpoint does not fit this run's settings: nothing was trained
 TRAINING_STOPPED = 1  # training went on until a safeguard stopped it
+LAUNCHER_ENV = "TITAN_COMMOPT_LAUNCHER"  # set by titan_commopt.run: workers leave the printing to it
+_MARK = "titan_commopt_status"  # in the error file's extraInfo: the line is ours, the worker exits with it
 
 
 class RunStopped(SystemExit):
@@ -29,6 +41,43 @@ class RunStopped(SystemExit):
         return self.message
 
 
+def record_for_launcher(text: str, status: int) -> bool:
+    """Write ``text`` (our lines) to torchrun's error file for this worker (``TORCHELASTIC_ERROR_FILE``):
+    torchrun's failure summary shows it, ``titan_commopt.run`` prints it. Returns whether it did
+    (there is no error file outside torchrun)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    try:
+        with open(path, "w") as handle:
+            extra = {"py_callstack": text, "timestamp": str(int(time.time())), _MARK: status}
+            json.dump({"message": {"message": text, "extraInfo": extra}}, handle)
+        return True
+    except OSError:
+        return False
+
+
+def recorded_stop(failure: Any) -> Optional[tuple[str, int]]:
+    """``(lines, exit status)`` a failed worker recorded with :func:`record_for_launcher`, or None
+    (``failure``: torchrun's ``ProcessFailure``)."""
+    message = failure.message
+    if not isinstance(message, dict):
+        return None
+    extra = message.get("extraInfo") or {}
+    text = message.get("message")
+    if extra.get(_MARK) is None or not isinstance(text, str) or failure.exitcode != extra.get(_MARK):
+        return None
+    return text, failure.exitcode
+
+
+def announce(text: str, status: int) -> None:
+    """Print ``text`` once: on global rank 0, unless ``titan_commopt.run`` prints it from the error file."""
+    recorded = record_for_launcher(text, status)
+    if _global_rank() == 0 and not (os.environ.get(LAUNCHER_ENV) and recorded):
+        sys.stdout.flush()
+        print(text, file=sys.stderr, flush=True)
+
+
 def _global_rank() -> int:
     import torch.distributed as dist
 
@@ -38,8 +87,7 @@ def _global_rank() -> int:
 
 
 def stop_run(message: str, status: int) -> NoReturn:
-    """Print ``message`` once (global rank 0) and raise :class:`RunStopped` on this rank.
+    """Print ``message`` once (see :func:`announce`) and raise :class:`RunStopped` on this rank.
     Call it on every rank alike (the decision must be the same everywhere)."""
-    if _global_rank() == 0:
-        print(f"titan_commopt: {message}", file=sys.stderr, flush=True)
+    announce(f"titan_commopt: {message}", status)
     raise RunStopped(message, status)

@@ -42,6 +42,8 @@ def _integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")  # torchtitan's checkpoint states
+
 # (section, key, test, what is allowed); each test sees the value only.
 _RULES: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("optimizer", "lr", lambda v: _number(v) and math.isfinite(v) and v >= 0, "a finite number >= 0"),
@@ -63,6 +65,9 @@ _RULES: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("metrics", "log_freq", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("checkpoint", "interval", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("checkpoint", "keep_latest_k", lambda v: _integer(v) and v >= 0, "an integer >= 0"),
+    ("checkpoint", "exclude_from_loading", lambda v: all(x in _STATES for x in v),
+     "a list of: " + ", ".join(_STATES)),
+    ("checkpoint", "load_step", lambda v: _integer(v) and v >= -1, "-1 (the newest checkpoint) or an integer >= 0"),
     ("comm", "init_timeout_seconds", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("comm", "train_timeout_seconds", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("parallelism", "data_parallel_replicate_degree", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
@@ -182,10 +187,26 @@ def _model_problems(job_config: Any) -> tuple[list[str], Any]:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # what the loaders read
 
 
+_HF_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")  # what torchtitan's build_hf_tokenizer reads
+
+
 def _tokenizer_problems(model: Any, spec: Any) -> list[str]:
     """Our specs' tokenizer (``titan/data.py: build_tokenizer``): ``bundled``, a SentencePiece
-    ``.model`` file, or a directory holding one of the files torchtitan's loader reads."""
-    if spec is None or getattr(spec, "build_tokenizer_fn", None) is not data.build_tokenizer:
+    ``.model`` file, or a directory holding one of the files torchtitan's loader reads; torchtitan's
+    own specs (``build_hf_tokenizer``): a directory holding one of those files."""
+    from torchtitan.components.tokenizer import build_hf_tokenizer
+
+    builder = getattr(spec, "build_tokenizer_fn", None) if spec is not None else None
+    if builder is build_hf_tokenizer:
+        path = model.hf_assets_path or ""
+        where = f"[model] hf_assets_path = {path!r}"
+        allowed = f"allowed is a directory with {', '.join(_HF_FILES[:-1])} or {_HF_FILES[-1]} (model {model.name!r})"
+        if not os.path.isdir(path):
+            return [f"{where}: {'not a directory' if os.path.exists(path) else 'no such directory'}; {allowed}"]
+        if not any(os.path.isfile(os.path.join(path, f)) for f in _HF_FILES):
+            return [f"{where}: holds no tokenizer; {allowed}"]
+        return []
+    if builder is not data.build_tokenizer:
         return []
     path = (model.hf_assets_path or "").strip()
     if path in ("", "bundled") or (os.path.isfile(path) and path.endswith(".model")):
@@ -213,6 +234,9 @@ def _nonblank_lines(path: str, at_least: int) -> int:
     return count
 
 
+_LOCAL_DATASETS = ("c4_test",)  # torchtitan datasets whose default path is a local directory
+
+
 def _dataset_problems(section: str, dataset: str, dataset_path: Optional[str], dp: int) -> list[str]:
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
@@ -220,7 +244,19 @@ def _dataset_problems(section: str, dataset: str, dataset_path: Optional[str], d
     if name not in DATASETS:
         return [f"[{section}] dataset = {dataset!r}: allowed is one of {', '.join(sorted(DATASETS))}"]
     if name not in (*data.BUNDLED, data.TEXTFILE_NAME):
-        return []  # torchtitan's own datasets: its loaders decide
+        # torchtitan's own datasets: its loaders decide, except for a local path that does not exist
+        # (c4_test reads ./tests/assets/c4_test; a dataset_path given as a filesystem path)
+        path = dataset_path or DATASETS[name].path
+        local = name in _LOCAL_DATASETS or os.path.isabs(path) or path.startswith(("./", "../", "~"))
+        if local and not os.path.exists(os.path.expanduser(path)):
+            key = "dataset_path" if dataset_path else "dataset"
+            shown = dataset_path if dataset_path else dataset
+            return [
+                f"[{section}] {key} = {shown!r}: {os.path.abspath(os.path.expanduser(path))} does not exist "
+                f"(torchtitan's {name!r} reads it); allowed is an existing dataset directory, or dataset = "
+                f"\"textfile\" with dataset_path = a UTF-8 text file"
+            ]
+        return []
     if name == data.TEXTFILE_NAME and not dataset_path:
         return [f"[{section}] dataset = {dataset!r} needs dataset_path = a UTF-8 text file, one document per line"]
     if not dataset_path:
@@ -253,13 +289,32 @@ def _uses_text_datasets(spec: Any) -> bool:
     return getattr(spec, "build_dataloader_fn", None) is build_text_dataloader
 
 
+# ---- the output folder -----------------------------------------------------------------------------
+def _folder_problems(job: Any) -> list[str]:
+    """``[job] dump_folder`` (logs, checkpoints, TensorBoard under it): a directory, or one that can
+    be created (its nearest existing parent is a writable directory)."""
+    path = os.path.abspath(os.path.expanduser(job.dump_folder or "."))
+    where = f"[job] dump_folder = {job.dump_folder!r}"
+    allowed = "allowed is a directory, or a path where one can be created"
+    if os.path.exists(path):
+        return [] if os.path.isdir(path) else [f"{where}: is a file; {allowed}"]
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return [f"{where}: {parent} is a file; {allowed}"]
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return [f"{where}: {parent} is not writable; {allowed}"]
+    return []
+
+
 # ---- all of it -------------------------------------------------------------------------------------
 def torchtitan_problems(job_config: Any, world_size: Optional[int] = None) -> list[str]:
     """Every bad torchtitan setting a titan_commopt run depends on, one line each."""
     rules = [r for r in _RULES if r[0] != "checkpoint" or job_config.checkpoint.enable]
     if job_config.validation.enable:
         rules += _VALIDATION_RULES
-    out = _rule_problems(job_config, rules)
+    out = _rule_problems(job_config, rules) + _folder_problems(job_config.job)
     bad = {line.split("]")[0].lstrip("[") for line in out}  # sections with a bad value already
     parallelism, training = job_config.parallelism, job_config.training
     dp = None
