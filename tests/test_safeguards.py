@@ -58,7 +58,7 @@ def test_nan_on_one_rank_stop_stops_everyone():
 
 
 def _drift(rank, world_size):
-    from titan_commopt.state import ReplicaDriftError
+    from titan_commopt.titan.stop import RunStopped
 
     model, container = _container("skip", 2)
     for p in model.parameters():
@@ -71,17 +71,18 @@ def _drift(rank, world_size):
     container.step()
     try:
         container.step()  # check at step 4
-    except ReplicaDriftError as error:
-        return str(error)
+    except RunStopped as stop:
+        return stop.message, stop.status
     return None
 
 
-def test_drift_is_detected_with_parameter_name():
+def test_drift_stops_every_rank_naming_the_parameter():
     out = run_distributed(_drift, 4)
-    # Shard 0's R group is ranks {0, 2}: both fail loudly naming the parameter; shard 1 saw no drift.
-    assert out[1] is None and out[3] is None
-    for rank in (0, 2):
-        assert out[rank] is not None and "'1.weight'" in out[rank] and "replicas disagree" in out[rank]
+    # Only shard 0's R group (ranks {0, 2}) sees the drift; every rank stops alike, with its finding.
+    assert len(set(out)) == 1 and out[0] is not None, out
+    message, status = out[0]
+    assert "'1.weight'" in message and "replicas disagree" in message and "optimizer step 4" in message
+    assert status == 1
 
 
 # ---- one 2-replica world for the container's runtime rules (one spawn for all of them) ----------

@@ -29,7 +29,7 @@ __all__ = [
     "take_replica",
     "fingerprint",
     "check_replicas",
-    "ReplicaDriftError",
+    "ReplicaDriftError", "any_rank",
     "any_nonfinite",
 ]
 
@@ -101,6 +101,16 @@ def any_nonfinite(grads: Iterable[Optional[torch.Tensor]], group: Optional[dist.
     flag = torch.zeros(1, device=device)
     for g in present:
         flag = torch.maximum(flag, (~torch.isfinite(g)).any().to(flag.dtype).reshape(1))
+    return _any_rank(flag, group)
+
+
+def any_rank(value: bool, group: Optional[dist.ProcessGroup] = None) -> bool:
+    """Whether ``value`` is true on any rank of ``group`` (default: all ranks): one 4-byte
+    all-reduce(max), so that every rank takes the same decision."""
+    return _any_rank(torch.full((1,), float(value), device=comm.control_device(group)), group)
+
+
+def _any_rank(flag: torch.Tensor, group: Optional[dist.ProcessGroup]) -> bool:
     if dist.is_available() and dist.is_initialized():
         comm.all_reduce(flag, "world", group or dist.group.WORLD, op="max")
     return bool(flag.item() > 0)

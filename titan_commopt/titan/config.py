@@ -32,8 +32,8 @@ class CommonOptions:
     )
     check_replicas_every: int = option(
         0, "Every N optimizer steps, compare a fingerprint of every parameter across replicas (R) and "
-        "fail naming the first that differs (only at steps where the optimizer keeps replicas equal). "
-        "0 = off.", ge=0,
+        "stop the run on every rank (one line naming the first that differs, exit status 1) if one "
+        "differs (only at steps where the optimizer keeps replicas equal). 0 = off.", ge=0,
     )
     max_consecutive_skips: int = option(
         10, "Stop the run (one line, exit status 1) once this many optimizer steps in a row were skipped "

@@ -170,8 +170,24 @@ def container_cls() -> type:
                 self.fsdp_traffic.record(self.ledger)
             every = self.safeguards.check_replicas_every
             if every and self.steps_taken % every == 0 and self._replicas_in_sync():
-                replica_state.check_replicas(self._named_params(), self.topology)
+                self._check_replicas()
             self.ledger.end_step()  # after the drift check: its bytes belong to this step
+
+        def _check_replicas(self) -> None:
+            """The replicas' parameters compared by fingerprint. Only the ranks of a shard whose
+            replicas differ see it, so the decision is agreed over all ranks (one flag all-reduce):
+            every rank stops alike, rank 0 printing the first rank's finding (one line, exit status 1)."""
+            try:
+                replica_state.check_replicas(self._named_params(), self.topology)
+                found = None
+            except replica_state.ReplicaDriftError as error:
+                found = str(error)
+            if replica_state.any_rank(found is not None):
+                findings = comm.all_gather_object(found, "world", dist.group.WORLD)  # the run stops here
+                first = next(text for text in findings if text)
+                stop_run(f"{first}; stopped at optimizer step {self.steps_taken}: resume from the last "
+                         "checkpoint (each replica's own state), and look for what writes parameters outside "
+                         "the optimizer", TRAINING_STOPPED)
 
         def steps_to_next_sync(self) -> Optional[int]:
             """Optimizer steps until the next R sync of a periodic optimizer (1 = the next step);
