@@ -101,47 +101,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     except ConfigError as error:
         report_config_error(error)
 
+    from .titan.trainer import run_torchtitan
+
     run_torchtitan(job_config)
-
-
-def run_torchtitan(job_config: Any) -> None:
-    """torchtitan's ``main`` (logging, training, seed checkpoints, shutdown), given our job config."""
-    import torchtitan.train as torchtitan_train
-
-    from .titan import config as commopt_config
-
-    class Trainer(torchtitan_train.Trainer):
-        """torchtitan's Trainer; remembers its job config for our ``build_optimizers_fn``."""
-
-        def __init__(self, job_config):
-            commopt_config.set_current(job_config)
-            super().__init__(job_config)
-
-        def train(self) -> None:
-            super().train()
-            from .titan.container import container_cls
-
-            if isinstance(self.optimizers, container_cls()):  # not a stock TrainSpec's own container
-                self.optimizers.flush()  # an overlapped update or a streaming fragment still in flight
-            # torchtitan's rank 0 sleeps 2 s here "for other ranks to complete" while the others
-            # go on to tear their process groups down; a gloo rank has been seen to abort
-            # (SIGABRT) during that teardown (twice in one CI run of ~100 launches, under load). All ranks
-            # leave training together instead (only on success: after an error a peer may never
-            # arrive).
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.barrier()
-
-    class ParsedConfig(torchtitan_train.ConfigManager):
-        """What ``torchtitan.train.main`` parses: the config already parsed and checked."""
-
-        def parse_args(self, args: Any = None) -> Any:
-            self.config = job_config
-            return job_config
-
-    torchtitan_train.ConfigManager = ParsedConfig  # main() looks the name up when it runs
-    torchtitan_train.main(Trainer)
 
 
 if __name__ == "__main__":
