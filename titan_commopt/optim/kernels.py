@@ -14,8 +14,8 @@ by ``lerp_``/``addcmul_``, ``denom = √v / (1−β2^t) ** 0.5 + ε`` — Python
 ``math.sqrt``, which rounds differently on about 0.1 % of steps — and ``x += (−η/(1−β1^t))·m/denom``),
 so Dion's scalar AdamW matches ``torch.optim.Adam``/``AdamW`` to the last bit. LocalAdaptive's plain
 Adam (one momentum, ω = 1) uses :func:`adamw_multi_` with ``fused``: torch's fused kernel, bit for
-bit ``AdamW(fused=True)``, torchtitan's default. Kernels are not interchangeable bit for bit: a quasi-hyperbolic step with one momentum
-and ω = 1 *is* :func:`adamw_` for that reason.
+bit ``AdamW(fused=True)``, torchtitan's default. Kernels are not interchangeable bit for bit: a
+quasi-hyperbolic step with one momentum and ω = 1 *is* :func:`adamw_` for that reason.
 """
 
 from typing import Optional, Sequence
