@@ -11,8 +11,9 @@ are priced by ``comm_report.py``; a median over ``--repeats`` steps shorter than
 them out). The reference, ``AdamW``, is what torchtitan builds: ``torch.optim.AdamW(fused=True)``
 (``[optimizer] implementation = "fused"``, torchtitan's default; torch has a fused CPU kernel), without
 any collective. ``AdamW-foreach`` and ``AdamW-for-loop`` (torch's own default on CPU) are the other two
-implementations, for comparison: on CPU the fused kernel is about 3x faster than either. Times are rank 0's medians over ``--repeats`` steps after one warm-up
-step, each step started together on every rank (barrier); with ``--runs`` N the whole measurement is
+implementations, for comparison: on CPU the fused kernel is about 3x faster than either. Times are
+rank 0's medians over ``--repeats`` steps after one warm-up step, each step started together on
+every rank (barrier); with ``--runs`` N the whole measurement is
 repeated in fresh processes and the table gives the medians over the runs and the range of each
 optimizer's ratio to AdamW (taken within each run: on a shared machine the ratio is steadier than a
 time).

@@ -199,20 +199,17 @@ def resume_problem(job_config: Any, resolved: Any, replicas: int, dp_degree: Opt
     wanted = job_config.checkpoint.load_step
     if path is None and job_config.checkpoint.enable and wanted > 0:
         complete, incomplete = _folders(job_config)
+        listing = f"complete checkpoints: {', '.join(f'step-{s}' for s in sorted(complete)) or 'none'}"
         if wanted in incomplete:
             return (
                 f"[checkpoint] load_step = {wanted}: {incomplete[wanted]} has no .metadata, its save did not "
-                f"finish (a rank stopped while saving); complete checkpoints: "
-                f"{', '.join(f'step-{s}' for s in sorted(complete)) or 'none'}"
+                f"finish (a rank stopped while saving); {listing}"
             )
         folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
         # torchtitan: a missing folder means a first run, which loads initial_load_path if given
         if os.path.isdir(folder) or not getattr(job_config.checkpoint, "initial_load_path", None):
             where = f"{folder} has no step-{wanted}" if os.path.isdir(folder) else f"{folder} does not exist"
-            return (
-                f"[checkpoint] load_step = {wanted}: {where}; complete checkpoints: "
-                f"{', '.join(f'step-{s}' for s in sorted(complete)) or 'none'} (load_step = -1: the newest)"
-            )
+            return f"[checkpoint] load_step = {wanted}: {where}; {listing} (load_step = -1: the newest)"
     if path is None:
         return None
     try:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 from titan_commopt.optim import owns_replicate_sync
 
 from . import data
+from .checkpoint import TORCHTITAN_STATES
 
 __all__ = ["torchtitan_problems", "world_size_from_env", "data_parallel_degree"]
 
@@ -42,7 +43,7 @@ def _integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")  # torchtitan's checkpoint states
+_STATES = ("model", *TORCHTITAN_STATES)  # torchtitan's checkpoint states
 
 # (section, key, test, what is allowed); each test sees the value only.
 _RULES: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
@@ -187,7 +188,7 @@ def _model_problems(job_config: Any) -> tuple[list[str], Any]:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # what the loaders read
 
 
-_HF_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")  # what torchtitan's build_hf_tokenizer reads
+_HF_FILES = tuple(f for f in _TOKENIZER_FILES if f != "tokenizer.model")  # what torchtitan's build_hf_tokenizer reads
 
 
 def _tokenizer_problems(model: Any, spec: Any) -> list[str]:
