@@ -17,15 +17,32 @@ every rank (barrier); with ``--runs`` N the whole measurement is
 repeated in fresh processes and the table gives the medians over the runs and the range of each
 optimizer's ratio to AdamW (taken within each run: on a shared machine the ratio is steadier than a
 time).
+
+On a GPU (``--device cuda``; e.g. ``--flavors 1B --device cuda``) each replica puts its model on
+``cuda:rank % device_count``. With fewer GPUs than replicas the replicas share a GPU and talk over
+gloo with CUDA tensors (NCCL refuses two ranks on one device): the link is then host memory and the
+processes take turns on the GPU, so the ratios, not the times, carry over. A step is timed between
+two ``torch.cuda.synchronize()`` (the benchmark's, not the optimizer's). Two more columns: the host
+synchronizations the step itself makes (one extra step under ``torch.cuda.set_sync_debug_mode``;
+rank 0's main thread, so gloo's own copies to the host do not count, as NCCL makes none) and the
+peak memory allocated from building the model to the end of the steps.
+
+Two columns say how much of a step is the link: the R bytes each replica sends per step and the
+time its R collectives took from issue to completion (the ledger's ``R_seconds``: host clock on CPU,
+device events on a GPU), both medians over the timed steps. On gloo loopback that time is the
+benchmark's host link, not the optimizer's computation.
 """
 
 import argparse
+import gc
+import math
 import os
 import socket
 import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -34,14 +51,15 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from scripts._bench_common import flavor_args, parse_overrides, resolved_of, table  # noqa: E402
+from scripts._bench_common import flavor_args, human, param_shapes, parse_overrides, resolved_of, table  # noqa: E402
 
 
-def _model(flavor: str):
+def _model(flavor: str, device: torch.device):
     from torchtitan.models.llama3 import Transformer
 
     torch.manual_seed(0)
-    model = Transformer(flavor_args(flavor))
+    with device:
+        model = Transformer(flavor_args(flavor))
     with torch.no_grad():
         model.init_weights()
     for p in model.parameters():
@@ -65,40 +83,108 @@ def _build(name: str, model, overrides: dict):
 ADAMW = {"AdamW": dict(fused=True), "AdamW-foreach": dict(foreach=True), "AdamW-for-loop": dict(foreach=False)}
 
 
-def time_steps(name: str, flavor: str, repeats: int, overrides: dict) -> float:
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _host_syncs(opt) -> list[str]:
+    """Where one ``opt.step()`` synchronizes the host with the GPU: ``file:line`` of each occurrence."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
+def _profile(opt, device: torch.device, rows: int) -> str:
+    """torch.profiler's table of two steps, the ops with the most self time on the step's device first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            opt.step()
+            _synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
+
+
+def time_steps(name: str, flavor: str, repeats: int, overrides: dict, device: torch.device,
+               profile_rows: int = 0) -> dict:
     from titan_commopt import comm
 
-    model = _model(flavor)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model = _model(flavor, device)
     opt = _build(name, model, overrides)
-    times = []
-    with comm.use_ledger(comm.CommLedger()):
+    times, sent, link, syncs = [], [], [], None
+    ledger = comm.CommLedger()
+    with comm.use_ledger(ledger):
         for i in range(repeats + 1):  # step 0: state allocation, plan building
             dist.barrier()
+            _synchronize(device)
             t0 = time.perf_counter()
             opt.step()
+            _synchronize(device)
             times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+            step = ledger.end_step()
+            sent.append(step.get("R_sent", 0.0))
+            link.append(step.get("R_seconds", 0.0))
+        if device.type == "cuda":
+            syncs = _host_syncs(opt)
+            _synchronize(device)
+        if profile_rows and dist.get_rank() == 0:
+            print(f"# profile of {name} on {flavor}, two steps\n{_profile(opt, device, profile_rows)}", file=sys.stderr)
+        elif profile_rows:
+            for _ in range(2):
+                opt.step()
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    del opt, model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"t": statistics.median(times[1:]), "syncs": syncs, "peak": peak,
+            "sent": statistics.median(sent[1:]), "link": statistics.median(link[1:])}
 
 
-def _worker(rank: int, world: int, port: int, out: str, flavors, names, repeats, overrides, threads) -> None:
+def _worker(rank: int, world: int, port: int, out: str, flavors, names, repeats, overrides, threads,
+            device_type: str, profile_rows: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = torch.device("cpu")
+    backend = "gloo"
+    if device_type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         rows = []
         for flavor in flavors:
-            n_params = sum(p.numel() for p in _model(flavor).parameters())
-            ref = time_steps("AdamW", flavor, repeats, overrides)
+            n_params = sum(math.prod(shape) for _, shape in param_shapes(flavor))
+            ref = time_steps("AdamW", flavor, repeats, overrides, device)
             for name in names:
                 try:
-                    t = ref if name == "AdamW" else time_steps(name, flavor, repeats, overrides)
+                    r = ref if name == "AdamW" else time_steps(name, flavor, repeats, overrides, device, profile_rows)
                 except Exception as error:  # keep the rest of the table (every rank fails alike)
                     if rank == 0:
                         print(f"# {flavor} {name}: {type(error).__name__}: {error}", file=sys.stderr)
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
                     continue
-                rows.append([f"{flavor} ({n_params / 1e6:.1f}M)", name, t, t / ref, n_params])
+                t = r["t"]
+                rows.append([f"{flavor} ({n_params / 1e6:.1f}M)", name, t, t / ref["t"], n_params, r["syncs"], r["peak"],
+                             r["sent"], r["link"]])
                 if rank == 0:
-                    print(f"{rows[-1][0]} | {name} | {t * 1e3:.1f} ms | {t / ref:.2f}", file=sys.stderr, flush=True)
+                    extra = "" if r["syncs"] is None else (
+                        f" | {len(r['syncs'])} host syncs {sorted(set(r['syncs']))} | peak {r['peak'] / 2**30:.1f} GiB")
+                    print(f"{rows[-1][0]} | {name} | {t * 1e3:.1f} ms | {t / ref['t']:.2f}{extra}",
+                          file=sys.stderr, flush=True)
         if rank == 0:
             torch.save(rows, out)
     finally:
@@ -106,7 +192,7 @@ def _worker(rank: int, world: int, port: int, out: str, flavors, names, repeats,
 
 
 def run(flavors: list[str], names: list[str] | None, repeats: int, overrides: dict, replicas: int = 2,
-        threads: int = 1) -> list[list]:
+        threads: int = 1, device: str = "cpu", profile_rows: int = 0) -> list[list]:
     from titan_commopt.optim import available_names
 
     names = names or [*ADAMW, *(n for n in available_names() if n not in ("Adam", "AdamW"))]
@@ -115,24 +201,31 @@ def run(flavors: list[str], names: list[str] | None, repeats: int, overrides: di
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.pt")
-        mp.start_processes(_worker, args=(replicas, port, out, flavors, names, repeats, overrides, threads),
+        mp.start_processes(_worker, args=(replicas, port, out, flavors, names, repeats, overrides, threads, device, profile_rows),
                            nprocs=replicas, start_method="spawn")
         return torch.load(out, weights_only=False)
 
 
 def summarize(runs: list[list[list]]) -> list[list[str]]:
     """One row per (model, optimizer) over several runs: the median step time and ratio to AdamW
-    (each run's ratio is taken within that run), the ratio's range over the runs, ns per parameter."""
+    (each run's ratio is taken within that run), the ratio's range over the runs, ns per parameter;
+    on a GPU also the step's host synchronizations and the peak memory (first run)."""
     by_key: dict[tuple, list] = {}
     for rows in runs:
-        for model, name, t, ratio, n_params in rows:
-            by_key.setdefault((model, name), []).append((t, ratio, n_params))
+        for model, name, t, ratio, n_params, syncs, peak, sent, link in rows:
+            by_key.setdefault((model, name), []).append((t, ratio, n_params, syncs, peak, sent, link))
     out = []
     for (model, name), cells in by_key.items():
         ts, ratios = [c[0] for c in cells], [c[1] for c in cells]
         t = statistics.median(ts)
-        out.append([model, name, f"{t * 1e3:.1f}", f"{statistics.median(ratios):.2f}",
-                    f"{min(ratios):.2f}–{max(ratios):.2f}", f"{t * 1e9 / cells[0][2]:.1f}"])
+        link = statistics.median(c[6] for c in cells)
+        row = [model, name, f"{t * 1e3:.1f}", f"{statistics.median(ratios):.2f}",
+               f"{min(ratios):.2f}–{max(ratios):.2f}", f"{t * 1e9 / cells[0][2]:.1f}", human(cells[0][5]),
+               f"{link * 1e3:.1f}"]
+        syncs, peak = cells[0][3], cells[0][4]
+        if syncs is not None:
+            row += [str(len(syncs)), f"{peak / 2**30:.1f}"]
+        out.append(row)
     return out
 
 
@@ -143,16 +236,23 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--replicas", type=int, default=2, help="processes in the R group (gloo, loopback)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: replica r on cuda:r %% device_count (NCCL with a GPU each, else gloo)")
     p.add_argument("--runs", type=int, default=1, help="independent runs (fresh processes); the table "
                    "gives medians over them and the range of the ratio to AdamW")
     p.add_argument("--set", nargs="*", default=[], metavar="FAMILY.OPTION=VALUE")
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                   help="after the timed steps, print torch.profiler's top ROWS ops of two more steps (rank 0)")
     a = p.parse_args(argv)
-    runs = [run(a.flavors, a.optimizers, a.repeats, parse_overrides(a.set), a.replicas, a.threads)
+    runs = [run(a.flavors, a.optimizers, a.repeats, parse_overrides(a.set), a.replicas, a.threads, a.device, a.profile)
             for _ in range(a.runs)]
     print(f"|R| = {a.replicas} processes, {a.threads} torch thread(s) each; median of {a.repeats} steps "
           f"per run, {a.runs} run(s)\n")
-    print(table(["model", "optimizer", "step ms (median)", "÷ torch AdamW (fused)", "÷ AdamW, range over runs",
-                 "ns / parameter"], summarize(runs)))
+    headers = ["model", "optimizer", "step ms (median)", "÷ torch AdamW (fused)", "÷ AdamW, range over runs",
+               "ns / parameter", "R sent / step", "ms in R collectives (summed)"]
+    if a.device == "cuda":
+        headers += ["host syncs / step", "peak GiB"]
+    print(table(headers, summarize(runs)))
     return 0
 
 

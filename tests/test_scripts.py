@@ -71,6 +71,20 @@ def test_step_overhead_runs():
     assert "| cpu_tiny (0.2M) | DeMo |" in out
 
 
+def test_train_each_runs_every_name_and_reports_a_failure(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "scripts/train_each.py", "--nproc", "2", "--steps", "2", "--optimizers", "DeMo", "Nope",
+         "--out", str(tmp_path), "--", "--model.flavor", "cpu_tiny", "--parallelism.data_parallel_replicate_degree", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]  # one run failed
+    rows = {line.split(" | ")[0].strip("| "): line for line in proc.stdout.splitlines() if line.startswith("| ")}
+    demo = [cell.strip() for cell in rows["DeMo"].strip("|").split("|")]
+    assert 0 < float(demo[2]) < 20 and demo[5].endswith("KiB"), rows["DeMo"]  # trained, sent R bytes
+    assert "failed (exit 2)" in rows["Nope"] and "allowed" in rows["Nope"], rows["Nope"]
+    assert (tmp_path / "DeMo.log").exists() and (tmp_path / "Nope.log").exists()
+
+
 def test_convergence_runs(tmp_path):
     out = subprocess.run(
         [sys.executable, "scripts/convergence.py", "--steps", "3", "--flavor", "cpu_tiny", "--optimizers", "AdamW", "DeMo",

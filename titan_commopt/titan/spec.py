@@ -6,7 +6,8 @@
 - ``llama3_reference``: torchtitan's stock llama3 spec, changed only where a CPU run or the offline
   data needs it (tokenizer, extra flavors, SUM reduction on gloo): the baseline to compare against.
 
-Both know llama3's flavors plus small ones for CPU and two mid sizes for comm reports.
+Both know llama3's flavors plus small ones for CPU, two mid sizes for comm reports and a 1B-class
+one for a single GPU.
 """
 
 import dataclasses
@@ -32,6 +33,9 @@ EXTRA_FLAVORS = {
     "100M": TransformerModelArgs(dim=768, n_layers=12, n_heads=12, vocab_size=32000, multiple_of=256),
     # ~300M shape of the DeMo paper's OLMo-300M scale, for comm reports (meta device).
     "300M": TransformerModelArgs(dim=1024, n_layers=16, n_heads=16, vocab_size=50304, multiple_of=256),
+    # ~1.5B, Llama 3.2 1B's shape (its embedding untied, as torchtitan's llama3 has it): one-GPU runs.
+    "1B": TransformerModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
+                               multiple_of=256, rope_theta=500000, vocab_size=128256),
 }
 
 
