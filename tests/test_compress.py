@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from titan_commopt.compress.dct import Chunker, chunk_size, dct_basis, scatter_chunks, topk_per_chunk
+from titan_commopt.compress.dct import (Chunker, accumulate_chunks_, chunk_size, dct_basis, scatter_chunks,
+                                        topk_per_chunk)
 from titan_commopt.compress.packing import (IndexCodec, ValueCodec, bits_bytes, from_bytes, pack_bits,
                                             pack_ternary, to_bytes, unpack_bits, unpack_ternary)
 from titan_commopt.compress.replicators import KINDS, make_replicator
@@ -271,6 +272,19 @@ def test_demo_aggregate_vectorized_over_replicas(mean_selected):
         count.scatter_add_(-1, idx, torch.ones_like(vals))
     dense = dense / count.clamp_min(1) if mean_selected else dense / 3
     torch.testing.assert_close(rep.aggregate(payloads, 1), rep.chunker.decode(dense))
+
+
+def test_accumulate_sums_replicas_in_replica_order():
+    """Replicas that chose one coefficient are added in replica order, whatever the values: 1e8 + 1 − 1e8
+    in float32 is 0 in that order (1 in another), on every row and device."""
+    a, b, c = 1e8, 1.0, -1e8
+    idx = torch.tensor([[[3, 0]], [[3, 1]], [[3, 2]]])  # (W=3, rows=1, k=2): all pick coefficient 3
+    vals = torch.tensor([[[a, 5.0]], [[b, 6.0]], [[c, 7.0]]])
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        out = accumulate_chunks_(torch.zeros(1, 4, device=device), idx.to(device), vals.to(device)).cpu()
+        expected = torch.tensor([[5.0, 6.0, 7.0, (torch.tensor(a) + b) + c]])
+        assert torch.equal(out, expected), (device, out)
 
 
 def test_random_indices_exact_count_one_per_stratum():

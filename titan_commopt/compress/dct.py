@@ -198,12 +198,14 @@ def scatter_chunks(values: torch.Tensor, idx: torch.Tensor, L: int) -> torch.Ten
 
 
 def accumulate_chunks_(dense: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``dense[r, idx[r, j]] += values[r, j]`` for every row ``r`` and ``j``, with duplicate indices in a
-    row (several replicas chose one coefficient) summed in ``j`` order, deterministically on every
-    device: on CPU ``scatter_add_`` walks each row in order; on CUDA ``scatter_add_`` uses atomics (an
-    order that varies from run to run, so replicas could round differently), so ``index_put_`` with
-    ``accumulate``, which sorts the indices first, is used there."""
-    if dense.device.type == "cpu":
-        return dense.scatter_add_(-1, idx, values)
-    rows = torch.arange(dense.shape[0], device=dense.device).unsqueeze(-1).expand_as(idx)
-    return dense.index_put_((rows.reshape(-1), idx.reshape(-1)), values.reshape(-1), accumulate=True)
+    """``dense[r, idx[w, r, j]] += values[w, r, j]`` for every source ``w`` (a replica), row ``r`` and
+    ``j``; the indices of one ``[w, r, :]`` must be distinct (one replica's top-k of a chunk).
+
+    Where several sources chose one coefficient they are summed in ``w`` order, the same bits on every
+    device and every run: one ``scatter_add_`` per source, each touching distinct elements, so CUDA's
+    atomics never meet on an element within a call and the calls run in stream order. (A single
+    ``scatter_add_`` over all sources would let atomics add in a varying order on CUDA; ``index_put_``
+    with ``accumulate`` sorts instead: deterministic, but slower on a GPU than these W calls.)"""
+    for w in range(idx.shape[0]):
+        dense.scatter_add_(-1, idx[w], values[w])
+    return dense

@@ -125,8 +125,6 @@ class DeMoReplicator(Replicator):
         rows = G * self.chunker.n_chunks
         vals = self.value_codec.decode(value_data, n).view(W, rows, k)
         idx = self.index_codec.decode(index_data, n).view(W, rows, k)
-        vals = vals.permute(1, 0, 2).reshape(rows, W * k)  # row r: replica 0's k entries, then replica 1's...
-        idx = idx.permute(1, 0, 2).reshape(rows, W * k)
         if out is None:
             dense = torch.zeros(rows, L, device=value_data.device)
         else:
