@@ -73,7 +73,7 @@ def test_known_cpu_noise_is_filtered_and_nothing_else():
     import logging
     import re
 
-    from titan_commopt.titan.console import NOISE_WARNINGS, _DropKnownNoise
+    from titan_commopt.titan.console import NOISE_WARNINGS, OFFLINE_LOG_LINES, _DropKnownNoise
 
     drop = _DropKnownNoise()
 
@@ -105,6 +105,14 @@ def test_known_cpu_noise_is_filtered_and_nothing_else():
         "Set timeout is now only supported for either nccl or gloo.",
     ):
         assert any(re.match(pattern, message) for pattern in NOISE_WARNINGS), message
+
+    # With an accelerator only the offline tokenizer's lines go; the machine's stay.
+    on_gpu = _DropKnownNoise(OFFLINE_LOG_LINES)
+    record = lambda message: logging.LogRecord("root", logging.WARNING, __file__, 1, message, None, None)  # noqa: E731
+    assert not on_gpu.filter(record("HF assets path bundled does not exist!"))
+    assert not on_gpu.filter(record("model.safetensors.index.json not found at hf_assets_path: bundled/x"))
+    assert on_gpu.filter(record("Error running lspci: [Errno 2] No such file or directory: 'lspci'"))
+    assert on_gpu.filter(record("ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = 1 will be overridden to 3 based on job config"))
 
 
 def test_a_worker_records_its_lines_for_torchruns_summary(tmp_path, monkeypatch, capsys):

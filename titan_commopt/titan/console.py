@@ -1,22 +1,25 @@
-"""Known-harmless console noise of a CPU run, filtered in one place.
+"""Known-harmless console noise, filtered in one place.
 
-A CPU run of torchtitan 0.2.2 prints warnings that say nothing about the run: they describe the
-absence of a GPU or of HuggingFace files that our offline setup does not use. On a machine without
-an accelerator :func:`quiet_known_noise` drops exactly these (and nothing else; with an accelerator
-it does nothing):
+torchtitan 0.2.2 prints warnings that say nothing about the run: they describe HuggingFace files
+that our offline tokenizer does not use (on every machine) or, on CPU, the absence of a GPU.
+:func:`quiet_known_noise` drops exactly these, and nothing else:
 
-torchtitan log lines (its root logger; the message must match from its start):
+torchtitan log lines (its root logger; the message must match from its start). On every machine
+(seen on an H100 too):
 
 - ``HF assets path bundled does not exist!`` (also for an empty path): ``bundled`` is our offline
   tokenizer (``titan/data.py``), not a directory;
 - ``model.safetensors.index.json not found at hf_assets_path: bundled/...``: same reason, and only
-  HF-format checkpoint export reads that file;
+  HF-format checkpoint export reads that file.
+
+Only without an accelerator (on a GPU machine they are about the machine, and stay):
+
 - ``Error running lspci: ...``, ``Peak flops undefined for: cpu, fallback to A100`` and ``Peak FLOPS
   used for computing MFU: ...`` (an A100's figure): the MFU estimate looks for a GPU (MFU means
   nothing on a CPU);
 - ``ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = ... will be overridden``: NCCL is not used on CPU (gloo).
 
-Python warnings (``UserWarning``):
+Python warnings (``UserWarning``), only without an accelerator:
 
 - ``DTensor random operators may not have complete support on cpu device mesh`` and ``DTensor
   manual_seed() may not have complete support on cpu device mesh``: torchtitan seeds on every mesh;
@@ -34,11 +37,14 @@ import logging
 import re
 import warnings
 
-__all__ = ["quiet_known_noise", "NOISE_LOG_LINES", "NOISE_WARNINGS"]
+__all__ = ["quiet_known_noise", "NOISE_LOG_LINES", "NOISE_WARNINGS", "OFFLINE_LOG_LINES"]
 
-NOISE_LOG_LINES = (
+OFFLINE_LOG_LINES = (
     r"HF assets path (bundled)? does not exist!",
     r"model\.safetensors\.index\.json not found at hf_assets_path: bundled/",
+)
+
+NOISE_LOG_LINES = OFFLINE_LOG_LINES + (
     r"Error running lspci: ",
     r"Peak flops undefined for: cpu, fallback to A100",
     r"Peak FLOPS used for computing MFU: ",
@@ -55,7 +61,9 @@ NOISE_WARNINGS = (
 
 
 class _DropKnownNoise(logging.Filter):
-    pattern = re.compile("|".join(f"(?:{p})" for p in NOISE_LOG_LINES))
+    def __init__(self, lines: tuple[str, ...] = NOISE_LOG_LINES) -> None:
+        super().__init__()
+        self.pattern = re.compile("|".join(f"(?:{p})" for p in lines))
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
@@ -69,16 +77,18 @@ _installed = False
 
 
 def quiet_known_noise() -> bool:
-    """On a machine without an accelerator, drop the log lines and warnings listed in this module's
-    docstring (idempotent). Returns whether it did."""
+    """Drop the log lines and warnings listed in this module's docstring: the offline tokenizer's
+    everywhere, the CPU ones on a machine without an accelerator (idempotent). Returns whether the
+    CPU ones are dropped."""
     global _installed
     from .cpu import accelerator_available
 
-    if accelerator_available():
-        return False
+    on_cpu = not accelerator_available()
     if not _installed:
-        logging.getLogger().addFilter(_DropKnownNoise())  # torchtitan logs through the root logger
-        for message in NOISE_WARNINGS:
-            warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        # torchtitan logs through the root logger
+        logging.getLogger().addFilter(_DropKnownNoise(NOISE_LOG_LINES if on_cpu else OFFLINE_LOG_LINES))
+        if on_cpu:
+            for message in NOISE_WARNINGS:
+                warnings.filterwarnings("ignore", message=message, category=UserWarning)
         _installed = True
-    return True
+    return on_cpu

@@ -30,10 +30,13 @@ def run_torchtitan(job_config: Any) -> None:
             # (SIGABRT) during that teardown (twice in one CI run of ~100 launches, under load). All ranks
             # leave training together instead (only on success: after an error a peer may never
             # arrive).
+            import torch
             import torch.distributed as dist
 
             if dist.is_initialized():
-                dist.barrier()
+                # NCCL's barrier wants its device named (else a warning on every rank)
+                on_nccl = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
+                dist.barrier(device_ids=[torch.cuda.current_device()] if on_nccl else None)
 
     class ParsedConfig(torchtitan_train.ConfigManager):
         """What ``torchtitan.train.main`` parses: the config already parsed and checked."""
