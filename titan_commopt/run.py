@@ -26,7 +26,7 @@ from typing import Optional
 __all__ = ["main", "world_size_of"]
 
 TRAIN_MODULE = "titan_commopt.train"
-FRESH_STORE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+FRESH_STORE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # titan/elastic.py's advice names it too
 
 
 def world_size_of(args) -> Optional[int]:
@@ -96,7 +96,7 @@ def fresh_store_per_restart(args) -> bool:
     (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, unless the environment sets it): with the store
     shared across rounds the restarted workers' gloo init waits on the failed attempt's dead peers,
     then fails (``titan/elastic.py``). Returns whether it set it."""
-    name, value = FRESH_STORE  # titan/elastic.py's FIX (not imported: that would import torchtitan)
+    name, value = FRESH_STORE
     if getattr(args, "max_restarts", 0) > 0 and name not in os.environ:
         os.environ[name] = value
         return True

@@ -19,7 +19,9 @@ import sys
 
 __all__ = ["warn_if_restart_would_hang", "FIX"]
 
-FIX = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+from ..run import FRESH_STORE
+
+FIX = "=".join(FRESH_STORE)  # the variable the launcher sets itself
 
 
 def warn_if_restart_would_hang() -> bool:
