@@ -93,14 +93,16 @@ def cli_overrides(name: str, overrides: dict[str, dict]) -> list[str]:
     return out
 
 
-def torchrun_cmd(nproc: int, dump: Path, *overrides: str, rdzv: list[str] | None = None, tee: bool = True) -> list[str]:
+def torchrun_cmd(nproc: int, dump: Path, *overrides: str, rdzv: list[str] | None = None, tee: bool = True,
+                 config: Path = CONFIG, launcher: str = "torch.distributed.run") -> list[str]:
     """``tee=False``: the workers write straight to torchrun's stdout (no tailing thread in between,
-    so a console line appears the moment it is printed; every local rank prints)."""
+    so a console line appears the moment it is printed; every local rank prints). ``launcher``
+    ``titan_commopt.run``: torchrun with our config check first (a bad config: one line, exit 2)."""
     rdzv = rdzv or ["--standalone"]
     console = ["--local-ranks-filter", "0", "--role", "rank", "--tee", "3"] if tee else []
     return [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *rdzv, *console,
-        "-m", "titan_commopt.train", "--job.config_file", str(CONFIG),
+        sys.executable, "-m", launcher, f"--nproc_per_node={nproc}", *rdzv, *console,
+        "-m", "titan_commopt.train", "--job.config_file", str(config),
         "--job.dump_folder", str(dump), "--metrics.disable_color_printing", *overrides,
     ]
 

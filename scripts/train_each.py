@@ -8,8 +8,8 @@ torchtitan on this machine, how fast, with how much memory, sending how many byt
         -- --parallelism.data_parallel_replicate_degree 2
 
 Each run is ``python -m titan_commopt.run --nproc_per_node N --standalone -m titan_commopt.train``
-with the config, ``--optimizer.name`` and ``--training.steps`` set and every argument after ``--``
-passed on. The table reads each run's TensorBoard log: the first and last logged loss, the median
+with the config, ``--optimizer.name``, ``--training.steps`` and ``--metrics.log_freq 1`` set and
+every argument after ``--`` passed on. The table reads each run's TensorBoard log: the first and last logged loss, the median
 tokens per second and the peak reserved memory over the logged steps after the first (torchtitan's
 ``throughput(tps)`` and ``memory/max_reserved(GiB)``; on CPU memory reads 0), and R bytes sent per
 step (``comm/R_sent_bytes``, 0 with one replica). A failed run is one row with its last lines; the
@@ -24,16 +24,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts._bench_common import CONFIG, ROOT, human, read_scalars, table, train_env  # noqa: E402
+from scripts._bench_common import CONFIG, ROOT, human, read_scalars, table, torchrun_cmd, train_env  # noqa: E402
 
 
 def train(name: str, config: Path, nproc: int, steps: int, out: Path, extra: list[str]) -> tuple[int, str]:
-    dump = out / name
-    cmd = [sys.executable, "-m", "titan_commopt.run", f"--nproc_per_node={nproc}", "--standalone",
-           "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
-           "-m", "titan_commopt.train", "--job.config_file", str(config), "--job.dump_folder", str(dump),
-           "--metrics.disable_color_printing", "--optimizer.name", name, "--training.steps", str(steps),
-           "--metrics.log_freq", "1", *extra]
+    cmd = torchrun_cmd(nproc, out / name, "--optimizer.name", name, "--training.steps", str(steps),
+                       "--metrics.log_freq", "1", *extra, config=config, launcher="titan_commopt.run")
     proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True)
     log = proc.stdout + proc.stderr
     (out / f"{name}.log").write_text(log)
