@@ -244,6 +244,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="after the timed steps, print torch.profiler's top ROWS ops of two more steps (rank 0)")
     a = p.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: allowed only where torch sees a CUDA (or ROCm) device; here it sees none")
     runs = [run(a.flavors, a.optimizers, a.repeats, parse_overrides(a.set), a.replicas, a.threads, a.device, a.profile)
             for _ in range(a.runs)]
     print(f"|R| = {a.replicas} processes, {a.threads} torch thread(s) each; median of {a.repeats} steps "
