@@ -267,7 +267,7 @@ def test_fragments_schedule_and_options():
     st = la.settings(la.Config(fragments=4, sync_delay=3, Kx=4, Ku=[8], Kv=0), hp)
     assert (st.fragments, st.sync_delay) == (4, 3)
     with pytest.raises(ConfigError) as e:
-        resolve("DES-LOC", {"sync_delay": 32})  # Kx = 32 is the smallest period
+        resolve("DES-LOC", {"sync_delay": la.PRESETS["DES-LOC"]["Kx"]})  # Kx is the smallest period
     assert "[commopt.local] sync_delay" in str(e.value)
     with pytest.raises(ConfigError):
         resolve("DES-LOC", {"fragments": 0})
@@ -316,7 +316,7 @@ def test_presets_and_config_errors():
     assert (g["betas1"], g["beta2"], g["eps"], g["weight_decay"]) == ((0.85,), 0.97, 1e-7, 0.0)
     g = make("DES-LOC-ADOPT", model.named_parameters(), Topology.single(), hp).param_groups[0]
     assert (g["betas1"], g["beta2"], g["eps"], g["weight_decay"]) == ((0.95,), 0.9999, 1e-6, 0.0)
-    assert (opt.Kx, opt.periods_u, opt.Kv, opt.clip, opt.switch_at) == (32, (96,), 192, "coordinate", 0)
+    assert (opt.Kx, opt.periods_u, opt.Kv, opt.clip, opt.switch_at) == (16, (48,), 96, "coordinate", 0)
     g = make("DES-LOC", model.named_parameters(), Topology.single(), hp, beta2=0.97).param_groups[0]
     assert g["beta2"] == 0.97  # the user's value beats the preset's
     r = la.settings(resolve("MT-DAO", {"lr": 0.5, "weight_decay": 0.0}, hp).options, hp)

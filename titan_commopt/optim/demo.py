@@ -106,7 +106,7 @@ class Config:
         "the preset's lr_scale) when set.")
     lr_scale: float = option(
         1.0, "Multiplier of [optimizer] lr when the family's lr is not set (negative); presets carry the "
-        "recommended value (1.0 in every preset until a study sets them). A value you set wins over the "
+        "recommended value (the quality study's, in the preset table below). A value you set wins over the "
         "preset's.", gt=0.0)
 
 

@@ -158,7 +158,7 @@ class Config:
     )
     lr_scale: float = option(
         1.0, "Multiplier of [optimizer] lr when the family's lr is not set (negative); presets carry the "
-        "recommended value (1.0 in every preset until a study sets them). A value you set wins over the "
+        "recommended value (the quality study's, in the preset table below). A value you set wins over the "
         "preset's.", gt=0.0,
     )
     head_lr_scale: float = option(

@@ -82,8 +82,8 @@ Outer optimizer ``nesterov`` (DiLoCo): with ``a`` = x at the previous sync (``ou
 replica it still runs (DiLoCo with one worker is not plain Adam).
 
 Presets (``PRESETS``, their sources in ``PRESET_SOURCES``): ``DES-LOC`` (Adam with [optimizer]'s β, no
-weight decay, Kx=32, Ku=96=3Kx, Kv=192=6Kx, coordinate clip), ``DES-LOC-ADOPT`` (the same on ADOPT,
-β1=0.95, β2=0.9999, ε=1e-6), ``MT-DAO`` (ADOPT, β1=0.999, ω=0.95, β2=0.9999, ε=1e-6, K=32 for all, switch at
+weight decay, Kx=16, Ku=48=3Kx, Kv=96=6Kx, coordinate clip, 0.7 × the lr), ``DES-LOC-ADOPT`` (ADOPT,
+β1=0.95, β2=0.9999, ε=1e-6, Kx=32, Ku=96, Kv=192), ``MT-DAO`` (ADOPT, β1=0.999, ω=0.95, β2=0.9999, ε=1e-6, K=32 for all, switch at
 the end of warm-up), ``MT-DAO-halflife`` (the same with Ku=693, Kv=6931), ``LocalAdam``
 (Kx=Ku=Kv=32), ``DiLoCo`` (Kx=32, Ku=Kv=0, Nesterov outer lr 0.7, μ 0.9).
 
@@ -176,7 +176,7 @@ class Config:
     )
     lr_scale: float = option(
         1.0, "Multiplier of [optimizer] lr when the family's lr is not set (negative); presets carry the "
-        "recommended value (1.0 in every preset until a study sets them). A value you set wins over the "
+        "recommended value (the quality study's, in the preset table below). A value you set wins over the "
         "preset's.", gt=0.0,
     )
     eps: float = option(-1.0, "ε of the denominator; negative = [optimizer] eps.")
@@ -210,16 +210,21 @@ class Config:
 # coincide (LocalAdam, DiLoCo, MT-DAO and MT-DAO-halflife: the default).
 PRESETS: dict[str, dict[str, Any]] = {
     # DES-LOC-Adam: parameters synced most often, states at multiples of Kx (Ku = 3Kx, Kv = 6Kx: 2×
-    # less than Local Adam's 3/K per step), the paper's coordinate clip, no weight decay. Adam's β are
-    # [optimizer]'s (torchtitan's 0.9, 0.95: SmolLM2's, which DES-LOC's billion-scale runs adopt) and
-    # its lr is AdamW-HSDP's: the quality study's winners, 300 and 500 steps (docs/benchmarks.md §4).
-    # MT-DAO Table 3's DES-LOC-ADAM β (0.95, 0.99) trained worse there: beta1 = [0.95], beta2 = 0.99.
+    # less than Local Adam's 3/K per step at the same Kx), the paper's coordinate clip, no weight decay.
+    # Adam's β are [optimizer]'s (torchtitan's 0.9, 0.95: SmolLM2's, which DES-LOC's billion-scale runs
+    # adopt). Their half-lives (6.6 and 13.5 steps) are about half of MT-DAO Table 3's β (0.95, 0.99)
+    # for which Kx = 32 was chosen, so by the paper's rule (periods in proportion to half-lives) the
+    # periods are halved: Kx = 16, 9/96 of a model per step, Local Adam's K = 32 budget, ~11× fewer
+    # bytes than AdamW-HSDP. With 0.7 × AdamW-HSDP's lr this was the quality study's winner at 300 and
+    # 500 steps, 3 seeds (docs/benchmarks.md §4). Alternatives: Kx = 32, Ku = [96], Kv = 192 with
+    # lr_scale 1; MT-DAO Table 3's β: beta1 = [0.95], beta2 = 0.99.
     "DES-LOC": {
         "base": "adam", "weight_decay": 0.0,
-        "Kx": 32, "Ku": [96], "Kv": 192, "clip": "coordinate", "lr_scale": 1.0,
+        "Kx": 16, "Ku": [48], "Kv": 96, "clip": "coordinate", "lr_scale": 0.7,
     },
     # DES-LOC-ADOPT, the DES-LOC paper's main setting: ADOPT with its defaults β2 = 0.9999, ε = 1e-6, the
-    # same β1 = 0.95 and no weight decay; periods as DES-LOC-Adam's (Ku = 3Kx, Kv = 6Kx).
+    # same β1 = 0.95 and no weight decay; the paper's periods Kx = 32, Ku = 3Kx, Kv = 6Kx (its β's
+    # half-lives are the long ones those periods were chosen for).
     "DES-LOC-ADOPT": {
         "base": "adopt", "beta1": [0.95], "beta2": 0.9999, "eps": 1e-6, "weight_decay": 0.0,
         "Kx": 32, "Ku": [96], "Kv": 192, "clip": "coordinate", "lr_scale": 0.333,
@@ -247,15 +252,18 @@ PRESETS: dict[str, dict[str, Any]] = {
 # Where each preset's values come from (docs/options.md prints it beside the preset).
 PRESET_SOURCES: dict[str, str] = {
     "DES-LOC": "DES-LOC (Iacob et al.): appendix B.2 (no weight decay), Algorithm 1 (coordinate clip), §5.3 / "
-    "Fig. 5 (Kx = 32, Ku = 3Kx, Kv = 6Kx: the 2× reduction over Local Adam; our reading, the extracted figure "
-    "lost the numbers); Adam's β1, β2 from [optimizer] (torchtitan's 0.9, 0.95 are SmolLM2's, whose "
+    "Fig. 5 (Ku = 3Kx, Kv = 6Kx: the 2× reduction over Local Adam at Kx = 32; our reading, the extracted "
+    "figure lost the numbers); Adam's β1, β2 from [optimizer] (torchtitan's 0.9, 0.95 are SmolLM2's, whose "
     "hyper-parameters DES-LOC §4.1 adopts for its billion-scale model and B.2.1 finds β2 to agree with), "
     "chosen over MT-DAO appendix E.2 Table 3's DES-LOC-ADAM β1 = 0.95, β2 = 0.99 by our quality study "
-    "(docs/benchmarks.md §4: 9–10 % lower loss at 500 steps). Alternative: the Table 3 values, "
-    "beta1 = [0.95], beta2 = 0.99",
+    "(docs/benchmarks.md §4: 9–10 % lower loss at 500 steps); Kx = 16 by the paper's rule of periods in "
+    "proportion to the states' half-lives (§2, §5.2: those β have about half Table 3's half-lives) and "
+    "lr_scale 0.7, both the quality study's winners (§4: within 3 % of AdamW-HSDP on 3 seeds at 300 and "
+    "500 steps, where Kx = 32 trailed by 4 % and 10 %). Alternatives: Kx = 32, Ku = [96], Kv = 192 with "
+    "lr_scale = 1.0; the Table 3 β, beta1 = [0.95], beta2 = 0.99",
     "DES-LOC-ADOPT": "DES-LOC §4.1 (ADOPT with its default β2 = 0.9999 is the main optimizer), B.2.1 (β1 = 0.95 "
-    "for all experiments; also MT-DAO appendix E.2 Table 3, DES-LOC-ADOPT), B.2 (no weight decay), periods "
-    "as DES-LOC's; ε = 1e-6 is ADOPT's default (Taniguchi et al. 2024). Alternative: MT-DAO Table 3's "
+    "for all experiments; also MT-DAO appendix E.2 Table 3, DES-LOC-ADOPT), B.2 (no weight decay), §5.3 / "
+    "Fig. 5 periods Kx = 32, Ku = 3Kx, Kv = 6Kx; ε = 1e-6 is ADOPT's default (Taniguchi et al. 2024). Alternative: MT-DAO Table 3's "
     "half-life periods for it, Ku = 32, Kv = 6931",
     "MT-DAO": "MT-DAO §4.1 (ADOPT, β2 = 0.9999, N = 1, K = Kx = K1 = Kv = 32), appendix E.2 Table 3, "
     "\"MT-DAO-ADOPT (Unified)\" (β1 = 0.999, ω = 0.95), appendix B.2 (switch from the base optimizer at the "
