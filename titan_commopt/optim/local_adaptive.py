@@ -215,9 +215,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # adopt). Their half-lives (6.6 and 13.5 steps) are about half of MT-DAO Table 3's β (0.95, 0.99)
     # for which Kx = 32 was chosen, so by the paper's rule (periods in proportion to half-lives) the
     # periods are halved: Kx = 16, 9/96 of a model per step, Local Adam's K = 32 budget, ~11× fewer
-    # bytes than AdamW-HSDP. With 0.7 × AdamW-HSDP's lr this was the quality study's winner at 300 and
-    # 500 steps, 3 seeds (docs/benchmarks.md §4). Alternatives: Kx = 32, Ku = [96], Kv = 192 with
-    # lr_scale 1; MT-DAO Table 3's β: beta1 = [0.95], beta2 = 0.99.
+    # bytes than AdamW-HSDP. With 0.7 × AdamW-HSDP's lr this was the periods study's best at 300 and
+    # 500 steps, 3 seeds (docs/benchmarks.md §4: +1.7 % and +6.0 %, against +3.9 % and +12.6 % at
+    # Kx = 32). Alternatives: Kx = 32, Ku = [96], Kv = 192 with lr_scale 1; MT-DAO Table 3's β:
+    # beta1 = [0.95], beta2 = 0.99.
     "DES-LOC": {
         "base": "adam", "weight_decay": 0.0,
         "Kx": 16, "Ku": [48], "Kv": 96, "clip": "coordinate", "lr_scale": 0.7,
@@ -258,9 +259,10 @@ PRESET_SOURCES: dict[str, str] = {
     "chosen over MT-DAO appendix E.2 Table 3's DES-LOC-ADAM β1 = 0.95, β2 = 0.99 by our quality study "
     "(docs/benchmarks.md §4: 9–10 % lower loss at 500 steps); Kx = 16 by the paper's rule of periods in "
     "proportion to the states' half-lives (§2, §5.2: those β have about half Table 3's half-lives) and "
-    "lr_scale 0.7, both the quality study's winners (§4: within 3 % of AdamW-HSDP on 3 seeds at 300 and "
-    "500 steps, where Kx = 32 trailed by 4 % and 10 %). Alternatives: Kx = 32, Ku = [96], Kv = 192 with "
-    "lr_scale = 1.0; the Table 3 β, beta1 = [0.95], beta2 = 0.99",
+    "lr_scale 0.7, both the best of our periods study (docs/benchmarks.md §4, 3 seeds: +1.7 % of "
+    "AdamW-HSDP's loss at 300 steps and +6.0 % at 500, where Kx = 32 at lr_scale 1 was +3.9 % and "
+    "+12.6 %). Alternatives: Kx = 32, Ku = [96], Kv = 192 with lr_scale = 1.0; the Table 3 β, "
+    "beta1 = [0.95], beta2 = 0.99",
     "DES-LOC-ADOPT": "DES-LOC §4.1 (ADOPT with its default β2 = 0.9999 is the main optimizer), B.2.1 (β1 = 0.95 "
     "for all experiments; also MT-DAO appendix E.2 Table 3, DES-LOC-ADOPT), B.2 (no weight decay), §5.3 / "
     "Fig. 5 periods Kx = 32, Ku = 3Kx, Kv = 6Kx; ε = 1e-6 is ADOPT's default (Taniguchi et al. 2024). Alternative: MT-DAO Table 3's "
