@@ -83,9 +83,9 @@ replica it still runs (DiLoCo with one worker is not plain Adam).
 
 Presets (``PRESETS``, their sources in ``PRESET_SOURCES``): ``DES-LOC`` (Adam with [optimizer]'s β, no
 weight decay, Kx=16, Ku=48=3Kx, Kv=96=6Kx, coordinate clip, 0.7 × the lr), ``DES-LOC-ADOPT`` (ADOPT,
-β1=0.95, β2=0.9999, ε=1e-6, Kx=32, Ku=96, Kv=192), ``MT-DAO`` (ADOPT, β1=0.999, ω=0.95, β2=0.9999, ε=1e-6, K=32 for all, switch at
-the end of warm-up), ``MT-DAO-halflife`` (the same with Ku=693, Kv=6931), ``LocalAdam``
-(Kx=Ku=Kv=32), ``DiLoCo`` (Kx=32, Ku=Kv=0, Nesterov outer lr 0.7, μ 0.9).
+β1=0.95, β2=0.9999, ε=1e-6, Kx=32, Ku=96, Kv=192), ``MT-DAO`` (ADOPT, β1=0.999, ω=0.95, β2=0.9999,
+ε=1e-6, K=32 for all, switch at the end of warm-up), ``MT-DAO-halflife`` (the same with Ku=693,
+Kv=6931), ``LocalAdam`` (Kx=Ku=Kv=32), ``DiLoCo`` (Kx=32, Ku=Kv=0, Nesterov outer lr 0.7, μ 0.9).
 
 MT-DAO's switch (``switch_at`` = k; MT-DAO appendix B.2, "a simple switch from a base optimizer (e.g.
 ADOPT) to its multi-timescale variant at the end of the warmup period"): updates n ≤ k run the plain
@@ -265,8 +265,8 @@ PRESET_SOURCES: dict[str, str] = {
     "beta1 = [0.95], beta2 = 0.99",
     "DES-LOC-ADOPT": "DES-LOC §4.1 (ADOPT with its default β2 = 0.9999 is the main optimizer), B.2.1 (β1 = 0.95 "
     "for all experiments; also MT-DAO appendix E.2 Table 3, DES-LOC-ADOPT), B.2 (no weight decay), §5.3 / "
-    "Fig. 5 periods Kx = 32, Ku = 3Kx, Kv = 6Kx; ε = 1e-6 is ADOPT's default (Taniguchi et al. 2024). Alternative: MT-DAO Table 3's "
-    "half-life periods for it, Ku = 32, Kv = 6931",
+    "Fig. 5 periods Kx = 32, Ku = 3Kx, Kv = 6Kx; ε = 1e-6 is ADOPT's default (Taniguchi et al. 2024). "
+    "Alternative: MT-DAO Table 3's half-life periods for it, Ku = 32, Kv = 6931",
     "MT-DAO": "MT-DAO §4.1 (ADOPT, β2 = 0.9999, N = 1, K = Kx = K1 = Kv = 32), appendix E.2 Table 3, "
     "\"MT-DAO-ADOPT (Unified)\" (β1 = 0.999, ω = 0.95), appendix B.2 (switch from the base optimizer at the "
     "end of warm-up); ε = 1e-6 is ADOPT's default (Taniguchi et al. 2024)",

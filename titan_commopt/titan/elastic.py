@@ -17,9 +17,9 @@ next restart does the same (pytorch/pytorch#135712; NCCL can pick up a stale uni
 import os
 import sys
 
-__all__ = ["warn_if_restart_would_hang", "FIX"]
-
 from ..run import FRESH_STORE
+
+__all__ = ["warn_if_restart_would_hang", "FIX"]
 
 FIX = "=".join(FRESH_STORE)  # the variable the launcher sets itself
 
