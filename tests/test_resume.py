@@ -151,7 +151,10 @@ def test_resume_with_options_that_do_not_shape_state_is_allowed_and_logged(tmp_p
     resolved = resolve("DES-LOC", {"Kx": 64, "Ku": [128], "lr_scale": 1.0}, BaseHParams(lr=1e-2))
     with caplog.at_level("INFO"):
         assert resume_problem(_job(tmp_path, "DES-LOC"), resolved, 2) is None
-    assert "[commopt.local] Ku [96] -> [128], Kx 32 -> 64" in caplog.text
+    from titan_commopt.optim.local_adaptive import PRESETS
+
+    preset = PRESETS["DES-LOC"]
+    assert f"[commopt.local] Ku {preset['Ku']} -> [128], Kx {preset['Kx']} -> 64" in caplog.text
     assert "lr / lr_scale) = 0.01 in this run, 0.0008" in caplog.text  # the scheduler keeps the saved lr
     _save(tmp_path, 4, "FlexDeMo")
     with caplog.at_level("INFO"):
