@@ -88,6 +88,13 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _release(device: torch.device) -> None:
+    """Free the last optimizer's model and state before the next one is built."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _host_syncs(opt) -> list[str]:
     """Where one ``opt.step()`` synchronizes the host with the GPU: ``file:line`` of each occurrence."""
     with warnings.catch_warnings(record=True) as caught:
@@ -137,16 +144,13 @@ def time_steps(name: str, flavor: str, repeats: int, overrides: dict, device: to
         if device.type == "cuda":
             syncs = _host_syncs(opt)
             _synchronize(device)
-        if profile_rows and dist.get_rank() == 0:
-            print(f"# profile of {name} on {flavor}, two steps\n{_profile(opt, device, profile_rows)}", file=sys.stderr)
-        elif profile_rows:
-            for _ in range(2):
-                opt.step()
+        if profile_rows:  # every rank steps (the collectives need all); rank 0 prints
+            table = _profile(opt, device, profile_rows)
+            if dist.get_rank() == 0:
+                print(f"# profile of {name} on {flavor}, two steps\n{table}", file=sys.stderr)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     del opt, model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    _release(device)
     return {"t": statistics.median(times[1:]), "syncs": syncs, "peak": peak,
             "sent": statistics.median(sent[1:]), "link": statistics.median(link[1:])}
 
@@ -173,9 +177,7 @@ def _worker(rank: int, world: int, port: int, out: str, flavors, names, repeats,
                 except Exception as error:  # keep the rest of the table (every rank fails alike)
                     if rank == 0:
                         print(f"# {flavor} {name}: {type(error).__name__}: {error}", file=sys.stderr)
-                    gc.collect()
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+                    _release(device)
                     continue
                 t = r["t"]
                 rows.append([f"{flavor} ({n_params / 1e6:.1f}M)", name, t, t / ref["t"], n_params, r["syncs"], r["peak"],

@@ -29,7 +29,8 @@ __all__ = [
     "take_replica",
     "fingerprint",
     "check_replicas",
-    "ReplicaDriftError", "any_rank",
+    "ReplicaDriftError",
+    "any_rank",
     "any_nonfinite",
 ]
 
