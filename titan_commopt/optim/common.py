@@ -13,9 +13,15 @@ from torch import nn
 from titan_commopt import comm
 from titan_commopt.topology import S, T, Topology
 
-__all__ = ["BaseHParams", "local", "replica_grad", "NamedParams"]
+__all__ = ["BaseHParams", "local", "replica_grad", "NamedParams", "LR_SCALE_HELP"]
 
 NamedParams = list[tuple[str, nn.Parameter]]
+
+# Every family's lr_scale option means the same (one resolution, optim/__init__.resolve).
+LR_SCALE_HELP = (
+    "Multiplier of [optimizer] lr when the family's lr is not set (negative); presets carry the recommended "
+    "value (the quality study's, in the preset table below). A value you set wins over the preset's."
+)
 
 
 @dataclass(frozen=True)

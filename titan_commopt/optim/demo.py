@@ -64,7 +64,7 @@ from titan_commopt.topology import R, Topology
 
 from . import kernels
 from .base import CommOptimizer, named_params
-from .common import BaseHParams, NamedParams, local, replica_grad
+from .common import LR_SCALE_HELP, BaseHParams, NamedParams, local, replica_grad
 from .family import Family, Resolved
 from .orthogonalize import newton_schulz
 from .traffic import demo_r_bytes
@@ -104,10 +104,7 @@ class Config:
     lr: float = option(
         -1.0, "Initial learning rate; negative = [optimizer] lr × lr_scale. Wins over lr_scale (and over "
         "the preset's lr_scale) when set.")
-    lr_scale: float = option(
-        1.0, "Multiplier of [optimizer] lr when the family's lr is not set (negative); presets carry the "
-        "recommended value (the quality study's, in the preset table below). A value you set wins over the "
-        "preset's.", gt=0.0)
+    lr_scale: float = option(1.0, LR_SCALE_HELP, gt=0.0)
 
 
 # lr_scale: the quality study's best lr ÷ AdamW-HSDP's best (docs/benchmarks.md §4).

@@ -107,7 +107,7 @@ from titan_commopt.topology import R, T, Topology
 
 from . import kernels
 from .base import CommOptimizer, named_params
-from .common import BaseHParams, NamedParams, local, mesh_dim_role, replica_grad
+from .common import LR_SCALE_HELP, BaseHParams, NamedParams, local, mesh_dim_role, replica_grad
 from .family import Family, Resolved
 from .orthogonalize import cholesky_qr2, orthogonalize, orthonormalize_stacked
 from .shard_groups import Groups, buckets as _buckets, group_key as _group_key, sum_over as _sum_over
@@ -156,11 +156,7 @@ class Config:
         -1.0, "Initial learning rate; negative = [optimizer] lr × lr_scale. Wins over lr_scale (and over "
         "the preset's lr_scale) when set. scalar_lr_scale and head_lr_scale multiply this effective lr.",
     )
-    lr_scale: float = option(
-        1.0, "Multiplier of [optimizer] lr when the family's lr is not set (negative); presets carry the "
-        "recommended value (the quality study's, in the preset table below). A value you set wins over the "
-        "preset's.", gt=0.0,
-    )
+    lr_scale: float = option(1.0, LR_SCALE_HELP, gt=0.0)
     head_lr_scale: float = option(
         0.0,
         "Extra lr factor of the output head; 0 = auto: 1/sqrt(d_in) with Lion (microsoft/dion), "

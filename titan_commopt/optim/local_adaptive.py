@@ -122,7 +122,7 @@ from titan_commopt.topology import R, S, T, Topology
 
 from . import kernels
 from .base import CommOptimizer
-from .common import BaseHParams, NamedParams, local, replica_grad
+from .common import LR_SCALE_HELP, BaseHParams, NamedParams, local, replica_grad
 from .family import Family, Resolved
 from .traffic import local_r_bytes
 
@@ -174,11 +174,7 @@ class Config:
         -1.0, "Initial learning rate; negative = [optimizer] lr × lr_scale. Wins over lr_scale (and over "
         "the preset's lr_scale) when set.",
     )
-    lr_scale: float = option(
-        1.0, "Multiplier of [optimizer] lr when the family's lr is not set (negative); presets carry the "
-        "recommended value (the quality study's, in the preset table below). A value you set wins over the "
-        "preset's.", gt=0.0,
-    )
+    lr_scale: float = option(1.0, LR_SCALE_HELP, gt=0.0)
     eps: float = option(-1.0, "ε of the denominator; negative = [optimizer] eps.")
     weight_decay: float = option(-1.0, "Decoupled weight decay λ; negative = [optimizer] weight_decay.")
     bias_correction: bool = option(True, "Adam's bias correction of u_j and v (base = adam only).")
