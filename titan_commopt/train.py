@@ -16,7 +16,9 @@ too.) Differences from ``python -m torchtitan.train``, all before torchtitan's T
    ``titan_commopt.run``), no traceback unless ``TITAN_COMMOPT_TRACEBACK=1``;
 4. torchtitan's ``main`` trains with the job config parsed and checked in step 3 (torchtitan's
    ``ConfigManager.parse_args`` would otherwise read ``sys.argv`` as it was when torchtitan was
-   imported).
+   imported);
+5. a run that trained to the end leaves with ``os._exit(0)`` once its output is flushed: see
+   :func:`exit_after_success`.
 """
 
 import os
@@ -106,5 +108,25 @@ def main(argv: Optional[list[str]] = None) -> None:
     run_torchtitan(job_config)
 
 
+def exit_after_success() -> None:
+    """Leave the process now, exit status 0, skipping the interpreter's teardown.
+
+    By the time torchtitan's ``main`` returns, the trainer is closed (checkpoints written, the
+    TensorBoard writer closed) and the process group destroyed: nothing is left to do. Yet the
+    interpreter's teardown that follows (C++ static destructors and the finalizers of torch's
+    objects) has been seen to abort a gloo rank with SIGABRT ("terminate called without an active
+    exception": a joinable C++ thread destroyed) after the process group was destroyed, in one of
+    six two-node runs over a shaped link. torchrun then reports the successful run as failed and
+    the other node waits out its exit barrier (300 s). So a successful run flushes what it printed and logged
+    and ends here; a run that failed raises instead and never gets here."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    exit_after_success()

@@ -29,7 +29,8 @@ def run_torchtitan(job_config: Any) -> None:
             # go on to tear their process groups down; a gloo rank has been seen to abort
             # (SIGABRT) during that teardown (twice in one CI run of ~100 launches, under load). All ranks
             # leave training together instead (only on success: after an error a peer may never
-            # arrive).
+            # arrive). The abort was seen again after this barrier, in the interpreter's teardown:
+            # see ``train.exit_after_success``.
             import torch
             import torch.distributed as dist
 
