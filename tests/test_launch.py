@@ -184,3 +184,27 @@ def test_traceback_only_when_asked(monkeypatch, capsys):
         err = capsys.readouterr().err
         assert ("Traceback" in err) == bool(asked)
         assert err.strip().splitlines()[-1] == PREFIX + "[optimizer] lr = nan: allowed is a finite number >= 0"
+
+
+def test_a_finished_run_exits_zero_with_its_output_flushed(tmp_path):
+    # exit_after_success skips the interpreter's teardown (os._exit): what the run printed to a
+    # pipe (block-buffered) and the records a logging handler still holds must come out all the same.
+    code = (
+        "import logging, logging.handlers, sys\n"
+        "held = logging.handlers.MemoryHandler(100, logging.CRITICAL, logging.FileHandler(sys.argv[1]))\n"
+        "logging.getLogger('t').addHandler(held)\n"
+        "logging.getLogger('t').warning('logged last')\n"
+        "sys.stdout.write('printed, not flushed\\n')\n"
+        "sys.stderr.write('to stderr\\n')\n"
+        "from titan_commopt.train import exit_after_success\n"
+        "exit_after_success()\n"
+        "print('never')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    log = tmp_path / "log.txt"
+    proc = subprocess.run([sys.executable, "-c", code, str(log)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert log.read_text().splitlines() == ["logged last"]
+    assert proc.stdout.splitlines() == ["printed, not flushed"]
+    assert proc.stderr.splitlines() == ["to stderr"]

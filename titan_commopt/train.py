@@ -117,8 +117,8 @@ def exit_after_success() -> None:
     objects) has been seen to abort a gloo rank with SIGABRT ("terminate called without an active
     exception": a joinable C++ thread destroyed) after the process group was destroyed, in one of
     six two-node runs over a shaped link. torchrun then reports the successful run as failed and
-    the other node waits out its exit barrier (300 s). So a successful run flushes what it printed and logged
-    and ends here; a run that failed raises instead and never gets here."""
+    the other node waits out its exit barrier (300 s). So a successful run flushes what it printed
+    and logged and ends here; a run that failed raises instead and never gets here."""
     import logging
 
     logging.shutdown()
