@@ -96,3 +96,28 @@ def test_async_collectives_equal_sync_and_are_counted_once():
         assert at_issue.get("R_seconds", 0.0) == 0.0 and async_step["R_seconds"] > 0.0
         assert async_step["R_calls"] == sync_step["R_calls"] == 4
     assert async_fused[0][0] == 0.5  # mean of 0 and 1: gloo has no AVG, SUM then divide
+
+
+def _r_in_flight_and_a_world_collective(rank, world_size):
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_replicate",))
+    topo = Topology.from_mesh(mesh)  # R spans the world: DeviceMesh's group for it is the default one
+    ledger = comm.CommLedger()
+    big, small = torch.full((1 << 16,), float(rank + 1)), torch.full((1,), 10.0 * (rank + 1))
+    # The ranks issue the two collectives in opposite orders, as a step does when R's transfer is
+    # left in flight (overlap, sync_delay) and the next step's clip all-reduces over the world:
+    # only separate groups keep each collective matched with its own kind on the other rank.
+    if rank == 0:
+        pending = comm.all_reduce(big, R, topo.replicate, op="sum", ledger=ledger, async_op=True)
+        dist.all_reduce(small)
+    else:
+        dist.all_reduce(small)
+        pending = comm.all_reduce(big, R, topo.replicate, op="sum", ledger=ledger, async_op=True)
+    pending.wait()
+    return dict(own=topo.replicate != dist.group.WORLD, ranks=dist.get_process_group_ranks(topo.replicate),
+                big=big[:3].tolist(), small=small.tolist())
+
+
+def test_r_gets_its_own_group_when_it_spans_the_world():
+    for o in run_distributed(_r_in_flight_and_a_world_collective, 2, timeout=120):
+        assert o["own"] and o["ranks"] == [0, 1]
+        assert o["big"] == [3.0, 3.0, 3.0] and o["small"] == [30.0]
