@@ -22,7 +22,7 @@ def _table(cls: type) -> list[str]:
     for f in iter_option_fields(cls):
         help_text = " ".join(f.metadata["help"].split()).replace("|", "\\|")
         rows.append(
-            f"| `{f.name}` | `{getattr(defaults, f.name)!r}` | {allowed_text(f.metadata)} | {help_text} |"
+            f"| `{f.name}` | `{getattr(defaults, f.name)!r}` | {allowed_text(f)} | {help_text} |"
         )
     return rows
 

@@ -35,13 +35,13 @@ def test_a_family_optimizer_must_say_whether_params_are_replica_local():
     class Careful(CommOptimizer):
         params_replica_local = False
 
-    assert Careful([torch.zeros(1, requires_grad=True)], {"lr": 0.1}).replicas_in_sync()
+    assert Careful([torch.zeros(1, requires_grad=True)], Topology.single(), None, {"lr": 0.1}).replicas_in_sync()
 
 
 def test_build_refuses_a_plain_torch_optimizer():
     base = resolve("DeMo")
     family = Family("demo", base.family.options, base.family.presets,
-                    build=lambda named, topo, res: torch.optim.SGD([p for _, p in named], lr=0.1),
+                    build=lambda named, topo, res, ledger=None: torch.optim.SGD([p for _, p in named], lr=0.1),
                     r_bytes=base.family.r_bytes)
     rogue = type(base)(base.name, family, base.options, base.hparams)
     with pytest.raises(TypeError, match="not a CommOptimizer"):

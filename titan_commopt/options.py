@@ -1,7 +1,9 @@
 """Declarative options with one validator for all of them.
 
 Each optimizer family declares its ``[commopt.<family>]`` options as a dataclass whose fields are
-made with :func:`option`, carrying their allowed values in the field metadata. :func:`validate`
+made with :func:`option`, carrying their allowed values in the field metadata; a field with a fixed
+set of values is annotated ``Literal[...]`` (as torchtitan's own config is), and the annotation is
+where its choices are read from (:func:`field_meta`). :func:`validate`
 checks any such dataclass (recursively) and reports every bad value as one line naming the key,
 the value and what is allowed. Unknown keys get a did-you-mean (:func:`check_keys`).
 
@@ -11,10 +13,10 @@ torchtitan's config manager reads ``dataclasses.Field.type`` as a real class to 
 
 import difflib
 import math
-from dataclasses import field, fields, is_dataclass
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from dataclasses import Field, field, fields, is_dataclass
+from typing import Any, Iterable, Literal, Mapping, Optional, Sequence, get_args, get_origin
 
-__all__ = ["ConfigError", "option", "validate", "check_keys", "resolve_auto_period"]
+__all__ = ["ConfigError", "option", "field_meta", "validate", "check_keys", "resolve_auto_period"]
 
 
 class ConfigError(ValueError):
@@ -54,7 +56,18 @@ def option(
     return field(default=default, metadata=meta)
 
 
-def allowed_text(meta: Mapping[str, Any]) -> str:
+def field_meta(f: Field) -> Mapping[str, Any]:
+    """``f``'s validation metadata, with the choices of a ``Literal[...]`` annotation."""
+    meta = f.metadata
+    if get_origin(f.type) is Literal and meta.get("choices") is None:
+        choices = get_args(f.type)
+        meta = {**meta, "choices": choices, "kind": type(choices[0])}
+    return meta
+
+
+def allowed_text(meta: "Mapping[str, Any] | Field") -> str:
+    if isinstance(meta, Field):
+        meta = field_meta(meta)
     parts = []
     kind = meta["kind"]
     if meta["choices"] is not None:
@@ -126,8 +139,9 @@ def problems(obj: Any, section: str) -> list[str]:
             continue
         if "kind" not in f.metadata:
             continue
-        if not _check_value(value, f.metadata):
-            out.append(f"[{section}] {f.name} = {value!r}: allowed is {allowed_text(f.metadata)}")
+        meta = field_meta(f)
+        if not _check_value(value, meta):
+            out.append(f"[{section}] {f.name} = {value!r}: allowed is {allowed_text(meta)}")
     return out
 
 

@@ -73,8 +73,10 @@ def resolve(name: str, given: Optional[Mapping[str, Any]] = None, hparams: Optio
     return Resolved(name, family, options, dataclasses.replace(hparams, lr=lr), frozenset(given), hparams.lr)
 
 
-def build_optimizer(named_params: NamedParams, topology: Topology, resolved: Resolved) -> CommOptimizer:
-    optimizer = resolved.family.build(named_params, topology, resolved)
+def build_optimizer(
+    named_params: NamedParams, topology: Topology, resolved: Resolved, *, ledger: "comm.CommLedger | None" = None
+) -> CommOptimizer:
+    optimizer = resolved.family.build(named_params, topology, resolved, ledger=ledger)
     if not isinstance(optimizer, CommOptimizer):
         raise TypeError(f"family {resolved.family.key!r} built a {type(optimizer).__name__}, not a CommOptimizer")
     return optimizer

@@ -13,7 +13,16 @@ let the parameters themselves differ between syncs. The adapter needs two answer
   until the next sync (1 = the next one), shown on the console. Default ``None``: every step.
 - ``flush()``: finish whatever R sync is still in flight after ``step()`` (DeMo's overlapped
   update, a streaming fragment) and apply it now; called at the end of training (and by a family's
-  own ``state_dict``). Default: nothing is ever left in flight.
+  own ``state_dict``). Default: complete every task parked on ``self.runtime``.
+- ``metrics()``: the optimizer's own scalars for the log (``{name: value}``, names without a
+  prefix: the container adds ``commopt/``). Default: none.
+
+Every optimizer is constructed one way: ``Optimizer(named_params, topology, options, *, ledger=None)``
+with ``options`` the run's :class:`~titan_commopt.optim.family.Resolved` value (the family's
+options dataclass, ``[optimizer]``'s hyper-parameters with the effective lr) — checked before, by
+the registry (``Family.check``), never again here. ``ledger`` receives the bytes of every
+collective the optimizer issues (default: ``comm``'s process-wide ledger, for use outside a run).
+Overlap of communication with compute goes through ``self.runtime`` (``titan_commopt.overlap``).
 
 Parameters are passed as torch's named parameters (``(fqn, param)`` pairs, also inside param-group
 dicts), so every family finds a parameter's name in ``group["param_names"]`` the same way.
@@ -22,6 +31,10 @@ dicts), so every family finds a parameter's name in ``group["param_names"]`` the
 from typing import Any, Iterator, Optional
 
 import torch
+
+from titan_commopt import comm
+from titan_commopt.overlap import Runtime
+from titan_commopt.topology import Topology
 
 __all__ = ["CommOptimizer", "named_params"]
 
@@ -37,6 +50,14 @@ class CommOptimizer(torch.optim.Optimizer):
                 "across replicas between syncs, so checkpoints keep each replica's copy)"
             )
 
+    def __init__(self, named_params: Any, topology: Topology, options: Any, defaults: dict[str, Any], *,
+                 ledger: "Optional[comm.CommLedger]" = None) -> None:
+        super().__init__(named_params, defaults)
+        self.topology = topology
+        self.options = options  # the run's Resolved value
+        self.ledger = ledger if ledger is not None else comm.get_ledger()
+        self.runtime = Runtime()
+
     def replicas_in_sync(self) -> bool:
         """Whether every replica holds the same parameters now (when the drift check may run)."""
         return True
@@ -48,6 +69,11 @@ class CommOptimizer(torch.optim.Optimizer):
 
     def flush(self) -> None:
         """Land every R sync still in flight and apply it now (end of training)."""
+        self.runtime.drain()
+
+    def metrics(self) -> dict[str, float]:
+        """This optimizer's own scalars for the log (names without a prefix)."""
+        return {}
 
 
 def named_params(param_groups: list[dict]) -> Iterator[tuple[dict, str, torch.Tensor]]:

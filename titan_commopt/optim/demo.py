@@ -157,8 +157,8 @@ class DeMo(CommOptimizer):
             raise ConfigError("\n".join(problems))
         defaults = dict(lr=lr, weight_decay=weight_decay, beta=cfg.beta, lam=cfg.momentum_subtraction,
                         betas=betas, eps=eps)
-        super().__init__(params, defaults)
-        self.topology, self.cfg = topology, cfg
+        super().__init__(params, topology, None, defaults)
+        self.cfg = cfg
         self._names = {id(p): name for _, name, p in named_params(self.param_groups)}
         self._replicators: dict[int, Replicator] = {}
         # per parameter, also in state["step"] (a CPU tensor, as torch's optimizers keep it, for the
@@ -525,10 +525,12 @@ GROUP_NUMEL = 1 << 24  # elements per DeMo batch at most: bounds the three scrat
 
 
 # ---- the family ------------------------------------------------------------------------------------
-def build(named_params: NamedParams, topology: Topology, resolved: Resolved) -> DeMo:
+def build(named_params: NamedParams, topology: Topology, resolved: Resolved, *, ledger=None) -> DeMo:
     cfg, hp = resolved.options, resolved.hparams
     opt = DeMo(named_params, topology, cfg, lr=hp.lr, weight_decay=hp.weight_decay, betas=(hp.beta1, hp.beta2),
                eps=hp.eps)
+    if ledger is not None:
+        opt.ledger = ledger
     logger.info("%s: %s", resolved.name, topology.describe())  # the options are logged once, resolved
     return opt
 

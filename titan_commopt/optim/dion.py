@@ -518,8 +518,7 @@ class Dion(CommOptimizer):
         mixed_precision: bool = False,
     ) -> None:
         defaults = dict(lr=lr, mu=mu, betas=betas, eps=eps, weight_decay=weight_decay, algorithm="dion")
-        super().__init__(params, defaults)
-        self.topology = topology or Topology.single()
+        super().__init__(params, topology or Topology.single(), None, defaults)
         self.cfg = Config(
             rank=rank, rank_fraction=rank_fraction, orthogonalize=orthogonalize, compress=compress,
             colnorm_eps=colnorm_eps, seed=seed, orientation=orientation, mixed_precision=mixed_precision,
@@ -742,7 +741,7 @@ class Dion(CommOptimizer):
 
 
 # ---- the family ----------------------------------------------------------------------------------
-def build(named_params: NamedParams, topology: Topology, resolved: Resolved) -> Dion:
+def build(named_params: NamedParams, topology: Topology, resolved: Resolved, *, ledger=None) -> Dion:
     """Route ``named_params`` (Dion / embedding / head / scalar) and build one :class:`Dion`."""
     cfg, hparams, name = resolved.options, resolved.hparams, resolved.name
     buckets: dict[str, list[tuple[str, nn.Parameter]]] = {"dion": [], "embed": [], "head": [], "scalar": []}
@@ -768,6 +767,8 @@ def build(named_params: NamedParams, topology: Topology, resolved: Resolved) -> 
         orientation=cfg.orientation, mixed_precision=cfg.mixed_precision,
     )
     opt.cfg = cfg  # the routing options too
+    if ledger is not None:
+        opt.ledger = ledger
     lines = [f"{name}: {topology.describe()}, scalar optimizer {algo}"]
     for kind in ("dion", "embed", "head", "scalar"):
         for fqn, p in buckets[kind]:

@@ -102,7 +102,8 @@ class Family:
     - ``key``: its ``[commopt.<key>]`` table; ``options``: that table's dataclass (fields made with
       ``titan_commopt.options.option``);
     - ``presets``: ``{optimizer name: {option: value}}``, the names it registers;
-    - ``build(named_params, topology, resolved)``: the optimizer (a ``CommOptimizer``);
+    - ``build(named_params, topology, resolved, *, ledger=None)``: the optimizer (a ``CommOptimizer``);
+      the optimizer class itself, whose constructor has exactly this signature;
     - ``r_bytes(shards, resolved, replicate_size)``: the analytic R payload per rank per step
       (a :class:`Bytes`), the formula the ledger is tested against and the comm report prints;
     - ``check(options, hparams)``: cross-field rules, one problem line each (no collectives);

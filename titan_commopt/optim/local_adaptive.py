@@ -487,8 +487,7 @@ class LocalAdaptive(CommOptimizer):
             lr=lr, betas1=tuple(betas1), omegas=tuple(omegas), beta2=beta2, eps=eps,
             weight_decay=weight_decay,
         )
-        super().__init__(params, defaults)
-        self.topology = topology or Topology.single()
+        super().__init__(params, topology or Topology.single(), None, defaults, ledger=ledger)
         self.base = base
         self.periods_u = tuple(int(k) for k in periods_u)
         self.Kv = int(Kv) if base != "sgdm" else 0
@@ -501,7 +500,6 @@ class LocalAdaptive(CommOptimizer):
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
         self.transfer_dtype = transfer_dtype
-        self.ledger = ledger
         positive = [k for k in (self.Kx, self.Kv, *self.periods_u) if k > 0]
         if fragments < 1 or sync_delay < 0 or (positive and sync_delay >= min(positive)):
             raise ValueError(f"fragments = {fragments} (>= 1), sync_delay = {sync_delay} (>= 0, below every period > 0)")
@@ -773,7 +771,7 @@ class LocalAdaptive(CommOptimizer):
 
 
 # ---- the family ------------------------------------------------------------------------------------
-def build(named_params: NamedParams, topology: Topology, resolved: Resolved) -> LocalAdaptive:
+def build(named_params: NamedParams, topology: Topology, resolved: Resolved, *, ledger=None) -> LocalAdaptive:
     cfg = resolved.options
     st = settings(cfg, resolved.hparams)
     return LocalAdaptive(
@@ -801,6 +799,7 @@ def build(named_params: NamedParams, topology: Topology, resolved: Resolved) -> 
         sync_delay=st.sync_delay,
         switch_at=st.switch_at,
         base_beta1=st.base_beta1,
+        ledger=ledger,
     )
 
 
