@@ -17,7 +17,7 @@ CONFIG = ROOT / "train_configs" / "debug_cpu.toml"
 def flavor_args(flavor: str):
     from torchtitan.models.llama3 import llama3_args
 
-    from titan_commopt.titan.spec import EXTRA_FLAVORS
+    from titan_commopt.titan.adapter.spec import EXTRA_FLAVORS
 
     return {**llama3_args, **EXTRA_FLAVORS}[flavor]
 
@@ -25,7 +25,7 @@ def flavor_args(flavor: str):
 def flavor_names() -> list[str]:
     from torchtitan.models.llama3 import llama3_args
 
-    from titan_commopt.titan.spec import EXTRA_FLAVORS
+    from titan_commopt.titan.adapter.spec import EXTRA_FLAVORS
 
     return list({**llama3_args, **EXTRA_FLAVORS})
 

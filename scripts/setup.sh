@@ -18,4 +18,4 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 pip_install -e ".[dev,bench]"
 # torchtitan imports (needs triton on CPU); corpus + tokenizer built once and cached.
-"$VENV/bin/python" -c "import titan_commopt.titan; from titan_commopt.titan import data; data.bundled_tokenizer_path()"
+"$VENV/bin/python" -c "import titan_commopt.titan; from titan_commopt.titan.adapter import data; data.bundled_tokenizer_path()"

@@ -6,7 +6,8 @@ import pytest
 
 from titan_commopt.options import ConfigError
 from titan_commopt.train import check_config
-from tests.titan_utils import CONFIG, readme_toml
+
+from tests.titan_utils import CONFIG, job_and_resolved, readme_toml
 
 BAD = [
     # [optimizer] name
@@ -80,7 +81,7 @@ def test_at_least_thirty_bad_configs():
 
 
 def test_good_config_passes(tmp_path):
-    job, resolved = check_config(["--job.config_file", str(CONFIG), "--optimizer.name", "Dion", "--commopt.dion.rank", "8"])
+    job, resolved = job_and_resolved(["--job.config_file", str(CONFIG), "--optimizer.name", "Dion", "--commopt.dion.rank", "8"])
     assert job.commopt.dion.rank == 8 and job.optimizer.name == "Dion"
     assert resolved.options.rank == 8 and resolved.user_set == {"rank"}
 
@@ -97,14 +98,14 @@ def test_a_key_the_user_sets_beats_the_preset_even_at_the_default(tmp_path, name
     path = tmp_path / "job.toml"
     base = CONFIG.read_text()
     path.write_text(base[: base.index("\n[commopt]")] + "\n" + table + "\n")
-    job, resolved = check_config(["--job.config_file", str(path), "--optimizer.name", name, *cli])
+    job, resolved = job_and_resolved(["--job.config_file", str(path), "--optimizer.name", name, *cli])
     assert getattr(resolved.options, key) == value and key in resolved.user_set
     assert key not in resolved.preset_keys()
     others = set(resolved.family.presets[name]) - {key}
     assert others and all(getattr(resolved.options, k) == resolved.family.presets[name][k] for k in others)
 
 
-# ---- torchtitan keys, files, sections, the command line (titan/parse.py, titan/torchtitan_keys.py) --
+# ---- torchtitan keys, files, sections, the command line (titan/config/parse.py, titan/config/torchtitan_keys.py) --
 def _config(tmp_path, replace=(), extra="", name="job.toml"):
     text = CONFIG.read_text()
     for old, new in replace:
@@ -246,26 +247,26 @@ def test_bad_torchtitan_setting_is_refused_with_one_line_each(tmp_path, replace,
     (["--checkpoint.no-enable"], lambda j: j.checkpoint.enable is False),
 ])
 def test_boolean_true_false_on_the_command_line(cli, check):
-    job, _ = check_config(["--job.config_file", str(CONFIG), "--optimizer.name", "FlexDeMo", *cli])
+    job, _ = job_and_resolved(["--job.config_file", str(CONFIG), "--optimizer.name", "FlexDeMo", *cli])
     assert check(job)
 
 
 def test_a_boolean_given_as_true_false_counts_as_set():
     # FlexDeMo's preset sets sign_before_sync = True; the user's `false` must win and be recorded as set
-    _, resolved = check_config(["--job.config_file", str(CONFIG), "--optimizer.name", "FlexDeMo",
+    _, resolved = job_and_resolved(["--job.config_file", str(CONFIG), "--optimizer.name", "FlexDeMo",
                                 "--commopt.demo.sign_before_sync", "false"])
     assert resolved.options.sign_before_sync is False and "sign_before_sync" in resolved.user_set
 
 
 def test_good_world_size_and_textfile_pass(tmp_path):
     corpus = _text_file(tmp_path, "first document\n\nsecond document\n")
-    job, _ = check_config(["--job.config_file", str(CONFIG), "--training.dataset", "textfile", "--training.dataset_path", corpus,
+    job, _ = job_and_resolved(["--job.config_file", str(CONFIG), "--training.dataset", "textfile", "--training.dataset_path", corpus,
                            "--parallelism.data_parallel_replicate_degree", "2"], world_size=2)
     assert job.training.dataset_path == corpus
 
 
 def test_tyro_messages_become_one_line():
-    from titan_commopt.titan.parse import _squash
+    from titan_commopt.titan.config.parse import _squash
 
     box = ("╭─ Value error ─────────────╮\n│ Error parsing --x.y: bad  │\n│ value 'z'                 │\n"
            "│ ───────────────────────── │\n│ Argument helptext:        │\n╰───────────────────────────╯\n")
@@ -287,12 +288,12 @@ def test_readme_toml_validates_as_written(tmp_path):
     assert "custom_config_module" not in toml and "custom_import" not in toml
     path = tmp_path / "my.toml"
     path.write_text(toml)
-    job, resolved = check_config(["--job.config_file", str(path)], world_size=2)
+    job, resolved = job_and_resolved(["--job.config_file", str(path)], world_size=2)
     assert job.model.name == "llama3_commopt" and resolved.name == "FlexDeMo" and job.commopt.demo.chunk == 32
 
 
 def test_list_options_take_separate_words():  # docs/options.md's `--commopt.local.Ku 16 64`
-    _, resolved = check_config(["--job.config_file", str(CONFIG), "--optimizer.name", "MT-DAO", "--commopt.local.Ku", "16", "64",
+    _, resolved = job_and_resolved(["--job.config_file", str(CONFIG), "--optimizer.name", "MT-DAO", "--commopt.local.Ku", "16", "64",
                                 "--commopt.local.beta1", "0.9", "0.99", "--commopt.local.omega", "0.5", "0.3"])
     assert (resolved.options.Ku, resolved.options.beta1, resolved.options.omega) == ([16, 64], [0.9, 0.99], [0.5, 0.3])
     assert {"Ku", "beta1", "omega"} <= resolved.user_set
@@ -313,7 +314,7 @@ def test_missing_tokenizer_is_one_line(tmp_path, path, expected):
 
 
 def test_user_set_keys_counts_every_accepted_form():
-    from titan_commopt.titan.config import user_set_keys
+    from titan_commopt.titan.config.sources import user_set_keys
 
     for argv in (["--commopt.demo.sign_before_sync", "false"], ["--commopt.demo.sign_before_sync=false"],
                  ["--commopt.demo.no-sign_before_sync"], ["--commopt.demo.no_sign_before_sync"],

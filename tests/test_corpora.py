@@ -2,7 +2,7 @@
 
 import re
 
-from titan_commopt.titan import corpora
+from titan_commopt import corpora
 
 
 def test_generators_are_deterministic():
@@ -40,7 +40,7 @@ def test_world_arithmetic_holds():
 def test_bundled_tokenizer_follows_the_dataset():
     from types import SimpleNamespace
 
-    from titan_commopt.titan import data
+    from titan_commopt.titan.adapter import data
 
     def tokenizer(dataset):
         return data.build_tokenizer(SimpleNamespace(model=SimpleNamespace(hf_assets_path="bundled"),

@@ -69,11 +69,11 @@ def test_readme_toml_trains_as_written(tmp_path):
 
 
 def test_known_cpu_noise_is_filtered_and_nothing_else():
-    """titan/console.py: the exact torchtitan/torch messages of a CPU quickstart, and their neighbours."""
+    """titan/platform/console.py: the exact torchtitan/torch messages of a CPU quickstart, and their neighbours."""
     import logging
     import re
 
-    from titan_commopt.titan.console import NOISE_WARNINGS, OFFLINE_LOG_LINES, _DropKnownNoise
+    from titan_commopt.titan.platform.console import NOISE_WARNINGS, OFFLINE_LOG_LINES, _DropKnownNoise
 
     drop = _DropKnownNoise()
 
@@ -123,7 +123,7 @@ def test_a_worker_records_its_lines_for_torchruns_summary(tmp_path, monkeypatch,
 
     from titan_commopt.options import ConfigError
     from titan_commopt.run import recorded_stop
-    from titan_commopt.titan.stop import RunStopped, stop_run
+    from titan_commopt.titan.platform.stop import RunStopped, stop_run
     from titan_commopt.train import report_config_error
 
     error_file = tmp_path / "error.json"

@@ -1,7 +1,7 @@
 """A rank lost while a checkpoint is being saved: the job exits non-zero within a bounded time, the
 unfinished step folder is skipped and the previous checkpoint resumes; torchrun ``--max-restarts``
 does that restart by itself when its rendezvous store is not shared across restarts
-(``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see ``titan_commopt/titan/elastic.py``; ``python -m
+(``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see ``titan_commopt/titan/platform/elastic.py``; ``python -m
 titan_commopt.run`` sets it).
 
 The kill comes from ``tests/save_crash_hook/sitecustomize.py``: rank 1 SIGKILLs itself when DCP
@@ -79,7 +79,7 @@ def test_torchrun_max_restarts_resumes_by_itself(tmp_path):
 
 
 def test_restart_with_shared_rendezvous_store_warns(monkeypatch, capsys):
-    from titan_commopt.titan.elastic import FIX, warn_if_restart_would_hang
+    from titan_commopt.titan.platform.elastic import FIX, warn_if_restart_would_hang
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
@@ -97,7 +97,7 @@ def test_the_launcher_sets_the_fresh_store_for_restarts(monkeypatch):
     from torch.distributed.run import parse_args
 
     from titan_commopt.run import FRESH_STORE, fresh_store_per_restart
-    from titan_commopt.titan.elastic import FIX
+    from titan_commopt.titan.platform.elastic import FIX
 
     assert "=".join(FRESH_STORE) == FIX
     monkeypatch.delenv(FRESH_STORE[0], raising=False)

@@ -1,7 +1,8 @@
 """Checkpoint/resume through torchtitan's DCP checkpointing on a 2x2 HSDP mesh (4 CPU processes).
 
 Each optimizer: one uninterrupted 8-step run saving at step 4; the step-8 checkpoint is removed and
-the same command resumes from step 4. Steps 5..8 must give exactly the same losses.
+the same command resumes from step 4. Steps 5..8 must give exactly the same losses, and the same
+cumulative bytes (the comm ledger's totals travel with the checkpoint).
 """
 
 import shutil
@@ -40,14 +41,18 @@ def _resume_pair(tmp_path, name, extra):
     shutil.rmtree(tmp_path / "out" / "checkpoint" / "step-8")
     shutil.rmtree(tmp_path / "out" / "tb")
     _, second = run_train(tmp_path, 4, *STEPS, "--optimizer.name", name, *extra)
-    return losses(first), losses(second)
+    return first, second
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_resume_equals_uninterrupted(tmp_path, name):
-    uninterrupted, resumed = _resume_pair(tmp_path, name, CASES[name])
+    first, second = _resume_pair(tmp_path, name, CASES[name])
+    uninterrupted, resumed = losses(first), losses(second)
     assert len(uninterrupted) == 8 and len(resumed) == 4
     assert resumed == uninterrupted[4:]
+    # comm/R_sent_bytes_total continues from the checkpoint's total instead of restarting at zero
+    total = "comm/R_sent_bytes_total"
+    assert sorted(second[total]) == sorted(first[total])[4:] and sorted(first[total])[3][1] > 0
 
 
 def test_resume_with_other_replica_count_fails_clearly(tmp_path):
@@ -132,7 +137,7 @@ def test_resume_with_state_shaping_change_is_refused_naming_it(
     tmp_path, saved_name, saved_options, name, options, expected
 ):
     from titan_commopt.optim import resolve
-    from titan_commopt.titan.checkpoint import resume_problem
+    from titan_commopt.titan.config.resume import resume_problem
 
     path = _save(tmp_path, 2, saved_name, **saved_options)
     problem = resume_problem(_job(tmp_path, name), resolve(name, options), 2)
@@ -145,7 +150,7 @@ def test_resume_with_state_shaping_change_is_refused_naming_it(
 
 def test_resume_with_options_that_do_not_shape_state_is_allowed_and_logged(tmp_path, caplog):
     from titan_commopt.optim import BaseHParams, resolve
-    from titan_commopt.titan.checkpoint import resume_problem
+    from titan_commopt.titan.config.resume import resume_problem
 
     _save(tmp_path, 2, "DES-LOC", lr_scale=1.0)  # lr_scale pinned: the lrs below are the [optimizer] ones
     resolved = resolve("DES-LOC", {"Kx": 64, "Ku": [128], "lr_scale": 1.0}, BaseHParams(lr=1e-2))
@@ -164,7 +169,7 @@ def test_resume_with_options_that_do_not_shape_state_is_allowed_and_logged(tmp_p
 
 def test_damaged_or_incomplete_checkpoints_are_named(tmp_path, caplog):
     from titan_commopt.optim import resolve
-    from titan_commopt.titan.checkpoint import checkpoint_to_load, resume_problem
+    from titan_commopt.titan.config.resume import checkpoint_to_load, resume_problem
 
     resolved = resolve("DES-LOC")
     step2 = _save(tmp_path, 2, "DES-LOC")
@@ -206,7 +211,7 @@ def test_what_torchtitan_would_fail_on_inside_dcp_is_named(tmp_path):
     """A load_step with no folder, a model-only (last step) checkpoint, dataloader state for another
     data-parallel degree: one line each, with the way back (the escape hatch it names works)."""
     from titan_commopt.optim import resolve
-    from titan_commopt.titan.checkpoint import resume_problem
+    from titan_commopt.titan.config.resume import resume_problem
 
     resolved = resolve("DES-LOC")
     missing = tmp_path / "checkpoint"

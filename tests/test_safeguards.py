@@ -9,20 +9,21 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.dist_utils import run_distributed
+from titan_commopt import comm
 from titan_commopt.topology import Topology
 
 
 def _container(on_nonfinite, check_every):
-    from titan_commopt.titan.container import Safeguards, container_cls
+    from titan_commopt.titan.adapter.container import CommOptimizersContainer, Safeguards
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "fsdp"))
     topo = Topology.from_mesh(mesh)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    container = container_cls()(
-        [model], [opt], name="AdamW", resolved=None, topology=topo, fsdp_traffic=None, adamw_reference_r_bytes=0,
-        safeguards=Safeguards(on_nonfinite=on_nonfinite, check_replicas_every=check_every),
+    container = CommOptimizersContainer(
+        [model], [opt], name="AdamW", resolved=None, topology=topo, ledger=comm.CommLedger(), fsdp_traffic=None,
+        adamw_reference_r_bytes=0, safeguards=Safeguards(on_nonfinite=on_nonfinite, check_replicas_every=check_every),
     )
     return model, container
 
@@ -36,7 +37,7 @@ def _nonfinite(rank, world_size, on_nonfinite):
         model[1].bias.grad[0] = float("nan")
     try:
         container.step()
-    except SystemExit as error:  # titan_commopt.titan.stop.RunStopped
+    except SystemExit as error:  # titan_commopt.titan.platform.stop.RunStopped
         return {"raised": str(error), "status": error.code}
     skipped_equal = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     # A clean step afterwards is taken by everyone.
@@ -58,7 +59,7 @@ def test_nan_on_one_rank_stop_stops_everyone():
 
 
 def _drift(rank, world_size):
-    from titan_commopt.titan.stop import RunStopped
+    from titan_commopt.titan.platform.stop import RunStopped
 
     model, container = _container("skip", 2)
     for p in model.parameters():
@@ -88,14 +89,15 @@ def test_drift_stops_every_rank_naming_the_parameter():
 # ---- one 2-replica world for the container's runtime rules (one spawn for all of them) ----------
 def _own_r_container(topo, name, safeguards=None, **options):
     from titan_commopt.optim import build_optimizer, resolve
-    from titan_commopt.titan.container import Safeguards, container_cls
+    from titan_commopt.titan.adapter.container import CommOptimizersContainer, Safeguards
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     resolved = resolve(name, options)
-    opt = build_optimizer(list(model.named_parameters()), topo, resolved)
-    container = container_cls()(
-        [model], [opt], name=name, resolved=resolved, topology=topo, fsdp_traffic=None,
+    ledger = comm.CommLedger()
+    opt = build_optimizer(list(model.named_parameters()), topo, resolved, ledger=ledger)
+    container = CommOptimizersContainer(
+        [model], [opt], name=name, resolved=resolved, topology=topo, ledger=ledger, fsdp_traffic=None,
         adamw_reference_r_bytes=0, safeguards=safeguards or Safeguards(),
     )
     return model, container
@@ -104,9 +106,9 @@ def _own_r_container(topo, name, safeguards=None, **options):
 def _runtime(rank, world_size):
     from torchtitan.distributed import utils as dist_utils
 
-    from titan_commopt.titan import clipping
-    from titan_commopt.titan.container import Safeguards, container_cls
-    from titan_commopt.titan.stop import RunStopped
+    from titan_commopt.titan.adapter import clipping
+    from titan_commopt.titan.adapter.container import CommOptimizersContainer, Safeguards
+    from titan_commopt.titan.platform.stop import RunStopped
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_replicate",))
     topo = Topology.from_mesh(mesh, grad_scale=2.0)  # torchtitan: p.grad = g / W
@@ -163,14 +165,17 @@ def _runtime(rank, world_size):
     # The drift check's bytes are counted in the step that sent them.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3))
-    container = container_cls()(
+    container = CommOptimizersContainer(
         [model], [torch.optim.SGD(model.parameters(), lr=0.1)], name="AdamW", resolved=None, topology=topo,
-        fsdp_traffic=None, adamw_reference_r_bytes=0, safeguards=Safeguards(check_replicas_every=1),
+        ledger=comm.CommLedger(), fsdp_traffic=None, adamw_reference_r_bytes=0,
+        safeguards=Safeguards(check_replicas_every=1),
     )
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     container.step()
     out["drift_step_r_sent"] = container.ledger.last_step.get("R_sent", 0)
+    out["drift_step_world_sent"] = container.ledger.last_step.get("world_sent", 0)
+    out["drift_step_metrics"] = container.metrics()
 
     # On load, this run's hyper-parameters win over the checkpoint's (except lr: the scheduler's).
     model, saved = _own_r_container(topo, "LocalAdam", eps=1e-3)
@@ -184,22 +189,48 @@ def _runtime(rank, world_size):
     return out
 
 
-def test_runtime_rules_on_two_replicas():
+@pytest.fixture(scope="module")
+def runtime_results():
+    """One 2-replica world (one spawn) for every runtime rule below: each rank's results."""
+    return run_distributed(_runtime, 2)
+
+
+def _expected_norm(out):
     import math
 
-    outs = run_distributed(_runtime, 2)
-    for out in outs:
-        # g_r = W * p.grad = (r + 1) everywhere: N^2 = mean(1, 4) * numel
-        expected = math.sqrt(2.5 * out["numel"])
-        assert out["norm"] == pytest.approx(expected, rel=1e-6)
-        assert out["scale"] == pytest.approx([0.5 / (expected + 1e-6)] * 4, rel=1e-6)
-        assert out["events"][:5] == [("skipped", 1), ("skipped", 2), ("moved", 0), ("skipped", 1), ("skipped", 2)]
-        stopped = out["events"][5]
-        assert stopped[:3] == ("stopped", 5, 1) and "last 3 optimizer steps" in stopped[3]
-        assert out["local_hints"] == [4, 3, 2, 1, 4]
-        assert out["diloco_hint"] == 3 and out["flexdemo_hint"] is None
-        assert out["drift_step_r_sent"] == 8 * 2  # one int64 fingerprint per tensor, this step
-        assert out["loaded_eps_lr"] == (1e-6, 8e-4)  # eps: this run's; lr: the checkpoint's (default)
+    return math.sqrt(2.5 * out["numel"])  # g_r = W * p.grad = (r + 1) everywhere: N^2 = mean(1, 4) * numel
+
+
+RUNTIME_RULES = {
+    "max_norm through torchtitan's clip function": lambda out: (
+        out["norm"] == pytest.approx(_expected_norm(out), rel=1e-6)
+        and out["scale"] == pytest.approx([0.5 / (_expected_norm(out) + 1e-6)] * 4, rel=1e-6)
+    ),
+    "consecutive non-finite skips reset by a clean step": lambda out: (
+        out["events"][:5] == [("skipped", 1), ("skipped", 2), ("moved", 0), ("skipped", 1), ("skipped", 2)]
+    ),
+    "max_consecutive_skips stops the run": lambda out: (
+        out["events"][5][:3] == ("stopped", 5, 1) and "last 3 optimizer steps" in out["events"][5][3]
+    ),
+    "next R sync of a periodic optimizer": lambda out: (
+        out["local_hints"] == [4, 3, 2, 1, 4] and out["diloco_hint"] == 3 and out["flexdemo_hint"] is None
+    ),
+    # one int64 fingerprint per tensor over R; over the world the non-finite vote and the drift
+    # check's flag (4 bytes each), all in this step and in the container's scalars
+    "drift check's bytes counted in its step": lambda out: (
+        out["drift_step_r_sent"] == 8 * 2 and out["drift_step_world_sent"] == 2 * 4
+        and out["drift_step_metrics"]["comm/world_bytes"] == 2 * 4
+        and out["drift_step_metrics"]["comm/R_sent_bytes_total"] == 8 * 2
+    ),
+    # eps: this run's; lr: the checkpoint's (default)
+    "this run's hyper-parameters win on load": lambda out: out["loaded_eps_lr"] == (1e-6, 8e-4),
+}
+
+
+@pytest.mark.parametrize("rule", list(RUNTIME_RULES))
+def test_runtime_rule_on_two_replicas(runtime_results, rule):
+    for rank, out in enumerate(runtime_results):
+        assert RUNTIME_RULES[rule](out), (rank, {k: v for k, v in out.items()})
 
 
 def test_persistent_nonfinite_gradients_stop_the_run(tmp_path):
@@ -230,7 +261,7 @@ def test_persistent_nonfinite_gradients_stop_the_run(tmp_path):
 
 def _flush_at_end(rank, world_size):
     from titan_commopt.optim import build_optimizer, resolve
-    from titan_commopt.titan.container import container_cls
+    from titan_commopt.titan.adapter.container import CommOptimizersContainer
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_replicate",))
     topo = Topology.from_mesh(mesh)
@@ -239,9 +270,10 @@ def _flush_at_end(rank, world_size):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4))
         resolved = resolve("DeMo", {"overlap": overlap, "chunk": 4, "topk": 2})
-        opt = build_optimizer(list(model.named_parameters()), topo, resolved)
-        container = container_cls()(
-            [model], [opt], name="DeMo", resolved=resolved, topology=topo, fsdp_traffic=None,
+        ledger = comm.CommLedger()
+        opt = build_optimizer(list(model.named_parameters()), topo, resolved, ledger=ledger)
+        container = CommOptimizersContainer(
+            [model], [opt], name="DeMo", resolved=resolved, topology=topo, ledger=ledger, fsdp_traffic=None,
             adamw_reference_r_bytes=0,
         )
         torch.manual_seed(1 + rank)  # replicas see different gradients

@@ -10,6 +10,9 @@ from titan_commopt.options import ConfigError
 
 from titan_commopt.train import check_config
 
+from tests.titan_utils import job_and_resolved
+
+
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "train_configs").glob("*.toml"))
 
 
@@ -29,7 +32,7 @@ def test_config_validates(path):
         assert str(info.value).startswith(f"[model] hf_assets_path = {tokenizer!r}: no such file or directory")
         assert len(str(info.value).splitlines()) == 1
         args += ["--model.hf_assets_path", "bundled"]
-    job, _ = check_config(args)
+    job, _ = job_and_resolved(args)
     assert job.model.name == "llama3_commopt"
     if path.stem.startswith("llama3_8b_"):
         # the file's optimizer is the one its name says, on the 2 x 8 mesh docs/multinode.md describes

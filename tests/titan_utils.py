@@ -81,3 +81,11 @@ def readme_toml() -> str:
     text = (ROOT / "README.md").read_text()
     start = text.index("```toml\n") + len("```toml\n")
     return text[start: text.index("```", start)]
+
+
+def job_and_resolved(*args, **kwargs):
+    """``check_config``'s run, as its parsed job config and resolved optimizer."""
+    from titan_commopt.train import check_config
+
+    run = check_config(*args, **kwargs)
+    return run.job_config, run.resolved

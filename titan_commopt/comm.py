@@ -45,6 +45,7 @@ __all__ = [
     "Pending",
     "get_ledger",
     "use_ledger",
+    "scalars",
     "all_reduce",
     "all_reduce_fused",
     "all_gather",
@@ -154,7 +155,21 @@ class CommLedger:
         self.steps = 0
         self.last_step = {}
 
+    @contextmanager
+    def set_aside(self) -> Iterator["CommLedger"]:
+        """Drop what is recorded inside the block: traffic that is no training step's (a checkpoint's
+        lazy optimizer-state init steps the optimizers, which record on their own ledger, this one).
+        The open step's records are kept as they were."""
+        records, timers = self.records, self._device_timers
+        self.records, self._device_timers = [], []
+        try:
+            yield self
+        finally:
+            self.records, self._device_timers = records, timers
+
     def state_dict(self) -> dict[str, object]:
+        """The cumulative totals and step count: saved with a checkpoint, so that ``comm/*_total``
+        continues across a resume."""
         return {"totals": dict(self.totals), "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
@@ -162,11 +177,53 @@ class CommLedger:
         self.steps = int(state["steps"])  # type: ignore[arg-type]
 
 
+def scalars(ledger: CommLedger, since: dict[str, float], steps: int, adamw_r_sent: float = 0.0) -> dict[str, float]:
+    """The ``comm/*`` scalars of ``ledger`` (the one place their names are made from
+    :meth:`CommLedger.summarize`'s keys). Per step: averaged over the ``steps`` closed since the
+    totals were ``since``; ``*_total``: cumulative. Each role adds the measured and the estimated
+    (FSDP2's) bytes it sent, ``comm/R_estimated_sent_bytes`` shows R's estimated part. Roles: R, S,
+    T (the tensor-parallel groups) and world (control collectives over every rank: the clip's
+    norm, the non-finite vote, the drift check's flag). ``comm/R_ratio_vs_adamw_hsdp``: cumulative R bytes
+    sent / ``adamw_r_sent`` per closed step (absent when that is 0)."""
+    totals = ledger.totals
+
+    def per_step(key: str) -> float:
+        return (totals.get(key, 0.0) - since.get(key, 0.0)) / max(steps, 1)
+
+    def sent(role: str, what: str = "sent") -> tuple[float, float]:
+        keys = (f"{role}_{what}", f"{role}_est_{what}")
+        return sum(per_step(k) for k in keys), sum(totals.get(k, 0.0) for k in keys)
+
+    r_sent, r_sent_total = sent("R")
+    r_recv, r_recv_total = sent("R", "recv")
+    s_sent, s_sent_total = sent("S")
+    t_sent, t_sent_total = sent("T")
+    world_sent, world_sent_total = sent("world")
+    out = {
+        "comm/R_sent_bytes": r_sent,
+        "comm/R_recv_bytes": r_recv,
+        "comm/R_estimated_sent_bytes": per_step("R_est_sent"),
+        "comm/S_bytes": s_sent,
+        "comm/T_bytes": t_sent,
+        "comm/world_bytes": world_sent,
+        "comm/R_sent_bytes_total": r_sent_total,
+        "comm/R_recv_bytes_total": r_recv_total,
+        "comm/S_bytes_total": s_sent_total,
+        "comm/T_bytes_total": t_sent_total,
+        "comm/world_bytes_total": world_sent_total,
+        "comm/R_seconds": per_step("R_seconds"),
+    }
+    if adamw_r_sent > 0 and ledger.steps > 0:
+        out["comm/R_ratio_vs_adamw_hsdp"] = r_sent_total / (adamw_r_sent * ledger.steps)
+    return out
+
+
 _LEDGER = CommLedger()
 
 
 def get_ledger() -> CommLedger:
-    """The process-wide ledger: optimizers and the TensorBoard hook share it."""
+    """The process-wide ledger: the default of every collective given no ``ledger`` (standalone use;
+    a training run passes its own, ``titan/adapter/run_context.py``)."""
     return _LEDGER
 
 

@@ -9,12 +9,12 @@ The arguments are exactly torchrun's (``torch.distributed.run``). When the train
 (or when all is well) it runs torchrun unchanged; if the workers then stop on a pre-flight error
 (something only they can see), torchrun's ~40-line failure summary is replaced by that error's
 lines, last on the console, and the exit status is 2. The same holds for the lines with which the
-workers stop a run on purpose (``titan/stop.py``: a refused resume, status 2; a safeguard that stops
+workers stop a run on purpose (``titan/platform/stop.py``: a refused resume, status 2; a safeguard that stops
 training, status 1). Every other failure is reported by torchrun as usual.
 ``TITAN_COMMOPT_TRACEBACK=1`` adds the traceback of a pre-flight error.
 
 With ``--max-restarts`` > 0 it also sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless set), which
-torchrun's restarts need (``titan/elastic.py``).
+torchrun's restarts need (``titan/platform/elastic.py``).
 
 On a multi-node job each node's launcher checks the config on that node (same files as its workers).
 """
@@ -25,8 +25,9 @@ from typing import Optional
 
 __all__ = ["main", "world_size_of"]
 
+from .launch_env import FRESH_STORE, LAUNCHER_ENV
+
 TRAIN_MODULE = "titan_commopt.train"
-FRESH_STORE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # titan/elastic.py's advice names it too
 
 
 def world_size_of(args) -> Optional[int]:
@@ -52,7 +53,7 @@ def _is_ours(args) -> bool:
 def _pre_flight(args) -> None:
     from titan_commopt.options import ConfigError
 
-    from .titan.console import quiet_known_noise
+    from .titan.platform.console import quiet_known_noise
     from .train import check_config, report_config_error
 
     quiet_known_noise()
@@ -63,10 +64,10 @@ def _pre_flight(args) -> None:
 
 
 def recorded_stop(error) -> Optional[tuple[str, int]]:
-    """``(lines, status)`` that a failed worker recorded for us (``titan/stop.py``: a pre-flight
+    """``(lines, status)`` that a failed worker recorded for us (``titan/platform/stop.py``: a pre-flight
     error, a refused resume, a safeguard's stop), the earliest if several did; None otherwise.
     Every failure is looked at: a peer torchrun stopped with SIGTERM may be the "first" one."""
-    from .titan.stop import recorded_stop as recorded
+    from .titan.platform.stop import recorded_stop as recorded
 
     ours = [(f.timestamp, rank, found) for rank, f in error.failures.items() if (found := recorded(f))]
     return min(ours)[2] if ours else None
@@ -75,8 +76,6 @@ def recorded_stop(error) -> Optional[tuple[str, int]]:
 def _launch(args) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
-
-    from .titan.stop import LAUNCHER_ENV
 
     os.environ[LAUNCHER_ENV] = "1"  # the workers leave printing our lines to us
     try:
@@ -95,7 +94,7 @@ def fresh_store_per_restart(args) -> bool:
     """With ``--max-restarts`` > 0, give every restart round a fresh rendezvous store
     (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, unless the environment sets it): with the store
     shared across rounds the restarted workers' gloo init waits on the failed attempt's dead peers,
-    then fails (``titan/elastic.py``). Returns whether it set it."""
+    then fails (``titan/platform/elastic.py``). Returns whether it set it."""
     name, value = FRESH_STORE
     if getattr(args, "max_restarts", 0) > 0 and name not in os.environ:
         os.environ[name] = value

@@ -5,7 +5,7 @@ parameters between syncs, error feedback). A checkpoint therefore stores that st
 replica*, under keys prefixed ``replica<r>/``; each replica loads its own back. Everything keyed
 this way is a DTensor over the S (and T) mesh or a plain value, so DCP still reshards it when S
 changes. Resuming with a different number of replicas is refused before loading (there is no
-right way to invent or drop a replica's momenta): ``titan_commopt.titan.checkpoint``.
+right way to invent or drop a replica's momenta): ``titan_commopt.titan.config.resume``.
 
 Parameters of optimizers whose replicas legitimately diverge between syncs (local-adaptive
 families: ``params_replica_local = True`` on the optimizer) are saved per replica too and restored
@@ -68,7 +68,8 @@ def fingerprint(t: torch.Tensor) -> int:
 
 
 def check_replicas(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], topology: Topology, what: str = "parameter"
+    named_tensors: Iterable[tuple[str, torch.Tensor]], topology: Topology, what: str = "parameter", *,
+    ledger: Optional[comm.CommLedger] = None,
 ) -> None:
     """All replicas must hold bit-identical tensors: gather fingerprints over R and compare.
 
@@ -82,7 +83,7 @@ def check_replicas(
         return
     device = local(named[0][1]).device  # collectives run on the tensors' device (NCCL: the GPU)
     prints = torch.tensor([fingerprint(t) for _, t in named], dtype=torch.int64, device=device)
-    gathered = comm.all_gather(prints, R, topology.replicate)
+    gathered = comm.all_gather(prints, R, topology.replicate, ledger=ledger)
     for i, (name, _) in enumerate(named):
         column = gathered[:, i]
         if not bool((column == column[0]).all()):
@@ -93,7 +94,10 @@ def check_replicas(
 
 
 # ---- non-finite gradients ---------------------------------------------------------------------
-def any_nonfinite(grads: Iterable[Optional[torch.Tensor]], group: Optional[dist.ProcessGroup] = None) -> bool:
+def any_nonfinite(
+    grads: Iterable[Optional[torch.Tensor]], group: Optional[dist.ProcessGroup] = None, *,
+    ledger: Optional[comm.CommLedger] = None,
+) -> bool:
     """Whether any rank of ``group`` (default: all ranks) has a NaN/Inf gradient: one 4-byte
     all-reduce(max), so that every rank takes the same decision."""
     present = [local(g) for g in grads if g is not None]
@@ -102,16 +106,18 @@ def any_nonfinite(grads: Iterable[Optional[torch.Tensor]], group: Optional[dist.
     flag = torch.zeros(1, device=device)
     for g in present:
         flag = torch.maximum(flag, (~torch.isfinite(g)).any().to(flag.dtype).reshape(1))
-    return _any_rank(flag, group)
+    return _any_rank(flag, group, ledger)
 
 
-def any_rank(value: bool, group: Optional[dist.ProcessGroup] = None) -> bool:
+def any_rank(
+    value: bool, group: Optional[dist.ProcessGroup] = None, *, ledger: Optional[comm.CommLedger] = None
+) -> bool:
     """Whether ``value`` is true on any rank of ``group`` (default: all ranks): one 4-byte
     all-reduce(max), so that every rank takes the same decision."""
-    return _any_rank(torch.full((1,), float(value), device=comm.control_device(group)), group)
+    return _any_rank(torch.full((1,), float(value), device=comm.control_device(group)), group, ledger)
 
 
-def _any_rank(flag: torch.Tensor, group: Optional[dist.ProcessGroup]) -> bool:
+def _any_rank(flag: torch.Tensor, group: Optional[dist.ProcessGroup], ledger: Optional[comm.CommLedger]) -> bool:
     if dist.is_available() and dist.is_initialized():
-        comm.all_reduce(flag, "world", group or dist.group.WORLD, op="max")
+        comm.all_reduce(flag, "world", group or dist.group.WORLD, op="max", ledger=ledger)
     return bool(flag.item() > 0)

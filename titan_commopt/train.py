@@ -5,18 +5,18 @@
 (``python -m titan_commopt.run`` is torchrun that checks the config first; plain ``torchrun`` works
 too.) Differences from ``python -m torchtitan.train``, all before torchtitan's Trainer starts:
 
-1. on a machine without an accelerator, torchtitan is pointed at the CPU (``titan/cpu.py``) and its
-   known-harmless CPU warnings are filtered (``titan/console.py``);
+1. on a machine without an accelerator, torchtitan is pointed at the CPU (``titan/platform/cpu.py``)
+   and its known-harmless CPU warnings are filtered (``titan/platform/console.py``);
 2. ``--job.custom_config_module`` / ``--experimental.custom_import`` default to ours, so the
    ``[commopt]`` section and our TrainSpecs exist whatever the TOML says;
-3. the config is checked before any process group exists (``titan/parse.py``: file, sections,
-   keys, types, command line; ``titan/validate.py``: values, the mesh against ``WORLD_SIZE``,
+3. the config is checked before any process group exists (``titan/config/parse.py``: file, sections,
+   keys, types, command line; ``titan/config/validate.py``: values, the mesh against ``WORLD_SIZE``,
    ``[optimizer]`` and every ``[commopt]`` key): a bad config exits with status 2 and one line per
    problem (key, value, what is allowed), printed by rank 0 (by the launcher under
    ``titan_commopt.run``), no traceback unless ``TITAN_COMMOPT_TRACEBACK=1``;
-4. torchtitan's ``main`` trains with the job config parsed and checked in step 3 (torchtitan's
-   ``ConfigManager.parse_args`` would otherwise read ``sys.argv`` as it was when torchtitan was
-   imported);
+4. the run made in step 3 (``titan/adapter/run_context.py``: the job config, parsed once, the
+   resolved optimizer, the comm ledger) is what torchtitan's Trainer builds from
+   (``titan/adapter/trainer.py``);
 5. a run that trained to the end leaves with ``os._exit(0)`` once its output is flushed: see
    :func:`exit_after_success`.
 """
@@ -30,38 +30,16 @@ PREFIX = "titan_commopt: bad config: "  # every pre-flight line starts with it
 TRACEBACK_ENV = "TITAN_COMMOPT_TRACEBACK"  # =1: print the traceback of a pre-flight error too
 
 
-def check_config(argv: list[str], world_size: Optional[int] = None):
-    """Parse the job config and resolve its optimizer without touching torch.distributed.
-    Returns ``(job_config, resolved)`` (``resolved`` is None for torchtitan's own optimizers);
-    raises ConfigError listing every problem. ``world_size`` defaults to torchrun's ``WORLD_SIZE``
-    (unset: the mesh is not checked against it)."""
+def check_config(argv: list[str], world_size: Optional[int] = None) -> Any:
+    """The run (``CommoptRun``: the job config parsed once, the keys the user set, the resolved
+    optimizer, None for torchtitan's own) made without touching torch.distributed; raises
+    ConfigError listing every problem. ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (unset:
+    the mesh is not checked against it)."""
     import titan_commopt.titan  # noqa: F401  (registers the TrainSpecs and datasets)
 
-    from .titan.parse import parse_job
-    from .titan.validate import resolve_job
+    from .titan.adapter.run_context import CommoptRun
 
-    job_config, args = parse_job(argv)
-    _import_custom(job_config)
-    return job_config, resolve_job(job_config, args, world_size)
-
-
-def _import_custom(job_config: Any) -> None:
-    """The user's ``[experimental] custom_import`` (torchtitan imports it in ``Trainer.__init__``):
-    needed now so that the model names it registers are known to the checks."""
-    import importlib
-
-    from titan_commopt.options import ConfigError
-
-    from .titan.parse import CUSTOM_IMPORT
-
-    module = job_config.experimental.custom_import
-    if module and module != CUSTOM_IMPORT:
-        try:
-            importlib.import_module(module)
-        except Exception as error:
-            raise ConfigError(
-                f"[experimental] custom_import = {module!r}: cannot import it ({type(error).__name__}: {error})"
-            ) from error
+    return CommoptRun.from_command_line(argv, world_size)
 
 
 def format_error(error: BaseException) -> str:
@@ -72,7 +50,7 @@ def format_error(error: BaseException) -> str:
 def report_config_error(error: BaseException, launcher: bool = False) -> None:
     """Print the pre-flight lines once (rank 0, or nobody when ``titan_commopt.run`` prints them;
     ``launcher``: this is that launcher), record them for torchrun's agent, and exit with status 2."""
-    from .titan.stop import announce
+    from .titan.platform.stop import announce
 
     text = format_error(error)
     if launcher or os.environ.get("RANK", "0") == "0":
@@ -88,24 +66,21 @@ def report_config_error(error: BaseException, launcher: bool = False) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from .titan.console import quiet_known_noise
-    from .titan.cpu import use_cpu_if_no_accelerator
+    from .titan.platform.console import quiet_known_noise
+    from .titan.platform.cpu import use_cpu_if_no_accelerator
 
     quiet_known_noise()
     use_cpu_if_no_accelerator()
     from titan_commopt.options import ConfigError
 
-    from .titan.validate import remember
-
     try:
-        job_config, resolved = check_config(argv)
-        remember(job_config, resolved)
+        run = check_config(argv)
     except ConfigError as error:
         report_config_error(error)
 
-    from .titan.trainer import run_torchtitan
+    from .titan.adapter.trainer import run_torchtitan
 
-    run_torchtitan(job_config)
+    run_torchtitan(run)
 
 
 def exit_after_success() -> None:

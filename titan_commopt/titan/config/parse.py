@@ -29,19 +29,20 @@ import re
 import types
 import typing
 from contextlib import redirect_stderr, redirect_stdout
-from dataclasses import Field, fields, is_dataclass
+from dataclasses import Field, dataclass, fields, is_dataclass
 from typing import Any, Literal, Mapping, Optional, Union
 
 from titan_commopt.options import ConfigError
 
-from .config import config_file_of, read_config_file
+from .section import MODULE
+from .sources import config_file_of, read_config_file
 
 __all__ = [
-    "CONFIG_MODULE", "CUSTOM_IMPORT", "parse_job", "plugin_args", "read_config_file", "normalize_argv",
+    "CONFIG_MODULE", "CUSTOM_IMPORT", "ParsedJob", "parse_job", "plugin_args", "read_config_file", "normalize_argv",
     "config_class", "toml_problems", "cli_problems",
 ]
 
-CONFIG_MODULE = "titan_commopt.titan.config"
+CONFIG_MODULE = MODULE
 CUSTOM_IMPORT = "titan_commopt.titan"
 OWN_SECTION = "commopt"  # validated by titan_commopt.options (bounds, choices, cross-field rules)
 
@@ -344,10 +345,19 @@ def _squash(text: str) -> str:
 
 
 # ---- the whole parse -----------------------------------------------------------------------------
-def parse_job(argv: list[str]) -> tuple[Any, list[str]]:
-    """``(job_config, args)``: torchtitan's JobConfig parsed from ``argv`` (with our config module
-    and custom import added, booleans normalized) and the argument list it was parsed from.
-    Raises :class:`ConfigError` listing every input problem found before parsing."""
+@dataclass(frozen=True)
+class ParsedJob:
+    """A command line parsed: torchtitan's JobConfig, the argument list it was parsed from (with our
+    config module and custom import added, booleans normalized) and the TOML file as read (once)."""
+
+    job_config: Any
+    args: list[str]
+    toml: dict
+
+
+def parse_job(argv: list[str]) -> ParsedJob:
+    """Parse ``argv`` into torchtitan's JobConfig. Raises :class:`ConfigError` listing every input
+    problem found before parsing."""
     toml = read_config_file(config_file_of(argv))
     args = plugin_args(argv, toml)
     cls = config_class(args, toml)
@@ -374,4 +384,4 @@ def parse_job(argv: list[str]) -> tuple[Any, list[str]]:
     import sys
 
     sys.stderr.write(captured.getvalue())  # torchtitan's warnings, if any (minus the filtered noise)
-    return job_config, args
+    return ParsedJob(job_config, args, toml)

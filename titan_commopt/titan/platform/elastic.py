@@ -10,14 +10,14 @@ init_timeout_seconds = 30``, more than 4 minutes with the default 300) before th
 next restart does the same (pytorch/pytorch#135712; NCCL can pick up a stale unique id likewise).
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment gives every round a fresh store
 (rank 0 hosts it): restarts then resume from the last checkpoint (tests/test_rank_loss.py).
-``python -m titan_commopt.run`` sets it when ``--max-restarts`` > 0 (``titan_commopt/run.py``).
+``python -m titan_commopt.run`` sets it when ``--max-restarts`` > 0 (``titan_commopt/run.py``; the variable is named in ``titan_commopt/launch_env.py``).
 :func:`warn_if_restart_would_hang` says so on the console of a restarted run without it.
 """
 
 import os
 import sys
 
-from ..run import FRESH_STORE
+from titan_commopt.launch_env import FRESH_STORE
 
 __all__ = ["warn_if_restart_would_hang", "FIX"]
 

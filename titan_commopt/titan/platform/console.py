@@ -8,7 +8,7 @@ torchtitan log lines (its root logger; the message must match from its start). O
 (seen on an H100 too):
 
 - ``HF assets path bundled does not exist!`` (also for an empty path): ``bundled`` is our offline
-  tokenizer (``titan/data.py``), not a directory;
+  tokenizer (``titan/adapter/data.py``), not a directory;
 - ``model.safetensors.index.json not found at hf_assets_path: bundled/...``: same reason, and only
   HF-format checkpoint export reads that file.
 

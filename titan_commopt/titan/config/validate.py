@@ -2,25 +2,23 @@
 
 :func:`resolve_job` checks ``[optimizer] name``, every ``[commopt]`` value, the chosen family's
 cross-field rules, the torchtitan settings our optimizers refuse, and the torchtitan values every
-run depends on (``titan/torchtitan_keys.py``: learning rate, betas, batch sizes, mesh against the
+run depends on (``titan/config/torchtitan_keys.py``: learning rate, betas, batch sizes, mesh against the
 world size, model flavor, dataset file, ...), and returns the :class:`~titan_commopt.optim.Resolved`
-value ``build_optimizers`` trains with (``None`` for torchtitan's own AdamW/Adam). Every problem is
-one line, all of them reported together; nothing touches a process group, so
-``titan_commopt.train`` runs it before torchtitan starts.
+value the run trains with (``None`` for torchtitan's own AdamW/Adam). Every problem is one line, all
+of them reported together; nothing touches a process group, so ``titan_commopt.train`` runs it
+before torchtitan starts.
 """
 
-import sys
 from typing import Any, Optional
 
 from titan_commopt.optim import BaseHParams, Resolved, family_of, owns_replicate_sync, resolve
 from titan_commopt.options import ConfigError, problems as option_problems
 
-from . import config
+from .section import commopt_of
+from .sources import given_options
 from .torchtitan_keys import torchtitan_problems, world_size_from_env
 
-__all__ = ["resolve_job", "hparams_of", "remember", "resolved_for"]
-
-_preflight: dict[str, Optional[Resolved]] = {}  # the pre-flight check's result, by optimizer name
+__all__ = ["resolve_job", "hparams_of"]
 
 
 def hparams_of(optimizer_config: Any, lr_scheduler_config: Any = None) -> BaseHParams:
@@ -65,15 +63,14 @@ def _unsupported(job_config: Any, name: str) -> list[str]:
 
 
 def resolve_job(
-    job_config: Any, argv: Optional[list[str]] = None, world_size: Optional[int] = None
+    job_config: Any, user_keys: dict[str, set[str]], world_size: Optional[int] = None
 ) -> Optional[Resolved]:
     """The run's resolved optimizer (``None`` for torchtitan's own), or ``ConfigError`` listing
-    every problem. ``argv`` (default ``sys.argv[1:]``) tells which ``[commopt]`` keys the user set;
+    every problem. ``user_keys``: the ``[commopt]`` keys the user set (``sources.user_set_keys``);
     ``world_size`` (default: torchrun's ``WORLD_SIZE``, when set) is checked against the mesh."""
-    argv = list(sys.argv[1:] if argv is None else argv)
     world_size = world_size_from_env() if world_size is None else world_size
     name = job_config.optimizer.name
-    section = config.commopt_of(job_config)
+    section = commopt_of(job_config)
     found = torchtitan_problems(job_config, world_size)
     commopt = option_problems(section, "commopt")  # every table as given, the chosen one resolved below
     if not owns_replicate_sync(name):
@@ -90,22 +87,9 @@ def resolve_job(
     resolved = None
     try:
         hparams = hparams_of(job_config.optimizer, job_config.lr_scheduler)
-        resolved = resolve(name, config.given_options(job_config, family.key, argv), hparams)
+        resolved = resolve(name, given_options(job_config, family.key, user_keys), hparams)
     except ConfigError as error:
         found.append(str(error))
     if found:
         raise ConfigError("\n".join(found))
     return resolved
-
-
-def remember(job_config: Any, resolved: Optional[Resolved]) -> None:
-    """Keep the pre-flight check's result for :func:`resolved_for` (``titan_commopt.train``)."""
-    _preflight.clear()
-    _preflight[job_config.optimizer.name] = resolved
-
-
-def resolved_for(job_config: Any) -> Optional[Resolved]:
-    """The pre-flight check's result when there was one in this process (resolved once), else
-    :func:`resolve_job` now (launched through ``torchtitan.train`` with our custom import)."""
-    name = job_config.optimizer.name
-    return _preflight[name] if name in _preflight else resolve_job(job_config)

@@ -1,5 +1,5 @@
 """Offline data for the quickstart, tests and benchmarks: the bundled generated corpora
-(``titan/corpora.py``: ``commopt_tiny`` for the quickstart and tests, ``commopt_world`` for the
+(``titan_commopt/corpora.py``: ``commopt_tiny`` for the quickstart and tests, ``commopt_world`` for the
 optimizer quality study) and a SentencePiece tokenizer trained on each at first use (cached), wired
 into torchtitan's dataset registry and ``build_tokenizer_fn``.
 
@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import corpora
+from titan_commopt import corpora
 
 CORPUS_NAME = "commopt_tiny"  # the default bundled corpus
 BUNDLED = tuple(corpora.GENERATORS)  # every bundled corpus: commopt_tiny, commopt_world
@@ -175,7 +175,7 @@ def register_datasets() -> None:
     DATASETS.setdefault(TEXTFILE_NAME, DatasetConfig(path="", loader=_textfile_dataset, sample_processor=_text))
 
 
-if __name__ == "__main__":  # prebuild the cache: python -m titan_commopt.titan.data [corpus ...]
+if __name__ == "__main__":  # prebuild the cache: python -m titan_commopt.titan.adapter.data [corpus ...]
     import sys
 
     for corpus in sys.argv[1:] or [CORPUS_NAME]:

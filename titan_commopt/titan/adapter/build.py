@@ -1,16 +1,17 @@
 """``build_optimizers_fn`` of our TrainSpecs: torchtitan's meshes and parameters → our optimizers.
 
 ``AdamW``/``Adam`` are torchtitan's own optimizers, untouched (the baseline, R synced by HSDP); any
-other name is resolved once (``titan/validate.py``: ``[optimizer]`` + ``[commopt.<family>]`` + the
-name's preset), logged, and built by its family on the Topology of this run's meshes. The
-container (``titan/container.py``) closes the comm ledger's step after every optimizer step, adds
-FSDP2's own collectives as labelled estimates (``optim/traffic.py``) and, for optimizers that own
-R, takes over torchtitan's gradient clipping (``titan/clipping.py``). A resume is checked against
-the checkpoint before anything is built (``titan/checkpoint.py``).
+other name was resolved once with the run (``run_context.py``: ``[optimizer]`` +
+``[commopt.<family>]`` + the name's preset), is logged, and built by its family on the Topology of
+this run's meshes, recording on the run's ledger. The container (``container.py``) closes the
+ledger's step after every optimizer step, adds FSDP2's own collectives as labelled estimates
+(``optim/traffic.py``) and, for optimizers that own R, takes over torchtitan's gradient clipping
+(``clipping.py``). A resume is checked against the checkpoint before anything is built
+(``titan/config/resume.py``).
 """
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -20,10 +21,11 @@ from titan_commopt.optim import ShardShape, broadcast_parameters, build_optimize
 from titan_commopt.optim.traffic import adamw_hsdp_r_bytes, fsdp_traffic
 from titan_commopt.topology import Topology
 
-from . import clipping, config
-from .checkpoint import check_resume
-from .container import Safeguards, container_cls
-from .validate import resolved_for
+from ..config.resume import check_resume
+from ..config.section import commopt_of
+from . import clipping
+from .container import CommOptimizersContainer, Safeguards
+from .run_context import CommoptRun
 
 __all__ = ["build_optimizers", "topology_of", "shard_shapes"]
 
@@ -44,13 +46,15 @@ def _itemsize(dtype_name: str) -> int:
 
 
 def build_optimizers(
-    model_parts: list[nn.Module], optimizer_config: Any, parallel_dims: Any, ft_manager: Any = None
-) -> Any:
-    """``build_optimizers_fn`` of our TrainSpecs."""
-    job_config = config.current()
+    model_parts: list[nn.Module], optimizer_config: Any, parallel_dims: Any, ft_manager: Any = None, *,
+    run: Optional[CommoptRun] = None,
+) -> CommOptimizersContainer:
+    """``build_optimizers_fn`` of our TrainSpecs; ``run`` is bound in by our Trainer (``spec.bind_run``),
+    else made here from the command line (run_context.py)."""
+    run = CommoptRun.from_command_line() if run is None else run
+    job_config, resolved = run.job_config, run.resolved
     name = optimizer_config.name
-    topology = topology_of(parallel_dims)
-    resolved = resolved_for(job_config)
+    run.topology = topology = topology_of(parallel_dims)
     check_resume(job_config, resolved, topology.replicate_size, parallel_dims.dp_replicate * parallel_dims.dp_shard)
     if resolved is None:
         from torchtitan.components.optimizer import build_optimizers as stock_build
@@ -63,8 +67,8 @@ def build_optimizers(
         for model in model_parts:
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             broadcast_parameters([p for _, p in named], topology, ledger=setup)
-            optimizers.append(build_optimizer(named, topology, resolved))
-    commopt = config.commopt_of(job_config)
+            optimizers.append(build_optimizer(named, topology, resolved, ledger=run.ledger))
+    commopt = commopt_of(job_config)
     training = job_config.training
     shards = shard_shapes(model_parts)
     reduce_bytes = _itemsize(training.mixed_precision_reduce)
@@ -76,12 +80,13 @@ def build_optimizers(
             gathers=1 if job_config.parallelism.fsdp_reshard_after_forward == "never" else 2,
             hsdp_r_sync=resolved is None,
         )
-    container = container_cls()(
+    container = CommOptimizersContainer(
         model_parts,
         optimizers,
         name=name,
         resolved=resolved,
         topology=topology,
+        ledger=run.ledger,
         fsdp_traffic=traffic,
         adamw_reference_r_bytes=adamw_hsdp_r_bytes(shards, topology.replicate_size, reduce_bytes).sent,
         safeguards=Safeguards(

@@ -24,7 +24,7 @@ alike, reading only the ``.metadata`` file, the sizes of the data files and one 
    rank, DES-LOC's number of momenta, ...), is refused naming the key and both values. Every other
    option may change; a log line lists what changed.
 
-A refusal is one line from rank 0 and exit status 2 on every rank (``titan/stop.py``); the way back
+A refusal is one line from rank 0 and exit status 2 on every rank (``titan/platform/stop.py``); the way back
 it names is the same run settings, another checkpoint, or ``[checkpoint] exclude_from_loading =
 ["optimizer"]`` (load only the model). Not detected: bytes changed inside a data file of the right
 length (DCP keeps no checksums), e.g. a step folder saved a second time (after resuming from an
@@ -38,8 +38,8 @@ import pickle
 import re
 from typing import Any, Optional
 
-from .container import RESOLVED_KEY
-from .stop import RESUME_REFUSED, stop_run
+from ..adapter.replica_checkpoint import RESOLVED_KEY
+from ..platform.stop import RESUME_REFUSED, stop_run
 
 __all__ = ["check_resume", "checkpoint_to_load", "saved_replicas", "read_metadata", "read_record", "CheckpointDamaged"]
 

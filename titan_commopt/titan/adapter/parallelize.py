@@ -13,7 +13,7 @@ from torch import nn
 
 from titan_commopt.optim import owns_replicate_sync
 
-from .cpu import force_sum_reduction, on_cpu
+from ..platform.cpu import force_sum_reduction, on_cpu
 
 __all__ = ["wrap_parallelize"]
 

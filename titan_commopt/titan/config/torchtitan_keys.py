@@ -5,7 +5,7 @@ step skipped, ``seq_len = 0`` or an unknown flavor dies in a traceback (``KeyErr
 replicate degree that does not divide the world size is a bare ``AssertionError`` on every rank,
 and a ``textfile`` dataset that is empty hangs. :func:`torchtitan_problems` returns one line per
 bad value (key, value, what is allowed), including a tokenizer directory or dataset file that does
-not exist; ``titan/validate.py`` reports them together with the
+not exist; ``titan/config/validate.py`` reports them together with the
 ``[commopt]`` problems. The ranges follow what torchtitan or ``torch.optim`` would otherwise
 refuse later (``0 <= beta < 1``, ``eps >= 0``, ...), or what makes a run meaningless (a NaN).
 
@@ -20,8 +20,8 @@ from typing import Any, Callable, Optional
 
 from titan_commopt.optim import owns_replicate_sync
 
-from . import data
-from .checkpoint import TORCHTITAN_STATES
+from ..adapter import data
+from .resume import TORCHTITAN_STATES
 
 __all__ = ["torchtitan_problems", "world_size_from_env", "data_parallel_degree"]
 
@@ -192,7 +192,7 @@ _HF_FILES = tuple(f for f in _TOKENIZER_FILES if f != "tokenizer.model")  # what
 
 
 def _tokenizer_problems(model: Any, spec: Any) -> list[str]:
-    """Our specs' tokenizer (``titan/data.py: build_tokenizer``): ``bundled``, a SentencePiece
+    """Our specs' tokenizer (``titan/adapter/data.py: build_tokenizer``): ``bundled``, a SentencePiece
     ``.model`` file, or a directory holding one of the files torchtitan's loader reads; torchtitan's
     own specs (``build_hf_tokenizer``): a directory holding one of those files."""
     from torchtitan.components.tokenizer import build_hf_tokenizer

@@ -1,20 +1,25 @@
 """Bytes on the wire in TensorBoard and on the console, next to the loss.
 
-Each log step adds to the scalars torchtitan writes (same run, same ``tb/`` folder):
+Each log step adds to the scalars torchtitan writes (same run, same ``tb/`` folder) what the
+optimizer container returns (``CommOptimizersContainer.metrics``):
 
-- ``comm/R_sent_bytes``, ``comm/R_recv_bytes``, ``comm/S_bytes``: per step, averaged over the steps
-  since the previous log step (periodic syncs make single steps spiky);
-- ``comm/*_total``: cumulative since the start of the run;
+- ``comm/R_sent_bytes``, ``comm/R_recv_bytes``, ``comm/S_bytes``, ``comm/T_bytes``,
+  ``comm/world_bytes``: per step, averaged over the steps since the previous log step (periodic
+  syncs make single steps spiky); ``world`` is the control traffic over every rank (the clip's
+  norm all-reduce, the non-finite vote, the drift check);
+- ``comm/*_total``: cumulative since the start of the run, a resumed run included (the ledger's
+  totals are saved with the optimizer's checkpoint state and restored with it);
 - ``comm/R_seconds``: time spent in our own R collectives per step;
 - ``comm/R_ratio_vs_adamw_hsdp``: cumulative R bytes sent / what AdamW over HSDP would have sent
   (the all-reduce of each rank's fp32 gradient shard every step); absent with one replica.
 
 ``R`` and ``S`` include FSDP2/HSDP's own collectives as estimates from parameter sizes;
-``comm/R_estimated_sent_bytes`` shows the estimated part separately. ``commopt/skipped_steps`` counts
-optimizer steps skipped by every rank together because some rank had a non-finite gradient (the
-TensorBoard files are flushed at each log step that follows a skip, so a run the skips then stop
-keeps them). The run's resolved optimizer options are written once as the text entry
-``commopt/resolved_options``.
+``comm/R_estimated_sent_bytes`` shows the estimated part separately (the names are made in one
+place: ``comm.scalars``). ``commopt/skipped_steps`` counts optimizer steps skipped by every rank
+together because some rank had a non-finite gradient (the TensorBoard files are flushed at each log
+step that follows a skip, so a run the skips then stop keeps them); ``commopt/<name>``: an
+optimizer's own scalars (``CommOptimizer.metrics``). The run's resolved optimizer options are
+written once as the text entry ``commopt/resolved_options``.
 
 The console line ends with ``next R sync at step N`` for optimizers that sync R only every K steps
 (``CommOptimizer.steps_to_next_sync``), so that the ``0B`` of the steps in between is expected.
@@ -23,40 +28,7 @@ The console line ends with ``next R sync at step N`` for optimizers that sync R 
 import json
 from typing import Any, Optional
 
-from titan_commopt import comm
-
-
-def _per_step(now: dict[str, float], before: dict[str, float], steps: int, key: str) -> float:
-    return (now.get(key, 0.0) - before.get(key, 0.0)) / max(steps, 1)
-
-
-def comm_scalars(ledger: comm.CommLedger, since: dict[str, float], steps: int, adamw_r_bytes: int) -> dict[str, float]:
-    """The ``comm/*`` scalars from the ledger's totals now vs at the previous log (``since``)."""
-    totals = dict(ledger.totals)
-
-    def both(prefix: str, what: str) -> tuple[float, float]:
-        measured, estimated = f"{prefix}_{what}", f"{prefix}_est_{what}"
-        return (
-            _per_step(totals, since, steps, measured) + _per_step(totals, since, steps, estimated),
-            totals.get(measured, 0.0) + totals.get(estimated, 0.0),
-        )
-
-    r_sent, r_sent_total = both("R", "sent")
-    r_recv, r_recv_total = both("R", "recv")
-    s_sent, s_sent_total = both("S", "sent")
-    out = {
-        "comm/R_sent_bytes": r_sent,
-        "comm/R_recv_bytes": r_recv,
-        "comm/R_estimated_sent_bytes": _per_step(totals, since, steps, "R_est_sent"),
-        "comm/S_bytes": s_sent,
-        "comm/R_sent_bytes_total": r_sent_total,
-        "comm/R_recv_bytes_total": r_recv_total,
-        "comm/S_bytes_total": s_sent_total,
-        "comm/R_seconds": _per_step(totals, since, steps, "R_seconds"),
-    }
-    if adamw_r_bytes > 0 and ledger.steps > 0:
-        out["comm/R_ratio_vs_adamw_hsdp"] = r_sent_total / (adamw_r_bytes * ledger.steps)
-    return out
+from .container import CommOptimizersContainer
 
 
 def human_bytes(n: float) -> str:
@@ -81,40 +53,33 @@ def build_metrics_processor(job_config: Any, parallel_dims: Any, model_args: Any
     class CommMetricsProcessor(MetricsProcessor):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self._since: dict[str, float] = {}
-            self._steps_at_last_log = 0
-            self._skips_at_last_log = 0
+            self._skips_at_last_log = 0.0
             self._options_written = False
 
-        def _write_options(self, step: int) -> None:
+        def _write_options(self, step: int, container: CommOptimizersContainer) -> None:
             """The run's resolved optimizer options, once, as a TensorBoard text entry."""
             self._options_written = True
-            resolved = getattr(self.optimizers, "resolved", None)
-            if resolved is None:
+            if container.resolved is None:
                 return
-            text = "```\n" + json.dumps(resolved.record(), indent=1, sort_keys=True) + "\n```"
+            text = "```\n" + json.dumps(container.resolved.record(), indent=1, sort_keys=True) + "\n```"
             for writer in _tensorboard_writers(self.logger):
                 writer.add_text("commopt/resolved_options", text, step)
 
         def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):  # type: ignore[override]
             container = self.optimizers
+            if not isinstance(container, CommOptimizersContainer):  # a stock spec's: nothing of ours
+                return super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
             if not self._options_written:
-                self._write_options(step)
-            ledger = comm.get_ledger()
-            steps = ledger.steps - self._steps_at_last_log
-            scalars = comm_scalars(
-                ledger, self._since, steps, getattr(container, "adamw_reference_r_bytes", 0)
-            )
-            skipped = int(getattr(container, "skipped_steps", 0))
-            scalars["commopt/skipped_steps"] = float(skipped)
-            self._since, self._steps_at_last_log = dict(ledger.totals), ledger.steps
+                self._write_options(step, container)
+            scalars = container.metrics()
             super().log(step, global_avg_loss, global_max_loss, grad_norm, {**(extra_metrics or {}), **scalars})
+            skipped = scalars["commopt/skipped_steps"]
             if skipped != self._skips_at_last_log:
                 self._skips_at_last_log = skipped
                 for writer in _tensorboard_writers(self.logger):
                     writer.flush()
             ratio = scalars.get("comm/R_ratio_vs_adamw_hsdp")
-            to_sync = getattr(container, "steps_to_next_sync", lambda: None)()
+            to_sync = container.steps_to_next_sync()
             logger.info(
                 f"step: {step:2}  loss: {global_avg_loss:8.5f}  "
                 f"R sent: {human_bytes(scalars['comm/R_sent_bytes'])}/step  "

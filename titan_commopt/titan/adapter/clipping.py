@@ -5,9 +5,14 @@ torchtitan 0.2.2's ``Trainer.train_step`` clips with ``torchtitan.distributed.ut
 from FSDP2 that function would see one replica's gradient, which torchtitan's loss scaling makes
 ``1/W`` of the replica's mean gradient: ``max_norm`` would be ``W``× looser than for AdamW-HSDP and
 ``grad_norm`` ``W``× smaller. :func:`install` wraps the function once: parameters that belong to a
-container of ours owning R go to its ``clip_grad_norm_`` (``titan/container.py``: the norm of the
+container of ours owning R go to its ``clip_grad_norm_`` (``container.py``: the norm of the
 replicas' mean gradients, one rule for every family); anything else (AdamW/Adam, pipeline or
 expert parallel, other norm types) calls torchtitan's own function unchanged.
+
+The one module-level value of the adapter: the containers the clip is routed to. torchtitan's seam
+forces it (a function looked up on its module, called with the parameters only, by torchtitan's own
+Trainer as well as ours); :func:`register` sets it (``build.py``, once per container that owns R),
+:func:`owner_of` reads it. A ``WeakSet``: a container that is gone is forgotten.
 """
 
 import functools

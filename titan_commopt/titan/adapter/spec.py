@@ -11,15 +11,17 @@ one for a single GPU.
 """
 
 import dataclasses
+import functools
 
 from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
+from ..platform.cpu import force_sum_reduction, on_cpu
 from . import data
-from .cpu import force_sum_reduction, on_cpu
+from .build import build_optimizers
 from .metrics import build_metrics_processor
-from .optimizers import build_optimizers
 from .parallelize import wrap_parallelize
+from .run_context import CommoptRun
 
 COMMOPT_SPEC = "llama3_commopt"
 REFERENCE_SPEC = "llama3_reference"
@@ -47,6 +49,14 @@ def _reference_parallelize(stock):
         return model
 
     return parallelize
+
+
+def bind_run(spec: TrainSpec, run: CommoptRun) -> TrainSpec:
+    """``spec`` with ``run`` bound into its optimizer builder, when the builder is ours (a stock
+    spec, e.g. ``llama3_reference``, is returned as it is)."""
+    if spec.build_optimizers_fn is not build_optimizers:
+        return spec
+    return dataclasses.replace(spec, build_optimizers_fn=functools.partial(build_optimizers, run=run))
 
 
 def register() -> None:

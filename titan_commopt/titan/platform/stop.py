@@ -1,7 +1,7 @@
 """Stopping a run on purpose: one line for the user, printed once, and an exit status.
 
-A resume we refuse (``titan/checkpoint.py``) or a run that cannot go on (``[commopt]
-max_consecutive_skips`` in ``titan/container.py``) is decided alike on every rank. Each rank raises
+A resume we refuse (``titan/config/resume.py``) or a run that cannot go on (``[commopt]
+max_consecutive_skips`` in ``titan/adapter/container.py``) is decided alike on every rank. Each rank raises
 :class:`RunStopped`; only global rank 0 prints the message, as one line on stderr. It is a
 ``SystemExit``: torchtitan's ``main`` and torch.distributed.elastic's ``@record`` let it through
 without a traceback, so the worker exits with ``status`` and the line above is the whole story.
@@ -18,6 +18,8 @@ import sys
 import time
 from typing import Any, NoReturn, Optional
 
+from titan_commopt.launch_env import LAUNCHER_ENV
+
 __all__ = [
     "RunStopped", "stop_run", "RESUME_REFUSED", "TRAINING_STOPPED", "LAUNCHER_ENV", "record_for_launcher",
     "recorded_stop",
@@ -25,7 +27,6 @@ __all__ = [
 
 RESUME_REFUSED = 2  # the checkpoint does not fit this run's settings: nothing was trained
 TRAINING_STOPPED = 1  # training went on until a safeguard stopped it
-LAUNCHER_ENV = "TITAN_COMMOPT_LAUNCHER"  # set by titan_commopt.run: workers leave the printing to it
 _MARK = "titan_commopt_status"  # in the error file's extraInfo: the line is ours, the worker exits with it
 
 

@@ -1,0 +1,6 @@
+"""What ``python -m titan_commopt.run`` puts in its workers' environment, named once for both sides:
+the launcher (``titan_commopt/run.py``) sets these and the workers (``titan/platform/``) read them.
+Plain constants, so that neither side imports the other."""
+
+LAUNCHER_ENV = "TITAN_COMMOPT_LAUNCHER"  # =1: the workers leave printing our stop lines to the launcher
+FRESH_STORE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # a fresh rendezvous store per torchrun restart

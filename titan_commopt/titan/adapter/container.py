@@ -1,0 +1,212 @@
+"""torchtitan's ``OptimizersContainer`` around our optimizers: one training step's rules, bytes and scalars.
+
+Per ``step()``: the safeguards decide whether every rank skips it (``safeguards.py``); the
+optimizers step; FSDP2's estimated traffic is recorded and the run's comm ledger's step closed,
+after the replicas' drift check (its bytes belong to the step). For optimizers that own R the
+container also takes over torchtitan's gradient clipping (``clipping.py``) and saves its state per
+replica (``replica_checkpoint.py``). :meth:`CommOptimizersContainer.metrics` gives the scalars the
+metrics processor logs (``metrics.py``).
+"""
+
+import math
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchtitan.components.optimizer import OptimizersContainer
+
+from titan_commopt import comm
+from titan_commopt.optim import CommOptimizer, Resolved
+from titan_commopt.optim.common import local
+from titan_commopt.optim.traffic import FsdpTraffic
+from titan_commopt.topology import Topology
+
+from . import replica_checkpoint
+from .safeguards import Safeguards, StepGuard
+
+__all__ = ["CommOptimizersContainer", "Safeguards"]
+
+# Param-group entries that are not hyper-parameters of this run: torch's, and the learning rate,
+# which torchtitan's LR scheduler (restored from the same checkpoint) owns.
+_NOT_HYPERPARAMETERS = ("params", "param_names", "lr", "initial_lr")
+
+
+class CommOptimizersContainer(OptimizersContainer):
+    """See the module docstring. ``resolved`` is ``None`` for torchtitan's own AdamW/Adam;
+    ``ledger``: the run's comm ledger, the one its optimizers record on."""
+
+    def __init__(
+        self,
+        model_parts: list[nn.Module],
+        optimizers: list[torch.optim.Optimizer],
+        *,
+        name: str,
+        resolved: Optional[Resolved],
+        topology: Topology,
+        ledger: comm.CommLedger,
+        fsdp_traffic: Optional[FsdpTraffic],
+        adamw_reference_r_bytes: float,
+        safeguards: Safeguards = Safeguards(),
+    ) -> None:
+        if resolved is not None and not all(isinstance(o, CommOptimizer) for o in optimizers):
+            raise TypeError("optimizers that own the replicate sync must be CommOptimizers")
+        self.model_parts = model_parts
+        self.optimizers = optimizers
+        self.name = name
+        self.resolved = resolved
+        self.topology = topology
+        self.ledger = ledger
+        self.fsdp_traffic = fsdp_traffic
+        self.adamw_reference_r_bytes = adamw_reference_r_bytes
+        self.guard = StepGuard(safeguards, ledger)
+        self.steps_taken = 0
+        self._pending_params = replica_checkpoint.PendingParams()
+        self._nonfinite_vote: Optional[bool] = None  # agreed by clip_grad_norm_ for the coming step
+        self._logged = (dict(ledger.totals), ledger.steps)  # the ledger at the previous metrics()
+        self._param_ids = {id(p) for _, p in self._named_params()}
+        self._validate_length(len(model_parts))
+        all_params = [p for m in model_parts for p in m.parameters() if p.requires_grad]
+        # Optimizer.__init__ gives the container hooks; lr lives in the wrapped optimizers.
+        torch.optim.Optimizer.__init__(self, all_params, {"lr": optimizers[0].defaults.get("lr", 0.0)})
+
+    @property
+    def owns_replicate_sync(self) -> bool:
+        return self.resolved is not None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps every rank skipped for a NaN/Inf gradient, since the run began."""
+        return self.guard.skipped_steps
+
+    @property
+    def consecutive_skips(self) -> int:
+        return self.guard.consecutive_skips
+
+    def _named_params(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for m in self.model_parts for n, p in m.named_parameters() if p.requires_grad]
+
+    # ---- one training step: clip (called by torchtitan first), then step ------------------------
+    def owns(self, params: list[torch.Tensor]) -> bool:
+        """Whether ``params`` are this container's (the parameters torchtitan clips)."""
+        with_grad = [p for p in params if p.grad is not None]
+        return bool(with_grad) and all(id(p) in self._param_ids for p in with_grad)
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, foreach: Optional[bool] = None
+    ) -> torch.Tensor:
+        """``[training] max_norm`` for optimizers that own R (``clipping.py``): returns ``N``,
+        which torchtitan logs as ``grad_norm``. Also decides this step's non-finite skip."""
+        params = [p for p in parameters if p.grad is not None]
+        grads = [p.grad for p in params]
+        device = local(grads[0]).device if grads else comm.control_device()  # NCCL: no CPU tensors
+        # This replica's ‖p.grad‖ over its S/T shards (DTensor reduces them, as torchtitan's clip).
+        norm = torch.zeros((), device=device)
+        if grads:
+            norm = torch.nn.utils.get_total_norm(grads, 2.0, False, foreach)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        # Mean over the world of every rank's replica norm² = mean over replicas (each replica has
+        # the same number of ranks); one all-reduce, NaN/Inf anywhere makes it non-finite.
+        sq = norm.detach().to(torch.float64).square().reshape(1)
+        world = 1
+        if dist.is_available() and dist.is_initialized():
+            comm.all_reduce(sq, "world", dist.group.WORLD, op="sum", ledger=self.ledger)
+            world = dist.get_world_size()
+        mean_sq = float(sq.item()) / world
+        total = self.topology.grad_scale * math.sqrt(mean_sq) if math.isfinite(mean_sq) else float("nan")
+        self._nonfinite_vote = not math.isfinite(total)
+        total_norm = torch.tensor(total, dtype=torch.float32, device=device)
+        if not self._nonfinite_vote:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach)
+        return total_norm
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        vote, self._nonfinite_vote = self._nonfinite_vote, None
+        grads = (p.grad for _, p in self._named_params())
+        if not self.guard.skip_step(vote, grads, self.steps_taken + 1):
+            for optimizer in self.optimizers:
+                optimizer.step(*args, **kwargs)
+        self.steps_taken += 1
+        if self.fsdp_traffic is not None:
+            self.fsdp_traffic.record(self.ledger)
+        if self.guard.due_for_drift_check(self.steps_taken) and self.replicas_in_sync():
+            self.guard.check_replicas(self._named_params(), self.topology, self.steps_taken)
+        self.ledger.end_step()  # after the drift check: its bytes belong to this step
+
+    def steps_to_next_sync(self) -> Optional[int]:
+        """Optimizer steps until the next R sync of a periodic optimizer (1 = the next step);
+        ``None`` when it syncs every step or is torchtitan's own."""
+        if not self.owns_replicate_sync:
+            return None
+        found = [n for o in self.optimizers if (n := o.steps_to_next_sync()) is not None]
+        return min(found) if found else None
+
+    def replicas_in_sync(self) -> bool:
+        """Whether the replicas' parameters must be equal now (always, for HSDP's AdamW/Adam)."""
+        return not self.owns_replicate_sync or all(o.replicas_in_sync() for o in self.optimizers)
+
+    def flush(self) -> None:
+        """Land and apply every R sync still in flight (DeMo ``overlap``, streaming
+        ``sync_delay``): the end of training leaves no update behind."""
+        if self.owns_replicate_sync:
+            for o in self.optimizers:
+                o.flush()
+
+    def metrics(self) -> dict[str, float]:
+        """The scalars of the steps since the previous call (a log step): the ledger's ``comm/*``
+        (``comm.scalars``), ``commopt/skipped_steps``, and each optimizer's own ``metrics()`` under
+        ``commopt/``."""
+        since, steps_before = self._logged
+        out = comm.scalars(self.ledger, since, self.ledger.steps - steps_before, self.adamw_reference_r_bytes)
+        self._logged = (dict(self.ledger.totals), self.ledger.steps)
+        out["commopt/skipped_steps"] = float(self.skipped_steps)
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, CommOptimizer):
+                out.update({f"commopt/{k}": float(v) for k, v in optimizer.metrics().items()})
+        return out
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        if self._pending_params:
+            self._pending_params.restore(self._named_params())
+        super().zero_grad(*args, **kwargs)
+
+    # ---- checkpoints ----
+    def state_dict(self) -> dict[str, Any]:
+        with self.ledger.set_aside():  # a lazy-state init steps the optimizers: not a training step
+            flat = super().state_dict()
+        if not self.owns_replicate_sync:
+            return replica_checkpoint.save_ledger(flat, self.ledger)
+        return replica_checkpoint.save_replica(
+            flat, self.topology.replica_index,
+            counters={"skipped_steps": self.skipped_steps, "steps_taken": self.steps_taken},
+            resolved_record={**self.resolved.record(), "replicas": self.topology.replicate_size},
+            ledger=self.ledger,
+            params=self._named_params() if any(o.params_replica_local for o in self.optimizers) else None,
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self.owns_replicate_sync:
+            rest = replica_checkpoint.load_ledger(state_dict, self.ledger)
+            with self.ledger.set_aside():
+                super().load_state_dict(rest)
+        else:
+            mine, counters = replica_checkpoint.load_replica(
+                state_dict, self.topology.replica_index, self.ledger, self._pending_params
+            )
+            self.guard.skipped_steps = counters["skipped_steps"]
+            self.steps_taken = counters["steps_taken"]
+            # torch restores the saved param groups' hyper-parameters; this run's own values win
+            # (titan/config/resume.py allowed them to change and logged it), except the learning rate.
+            ours = [[self._hyperparameters(g) for g in o.param_groups] for o in self.optimizers]
+            with self.ledger.set_aside():
+                super().load_state_dict(mine)
+            for optimizer, groups in zip(self.optimizers, ours):
+                for group, values in zip(optimizer.param_groups, groups):
+                    group.update(values)
+        self._logged = (dict(self.ledger.totals), self.ledger.steps)  # per-step scalars from the checkpoint on
+
+    @staticmethod
+    def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS}

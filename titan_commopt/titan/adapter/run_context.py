@@ -1,0 +1,63 @@
+"""The run: what one training run is made of, made once and handed to the builders.
+
+:meth:`CommoptRun.from_command_line` parses the command line and its TOML once
+(``titan/config/parse.py``), checks every value and resolves the optimizer
+(``titan/config/validate.py``): the parsed job config, the ``[commopt]`` keys the user set, the
+resolved options (``None`` for torchtitan's AdamW/Adam) and the run's comm ledger (every byte a
+training step sends, recorded by the optimizers, the container and FSDP2's estimates alike). The
+topology is added once the meshes exist (``build.py``).
+
+``titan_commopt.train`` makes it before any process group exists and hands it to our Trainer
+(``trainer.py``), which binds it into the TrainSpec torchtitan builds from (``spec.py:
+bind_run``). Launched through plain ``torchtitan.train`` with our custom import, the spec's
+builders get no run: the optimizer builder makes it then from ``sys.argv`` (torchtitan gives it
+no job config).
+"""
+
+import importlib
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from titan_commopt.comm import CommLedger
+from titan_commopt.optim import Resolved
+from titan_commopt.options import ConfigError
+from titan_commopt.topology import Topology
+
+from ..config.parse import CUSTOM_IMPORT, parse_job
+from ..config.sources import user_set_keys
+from ..config.validate import resolve_job
+
+__all__ = ["CommoptRun"]
+
+
+@dataclass
+class CommoptRun:
+    job_config: Any
+    user_keys: dict[str, set[str]]  # {family: keys the user set in [commopt.<family>]}
+    resolved: Optional[Resolved]  # None: torchtitan's own AdamW/Adam
+    ledger: CommLedger = field(default_factory=CommLedger)
+    topology: Optional[Topology] = None  # once the meshes exist
+
+    @classmethod
+    def from_command_line(cls, argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> "CommoptRun":
+        """Parse ``argv`` (default ``sys.argv[1:]``) and resolve its optimizer without touching
+        torch.distributed; ``ConfigError`` lists every problem. ``world_size`` defaults to
+        torchrun's ``WORLD_SIZE`` (unset: the mesh is not checked against it)."""
+        parsed = parse_job(list(sys.argv[1:] if argv is None else argv))
+        _import_custom(parsed.job_config)
+        user_keys = user_set_keys(parsed.args, parsed.toml)
+        return cls(parsed.job_config, user_keys, resolve_job(parsed.job_config, user_keys, world_size))
+
+
+def _import_custom(job_config: Any) -> None:
+    """The user's ``[experimental] custom_import`` (torchtitan imports it in ``Trainer.__init__``):
+    needed now so that the model names it registers are known to the checks."""
+    module = job_config.experimental.custom_import
+    if module and module != CUSTOM_IMPORT:
+        try:
+            importlib.import_module(module)
+        except Exception as error:
+            raise ConfigError(
+                f"[experimental] custom_import = {module!r}: cannot import it ({type(error).__name__}: {error})"
+            ) from error

@@ -1,0 +1,95 @@
+"""What the container checks around each optimizer step (the ``[commopt]`` common options).
+
+- A NaN/Inf gradient on any rank: every rank skips the step together (``on_nonfinite = "skip"``), or
+  the run stops (``"stop"``); ``max_consecutive_skips`` skipped steps in a row stop it too.
+- Every ``check_replicas_every`` optimizer steps the replicas' parameters are compared by fingerprint
+  (only at steps where the optimizer keeps replicas equal); a difference stops the run.
+
+Every decision is agreed over all ranks (control collectives over the world, on the run's ledger),
+so that every rank stops alike, rank 0 printing one line (``titan/platform/stop.py``, exit status 1).
+"""
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Literal, Optional
+
+import torch
+import torch.distributed as dist
+
+from titan_commopt import comm
+from titan_commopt import state as replica_state
+from titan_commopt.topology import Topology
+
+from ..platform.stop import TRAINING_STOPPED, stop_run
+
+__all__ = ["Safeguards", "StepGuard"]
+
+
+@dataclass(frozen=True)
+class Safeguards:
+    """The options (``[commopt]`` common options)."""
+
+    on_nonfinite: Literal["skip", "stop", "off"] = "skip"
+    check_replicas_every: int = 0  # 0 = never
+    max_consecutive_skips: int = 10  # this many skipped steps in a row stop the run; 0 = never
+
+
+class StepGuard:
+    """The safeguards at work: decides each step's skip, counts skips, runs the drift check."""
+
+    def __init__(self, safeguards: Safeguards, ledger: comm.CommLedger) -> None:
+        self.safeguards = safeguards
+        self.ledger = ledger
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
+        self._checks_nonfinite = safeguards.on_nonfinite != "off"
+        self._stops_on_nonfinite = safeguards.on_nonfinite == "stop"
+
+    def skip_step(self, vote: Optional[bool], grads: Iterable[Optional[torch.Tensor]], step: int) -> bool:
+        """Whether every rank skips optimizer step ``step`` (1-based). ``vote``: the non-finite
+        decision already agreed by the clip's all-reduce (``None``: not decided, one vote now)."""
+        if not self._checks_nonfinite:
+            return False
+        nonfinite = replica_state.any_nonfinite(grads, ledger=self.ledger) if vote is None else vote
+        if not nonfinite:
+            self.consecutive_skips = 0
+            return False
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        if self._stops_on_nonfinite:
+            stop_run(
+                f"non-finite gradient at optimizer step {step} on at least one rank "
+                "([commopt] on_nonfinite = \"stop\"); resume from the last checkpoint once the cause "
+                "(learning rate, data) is fixed",
+                TRAINING_STOPPED,
+            )
+        limit = self.safeguards.max_consecutive_skips
+        if limit and self.consecutive_skips >= limit:
+            stop_run(
+                f"the last {self.consecutive_skips} optimizer steps (up to step {step}) "
+                "were all skipped: every one had a NaN/Inf gradient on some rank, so training cannot "
+                f"recover by itself ([commopt] max_consecutive_skips = {limit}). Check [optimizer] lr "
+                "and the data, then resume from the last checkpoint (max_consecutive_skips = 0 keeps "
+                "skipping)",
+                TRAINING_STOPPED,
+            )
+        return True
+
+    def due_for_drift_check(self, steps_taken: int) -> bool:
+        every = self.safeguards.check_replicas_every
+        return bool(every) and steps_taken % every == 0
+
+    def check_replicas(self, named_params: list[tuple[str, Any]], topology: Topology, steps_taken: int) -> None:
+        """The replicas' parameters compared by fingerprint. Only the ranks of a shard whose
+        replicas differ see it, so the decision is agreed over all ranks (one flag all-reduce):
+        every rank stops alike, rank 0 printing the first rank's finding (one line, exit status 1)."""
+        try:
+            replica_state.check_replicas(named_params, topology, ledger=self.ledger)
+            found = None
+        except replica_state.ReplicaDriftError as error:
+            found = str(error)
+        if replica_state.any_rank(found is not None, ledger=self.ledger):
+            findings = comm.all_gather_object(found, "world", dist.group.WORLD)  # the run stops here
+            first = next(text for text in findings if text)
+            stop_run(f"{first}; stopped at optimizer step {steps_taken}: resume from the last "
+                     "checkpoint (each replica's own state), and look for what writes parameters outside "
+                     "the optimizer", TRAINING_STOPPED)

@@ -1,0 +1,14 @@
+"""Config checking: everything between the command line and a run's resolved optimizer, before any
+process group exists.
+
+- ``section.py``: the ``[commopt]`` section (``JobConfig``, exported here: ``--job.custom_config_module
+  titan_commopt.titan.config`` names this package);
+- ``sources.py``: the TOML file and the keys the user set;
+- ``parse.py``: command line + TOML → torchtitan's JobConfig, every input mistake one line;
+- ``validate.py`` and ``torchtitan_keys.py``: the values, ``[optimizer]`` + ``[commopt]`` → ``Resolved``;
+- ``resume.py``: the checkpoint a resume would load, checked against the run.
+"""
+
+from .section import MODULE, CommonOptions, CommOpt, JobConfig, commopt_of, family_config
+
+__all__ = ["JobConfig", "CommOpt", "CommonOptions", "MODULE", "commopt_of", "family_config"]

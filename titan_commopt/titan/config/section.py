@@ -1,0 +1,73 @@
+"""The ``[commopt]`` TOML section: a JobConfig extension for ``--job.custom_config_module``.
+
+``[commopt]`` holds options common to every family; each family's own options live in a sub-table
+named after the family key of the registry (``[commopt.demo]``, ``[commopt.local]``,
+``[commopt.dion]``), whose dataclass is the family's ``options``. On the command line:
+``--commopt.demo.chunk 32``. Which keys the user set is ``titan/config/sources.py``'s business.
+
+No ``from __future__ import annotations`` here: torchtitan merges config classes by reading each
+field's type as a class.
+"""
+
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any, Literal
+
+from titan_commopt.optim import FAMILIES
+from titan_commopt.options import option
+
+
+@dataclass
+class CommonOptions:
+    """Options shared by all families (the ``[commopt]`` table itself)."""
+
+    hsdp_estimates: bool = option(
+        True, "Record FSDP2's own collectives (S all-gather/reduce-scatter, HSDP's R all-reduce) as "
+        "estimated bytes from parameter sizes."
+    )
+    on_nonfinite: Literal["skip", "stop", "off"] = option(
+        "skip", "A NaN/Inf gradient on any rank: every rank skips that optimizer step (skip), the job "
+        "stops with an error (stop), or nothing is checked (off).",
+    )
+    check_replicas_every: int = option(
+        0, "Every N optimizer steps, compare a fingerprint of every parameter across replicas (R) and "
+        "stop the run on every rank (one line naming the first that differs, exit status 1) if one "
+        "differs (only at steps where the optimizer keeps replicas equal). 0 = off.", ge=0,
+    )
+    max_consecutive_skips: int = option(
+        10, "Stop the run (one line, exit status 1) once this many optimizer steps in a row were skipped "
+        "for a NaN/Inf gradient (on_nonfinite = \"skip\"): training cannot recover by itself. 0 = never "
+        "stop.", ge=0,
+    )
+
+
+def _family_fields() -> list[tuple[str, type, Any]]:
+    return [(key, family.options, field(default_factory=family.options)) for key, family in FAMILIES.items()]
+
+
+CommOpt = make_dataclass(
+    "CommOpt",
+    [(f.name, f.type, f) for f in fields(CommonOptions)] + _family_fields(),
+    bases=(CommonOptions,),
+)
+CommOpt.__doc__ = "The [commopt] section: common options plus one sub-table per optimizer family."
+
+
+@dataclass
+class JobConfig:
+    commopt: CommOpt = field(default_factory=CommOpt)  # type: ignore[valid-type]
+
+
+MODULE = "titan_commopt.titan.config"  # what --job.custom_config_module names (this package exports JobConfig)
+
+
+def commopt_of(job_config: Any) -> Any:
+    section = getattr(job_config, "commopt", None)
+    if section is None:
+        raise RuntimeError(
+            f"the job config has no [commopt] section: pass --job.custom_config_module {MODULE}"
+        )
+    return section
+
+
+def family_config(job_config: Any, family: str) -> Any:
+    return getattr(commopt_of(job_config), family)
