@@ -67,7 +67,7 @@ def _model(flavor: str, device: torch.device):
     return model
 
 
-def _build(name: str, model, overrides: dict):
+def _build(name: str, model, overrides: dict, ledger):
     from titan_commopt.optim import BaseHParams, build_optimizer
     from titan_commopt.topology import Topology
 
@@ -76,7 +76,7 @@ def _build(name: str, model, overrides: dict):
         return torch.optim.AdamW(model.parameters(), lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
                                  weight_decay=hp.weight_decay, **ADAMW[name])
     topology = Topology(replicate=dist.group.WORLD) if dist.get_world_size() > 1 else Topology.single()
-    return build_optimizer(list(model.named_parameters()), topology, resolved_of(name, overrides, hp))
+    return build_optimizer(list(model.named_parameters()), topology, resolved_of(name, overrides, hp), ledger=ledger)
 
 
 # torch AdamW by [optimizer] implementation; "AdamW" (fused, torchtitan's default) is the reference
@@ -127,27 +127,26 @@ def time_steps(name: str, flavor: str, repeats: int, overrides: dict, device: to
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = _model(flavor, device)
-    opt = _build(name, model, overrides)
-    times, sent, link, syncs = [], [], [], None
     ledger = comm.CommLedger()
-    with comm.use_ledger(ledger):
-        for i in range(repeats + 1):  # step 0: state allocation, plan building
-            dist.barrier()
-            _synchronize(device)
-            t0 = time.perf_counter()
-            opt.step()
-            _synchronize(device)
-            times.append(time.perf_counter() - t0)
-            step = ledger.end_step()
-            sent.append(step.get("R_sent", 0.0))
-            link.append(step.get("R_seconds", 0.0))
-        if device.type == "cuda":
-            syncs = _host_syncs(opt)
-            _synchronize(device)
-        if profile_rows:  # every rank steps (the collectives need all); rank 0 prints
-            table = _profile(opt, device, profile_rows)
-            if dist.get_rank() == 0:
-                print(f"# profile of {name} on {flavor}, two steps\n{table}", file=sys.stderr)
+    opt = _build(name, model, overrides, ledger)
+    times, sent, link, syncs = [], [], [], None
+    for i in range(repeats + 1):  # step 0: state allocation, plan building
+        dist.barrier()
+        _synchronize(device)
+        t0 = time.perf_counter()
+        opt.step()
+        _synchronize(device)
+        times.append(time.perf_counter() - t0)
+        step = ledger.end_step()
+        sent.append(step.get("R_sent", 0.0))
+        link.append(step.get("R_seconds", 0.0))
+    if device.type == "cuda":
+        syncs = _host_syncs(opt)
+        _synchronize(device)
+    if profile_rows:  # every rank steps (the collectives need all); rank 0 prints
+        table = _profile(opt, device, profile_rows)
+        if dist.get_rank() == 0:
+            print(f"# profile of {name} on {flavor}, two steps\n{table}", file=sys.stderr)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     del opt, model
     _release(device)
