@@ -52,7 +52,9 @@ def test_resume_equals_uninterrupted(tmp_path, name):
     assert resumed == uninterrupted[4:]
     # comm/R_sent_bytes_total continues from the checkpoint's total instead of restarting at zero
     total = "comm/R_sent_bytes_total"
-    assert sorted(second[total]) == sorted(first[total])[4:] and sorted(first[total])[3][1] > 0
+    assert sorted(second[total]) == sorted(first[total])[4:]
+    if name != "DES-LOC":  # its preset's first R sync comes after step 8: nothing to continue from
+        assert sorted(first[total])[3][1] > 0
 
 
 def test_resume_with_other_replica_count_fails_clearly(tmp_path):
