@@ -94,7 +94,8 @@ class Plan:
     ``state``: the optimizer's per-parameter state (every active parameter's already initialized:
     the plan adds the DeMo-SGD momentum rows of the coefficient domain); ``replicator``: the
     replicator of a parameter's local shard; ``coefficient_domain``: DeMo-SGD keeps its momentum as
-    DCT coefficients (``demo.DeMo``'s docstring)."""
+    DCT coefficients (``demo.DeMo``'s docstring); ``demo``: the replicator is DeMo's (DCT top-k,
+    batched by shape), else a flat one."""
 
     def __init__(self, active: list, state: Mapping[torch.Tensor, dict], replicator: Callable[[torch.Tensor], Replicator],
                  coefficient_domain: bool, demo: bool):
