@@ -18,7 +18,7 @@ from torch import nn
 from titan_commopt import comm
 from titan_commopt.compress.dct import Chunker
 from titan_commopt.compress.replicators import make_replicator
-from titan_commopt.optim import ShardShape, build_optimizer, demo, make, resolve, traffic
+from titan_commopt.optim import ShardShape, build_optimizer, demo, make, resolve
 from titan_commopt.optim.common import BaseHParams, local
 from titan_commopt.topology import Topology
 from tests.dist_utils import run_distributed
@@ -88,22 +88,25 @@ def _hsdp_worker(rank, world):
         model.set_gradient_divide_factor(1.0)  # torchtitan's setting; force-sum alone still divides by S
         cfg = _cfg(name)
         named = list(model.named_parameters())
-        opt = make("FlexDeMo", named, topo, BaseHParams(lr=LR, weight_decay=_wd(name)), **dataclasses.asdict(cfg))
+        resolved = resolve("FlexDeMo", dataclasses.asdict(cfg), BaseHParams(lr=LR, weight_decay=_wd(name)))
+        ledger = comm.CommLedger()
+        opt = demo.DeMo(named, topo, resolved, ledger=ledger)
         sent = []
-        with comm.use_ledger(comm.CommLedger()) as ledger:
-            for t in range(STEPS):
-                x, y = data[t][r][j]
-                _loss(model, x, y).backward()
-                opt.step()
-                opt.zero_grad()
-                sent.append(ledger.end_step().get("R_sent", 0.0))
-            opt.flush()  # overlap: the last step's update (no traffic: its gather was counted at issue)
-            assert ledger.end_step().get("R_sent", 0.0) == 0.0
+        for t in range(STEPS):
+            x, y = data[t][r][j]
+            _loss(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            sent.append(ledger.end_step().get("R_sent", 0.0))
+        in_flight = [opt.metrics().get("updates_in_flight")]
+        opt.flush()  # overlap: the last step's update (no traffic: its gather was counted at issue)
+        assert ledger.end_step().get("R_sent", 0.0) == 0.0
+        in_flight.append(opt.metrics().get("updates_in_flight"))
         shards = [ShardShape.of(n, p) for n, p in named]
         out[name] = dict(
             params={n: local(p).detach().clone() for n, p in named},
-            sent=sent, formula=traffic.demo_r_bytes(shards, resolve("FlexDeMo", dataclasses.asdict(cfg)), 2),
-            state=opt.state_dict()["state"],
+            sent=sent, formula=demo.demo_r_bytes(shards, resolved, 2),
+            state=opt.state_dict()["state"], in_flight=in_flight,
         )
     return out
 
@@ -258,6 +261,12 @@ def test_measured_r_bytes_equal_formula(hsdp_results, name):
         assert hsdp_results[0][name]["sent"][0] == 0 and hsdp_results[0][name]["sent"][1] > 0
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_overlap_reports_the_update_in_flight(hsdp_results, name):
+    expect = [1.0, 0.0] if CONFIGS[name].get("overlap") else [None, None]  # before and after flush()
+    assert all(res[name]["in_flight"] == expect for res in hsdp_results)
+
+
 def test_momenta_are_per_replica(hsdp_results):
     a, b = hsdp_results[0]["demo"]["state"], hsdp_results[2]["demo"]["state"]
     assert not torch.equal(local(a[0]["momentum"]), local(b[0]["momentum"]))
@@ -363,15 +372,15 @@ def _striding_worker(rank, world):
     params = {"w": nn.Parameter(torch.zeros(100)), "b": nn.Parameter(torch.zeros(3))}
     cfg = dataclasses.replace(demo.Config(), replicator="striding", compression_rate=1 / 64, beta=0.999)
     resolved = resolve("FlexDeMo", dataclasses.asdict(cfg), BaseHParams(lr=1e-3, weight_decay=0.0))
-    opt = build_optimizer(list(params.items()), Topology(replicate=dist.group.WORLD), resolved)
+    ledger = comm.CommLedger()
+    opt = build_optimizer(list(params.items()), Topology(replicate=dist.group.WORLD), resolved, ledger=ledger)
     sent = 0.0
-    with comm.use_ledger(comm.CommLedger()) as ledger:
-        for _ in range(STRIDING_STEPS):
-            for p in params.values():
-                p.grad = torch.full_like(p, rank + 1.0)
-            opt.step()
-            sent += ledger.end_step().get("R_sent", 0.0)
-    formula = traffic.demo_r_bytes([ShardShape.of(n, p) for n, p in params.items()], resolved, 2).sent
+    for _ in range(STRIDING_STEPS):
+        for p in params.values():
+            p.grad = torch.full_like(p, rank + 1.0)
+        opt.step()
+        sent += ledger.end_step().get("R_sent", 0.0)
+    formula = demo.demo_r_bytes([ShardShape.of(n, p) for n, p in params.items()], resolved, 2).sent
     return dict(momentum={n: opt.state[p]["momentum"].clone() for n, p in params.items()},
                 params={n: p.detach().clone() for n, p in params.items()}, sent=sent, formula=formula)
 
