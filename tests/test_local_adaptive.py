@@ -19,7 +19,7 @@ from torch import nn
 
 from titan_commopt import comm
 
-from titan_commopt.optim import ShardShape, family_of, make, resolve, traffic
+from titan_commopt.optim import ShardShape, family_of, local_sync, make, resolve
 from titan_commopt.optim import local_adaptive as la
 from titan_commopt.optim.common import BaseHParams
 from titan_commopt.options import ConfigError
@@ -28,6 +28,19 @@ from tests.dist_utils import run_distributed
 from tests.sim_utils import nesterov_outer_step_
 
 F64 = torch.float64
+
+
+# [optimizer]'s values under every optimizer below (torch Adam's defaults, no weight decay): a test's
+# own lr, beta2, eps or weight_decay is set in the [commopt.local] table, which wins.
+HP = BaseHParams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+
+
+def local_adaptive(params, topology=None, *, ledger=None, hparams=HP, **options):
+    """LocalAdaptive over ``params`` (named p0, p1, … in order) with the ``[commopt.local]``
+    ``options`` set (the family defaults, which are LocalAdam's preset, elsewhere)."""
+    named = [(f"p{i}", p) for i, p in enumerate(params)]
+    return la.LocalAdaptive(named, topology or Topology.single(), resolve("LocalAdam", options, hparams),
+                            ledger=ledger)
 
 
 def _grads(seed, shapes, steps, replicas=1):
@@ -43,8 +56,8 @@ def test_one_replica_adam_equals_torch(wd, ref_cls):
     ours = [t.clone().requires_grad_() for t in init]
     ref = [t.clone().requires_grad_() for t in init]
     # periods are irrelevant with one replica: syncs must be no-ops
-    opt = la.LocalAdaptive(ours, lr=3e-2, betas1=(0.8,), beta2=0.95, eps=1e-6, weight_decay=wd,
-                           periods_u=(3,), Kv=5, Kx=2, outer="average")
+    opt = local_adaptive(ours, lr=3e-2, beta1=(0.8,), beta2=0.95, eps=1e-6, weight_decay=wd,
+                           Ku=(3,), Kv=5, Kx=2, outer="average")
     ref_opt = ref_cls(ref, lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=wd)
     for step, (grads,) in enumerate(_grads(1, shapes, 25)):
         for p, q, g in zip(ours, ref, grads):
@@ -69,8 +82,8 @@ def test_one_replica_adam_is_torchtitans_fused_adamw_bit_for_bit():
     init = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
     ours = [t.clone().requires_grad_() for t in init]
     ref = [t.clone().requires_grad_() for t in init]
-    opt = la.LocalAdaptive(ours, lr=3e-2, betas1=(0.8,), beta2=0.95, eps=1e-6, weight_decay=0.1,
-                           periods_u=(3,), Kv=5, Kx=2, outer="average")
+    opt = local_adaptive(ours, lr=3e-2, beta1=(0.8,), beta2=0.95, eps=1e-6, weight_decay=0.1,
+                           Ku=(3,), Kv=5, Kx=2, outer="average")
     ref_opt = torch.optim.AdamW(ref, lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, fused=True)
     for (grads,) in _grads(1, shapes, 12):
         for p, q, g in zip(ours, ref, grads):
@@ -85,7 +98,7 @@ def test_one_replica_sgdm_equals_torch_sgd_momentum():
     shapes = [(5, 3)]
     p = torch.randn(5, 3, dtype=F64, requires_grad=True)
     q = p.detach().clone().requires_grad_()
-    opt = la.LocalAdaptive([p], base="sgdm", lr=lr, betas1=(beta,), periods_u=(1,), Kx=1, weight_decay=0.0)
+    opt = local_adaptive([p], base="sgdm", lr=lr, beta1=(beta,), Ku=(1,), Kx=1, weight_decay=0.0)
     # EMA momentum u = (1−β)·buf of torch's undampened buffer → torch lr = η(1−β)
     ref_opt = torch.optim.SGD([q], lr=lr * (1 - beta), momentum=beta)
     x0 = p.detach().clone()
@@ -104,7 +117,7 @@ def test_one_replica_quasi_hyperbolic_and_adopt_math():
     grads = [torch.randn(7, dtype=F64) for _ in range(12)]
     b, w, b2, lr, eps, wd = (0.5, 0.99), (0.3, 0.6), 0.9, 0.01, 1e-8, 0.1
     p = x0.clone().requires_grad_()
-    opt = la.LocalAdaptive([p], base="adam", lr=lr, betas1=b, omegas=w, periods_u=(1, 1), beta2=b2,
+    opt = local_adaptive([p], base="adam", lr=lr, beta1=b, omega=w, Ku=(1, 1), beta2=b2,
                            eps=eps, weight_decay=wd, Kv=1, Kx=1)
     x, u, v = x0.clone(), [torch.zeros(7, dtype=F64) for _ in b], torch.zeros(7, dtype=F64)
     for n, g in enumerate(grads, 1):
@@ -117,7 +130,7 @@ def test_one_replica_quasi_hyperbolic_and_adopt_math():
     torch.testing.assert_close(p.detach(), x, rtol=1e-12, atol=1e-14)
 
     p = x0.clone().requires_grad_()
-    opt = la.LocalAdaptive([p], base="adopt", lr=lr, betas1=(0.9,), omegas=(0.8,), periods_u=(1,), beta2=b2,
+    opt = local_adaptive([p], base="adopt", lr=lr, beta1=(0.9,), omega=(0.8,), Ku=(1,), beta2=b2,
                            eps=1e-6, weight_decay=0.0, Kv=1, Kx=1, adopt_clip=True)
     x, m, v = x0.clone(), torch.zeros(7, dtype=F64), None
     for n, g in enumerate(grads, 1):
@@ -148,12 +161,12 @@ def _run(opt, params, data):
 def test_switch_runs_the_plain_base_optimizer_until_switch_at(base):
     shapes, k = [(5, 3), (4,)], 6
     data = _grads(7, shapes, 14)
-    common = dict(base=base, lr=2e-2, beta2=0.97, eps=1e-6, weight_decay=0.05, periods_u=(4,), Kv=4, Kx=2)
+    common = dict(base=base, lr=2e-2, beta2=0.97, eps=1e-6, weight_decay=0.05, Ku=(4,), Kv=4, Kx=2)
     a = [torch.ones(s, dtype=F64, requires_grad=True) for s in shapes]
     b = [torch.ones(s, dtype=F64, requires_grad=True) for s in shapes]
     # MT-DAO after the switch; before it the plain base optimizer with [optimizer] beta1 = 0.9
-    switched = la.LocalAdaptive(a, betas1=(0.99,), omegas=(0.8,), switch_at=k, base_beta1=0.9, **common)
-    plain = la.LocalAdaptive(b, betas1=(0.9,), omegas=(1.0,), **common)
+    switched = local_adaptive(a, beta1=(0.99,), omega=(0.8,), switch_at=k, **common)
+    plain = local_adaptive(b, beta1=(0.9,), omega=(1.0,), **common)
     got, ref = _run(switched, a, data), _run(plain, b, data)
     for n in range(k):  # updates 1..k: bit for bit the plain base optimizer
         assert all(torch.equal(p, q) for p, q in zip(got[n], ref[n])), n
@@ -166,16 +179,16 @@ def test_switch_to_the_same_momentum_is_no_switch_and_carries_the_buffer():
     1 − β^k·β1^(n−k): switching to the same β and ω = 1 changes nothing (the buffer is carried)."""
     shapes = [(5, 3), (4,)]
     data = _grads(8, shapes, 12)
-    common = dict(lr=2e-2, beta2=0.97, eps=1e-6, periods_u=(4,), Kv=4, Kx=2)
+    common = dict(lr=2e-2, beta2=0.97, eps=1e-6, Ku=(4,), Kv=4, Kx=2)
     a = [torch.ones(s, dtype=F64, requires_grad=True) for s in shapes]
     b = [torch.ones(s, dtype=F64, requires_grad=True) for s in shapes]
-    got = _run(la.LocalAdaptive(a, betas1=(0.9,), switch_at=5, base_beta1=0.9, **common), a, data)
-    ref = _run(la.LocalAdaptive(b, betas1=(0.9,), **common), b, data)
+    got = _run(local_adaptive(a, beta1=(0.9,), switch_at=5, **common), a, data)
+    ref = _run(local_adaptive(b, beta1=(0.9,), **common), b, data)
     for p, q in zip(got[-1], ref[-1]):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
     # and to another β: u_0 carried, divided by 1 − β_base^k·β1^(n−k) (written out here)
     x = [torch.ones(s, dtype=F64, requires_grad=True) for s in shapes]
-    got = _run(la.LocalAdaptive(x, betas1=(0.99,), switch_at=5, base_beta1=0.9, **common), x, data)
+    got = _run(local_adaptive(x, beta1=(0.99,), switch_at=5, **common), x, data)
     want = [torch.ones(s, dtype=F64) for s in shapes]
     m, v = [torch.zeros(s, dtype=F64) for s in shapes], [torch.zeros(s, dtype=F64) for s in shapes]
     gathered = 1.0  # Π of the β each update used: u_0 has weight 1 − Π
@@ -193,14 +206,13 @@ def test_switch_to_the_same_momentum_is_no_switch_and_carries_the_buffer():
 def test_switch_survives_a_checkpoint_taken_before_it():
     shapes = [(4, 4), (3,)]
     data = _grads(9, shapes, 12)
-    kw = dict(base="adopt", lr=1e-2, betas1=(0.999,), omegas=(0.95,), periods_u=(3,), Kv=3, Kx=3, switch_at=6,
-              base_beta1=0.9)
+    kw = dict(base="adopt", lr=1e-2, beta1=(0.999,), omega=(0.95,), Ku=(3,), Kv=3, Kx=3, switch_at=6,)
     a = [torch.ones(s, dtype=F64, requires_grad=True) for s in shapes]
-    opt = la.LocalAdaptive(a, **kw)
+    opt = local_adaptive(a, **kw)
     _run(opt, a, data[:4])
     saved = copy.deepcopy(opt.state_dict())
     b = [p.detach().clone().requires_grad_() for p in a]
-    opt2 = la.LocalAdaptive(b, **kw)
+    opt2 = local_adaptive(b, **kw)
     opt2.load_state_dict(saved)
     got, ref = _run(opt2, b, data[4:]), _run(opt, a, data[4:])
     assert all(torch.equal(p, q) for p, q in zip(got[-1], ref[-1]))
@@ -210,16 +222,18 @@ def test_switch_at_warmup_reads_lr_scheduler_warmup_steps():
     hp = BaseHParams(beta1=0.9, warmup_steps=7)
     model = nn.Linear(3, 2)
     opt = make("MT-DAO", model.named_parameters(), Topology.single(), hp)
-    assert (opt.switch_at, opt.base_beta1, opt.param_groups[0]["eps"]) == (7, 0.9, 1e-6)
+    assert (opt.switch_at, opt.param_groups[0]["eps"]) == (7, 1e-6)
     assert make("MT-DAO", model.named_parameters(), Topology.single(), hp, switch_at=0).switch_at == 0
     assert make("MT-DAO", model.named_parameters(), Topology.single(), hp, switch_at=3).switch_at == 3
     assert make("MT-DAO", model.named_parameters(), Topology.single(), BaseHParams()).switch_at == 0
-    st = la.settings(resolve("MT-DAO-halflife", hparams=hp).options, hp)
-    assert (st.betas1, st.omegas, st.periods_u, st.beta2, st.Kv, st.Kx, st.eps, st.switch_at) == (
-        (0.999,), (0.95,), (693,), 0.9999, 6931, 32, 1e-6, 7)
-    st = la.settings(resolve("DES-LOC-ADOPT", hparams=hp).options, hp)
-    assert (st.base, st.betas1, st.beta2, st.eps, st.weight_decay, st.periods_u, st.Kv, st.Kx) == (
-        "adopt", (0.95,), 0.9999, 1e-6, 0.0, (96,), 192, 32)
+    opt = make("MT-DAO-halflife", model.named_parameters(), Topology.single(), hp)
+    g = opt.param_groups[0]
+    assert (g["betas1"], g["omegas"], opt.periods, g["beta2"], g["eps"], opt.switch_at) == (
+        (0.999,), (0.95,), local_sync.Periods(Kx=32, Ku=(693,), Kv=6931), 0.9999, 1e-6, 7)
+    opt = make("DES-LOC-ADOPT", model.named_parameters(), Topology.single(), hp)
+    g = opt.param_groups[0]
+    assert (opt.options.options.base, g["betas1"], g["beta2"], g["eps"], g["weight_decay"], opt.periods) == (
+        "adopt", (0.95,), 0.9999, 1e-6, 0.0, local_sync.Periods(Kx=32, Ku=(96,), Kv=192))
     with pytest.raises(ConfigError, match=r'^\[commopt.local\] switch_at = \'soon\': allowed is an integer >= 0 or "warmup"$'):
         resolve("MT-DAO", {"switch_at": "soon"})
 
@@ -230,22 +244,23 @@ def test_state_dict_roundtrip_continues_identically(fragments, sync_delay):
     its syncs) merges them first; a run resumed from it continues bit for bit like the run that saved."""
     shapes = [(4, 4), (3,), (5, 2)]
     data = _grads(3, shapes, 20)
-    kw = dict(lr=1e-2, betas1=(0.9, 0.99), omegas=(0.5, 0.4), periods_u=(3, 4), Kv=4, Kx=3, outer="nesterov",
+    kw = dict(lr=1e-2, beta1=(0.9, 0.99), omega=(0.5, 0.4), Ku=(3, 4), Kv=4, Kx=3, outer="nesterov",
               fragments=fragments, sync_delay=sync_delay)
     a = [torch.ones(s, dtype=F64, requires_grad=True) for s in shapes]
-    opt = la.LocalAdaptive(a, **kw)
+    opt = local_adaptive(a, **kw)
     for grads in data[:10]:
         for p, g in zip(a, grads[0]):
             p.grad = g.clone()
         opt.step()
-    assert bool(opt._in_flight) == (sync_delay > 0)  # step 10 leaves a sync in flight
+    # step 10 leaves a sync in flight
+    assert (opt.metrics()["syncs_in_flight"] > 0) == (sync_delay > 0)
     saved = copy.deepcopy(opt.state_dict())  # load_state_dict aliases same-dtype tensors
-    assert not opt._in_flight  # merged before saving
+    assert opt.metrics()["syncs_in_flight"] == 0  # merged before saving
     b = [p.detach().clone().requires_grad_() for p in a]
-    opt2 = la.LocalAdaptive(b, **kw)
+    opt2 = local_adaptive(b, **kw)
     opt2.load_state_dict(saved)
     assert set(opt2.state[b[0]]) == {"step", "exp_avg", "exp_avg_1", "exp_avg_sq", "outer_anchor", "outer_buf"}
-    assert opt2._n == 10 and opt2.state[b[0]]["step"] is opt2.state[b[2]]["step"]  # one shared counter
+    assert int(opt2.state[b[0]]["step"]) == 10 and opt2.state[b[0]]["step"] is opt2.state[b[2]]["step"]  # one shared counter
     for grads in data[10:]:
         for p, q, g in zip(a, b, grads[0]):
             p.grad, q.grad = g.clone(), g.clone()
@@ -256,16 +271,15 @@ def test_state_dict_roundtrip_continues_identically(fragments, sync_delay):
 
 def test_fragments_schedule_and_options():
     # greedy by size, ties to the lower index: balanced and the same on every replica
-    assert la._partition([100, 10, 60, 50, 5], 2) == [0, 0, 1, 1, 0]  # 115 and 110 elements
-    assert la._partition([7, 7, 7], 3) == [0, 1, 2]
-    assert la._offsets(32, 1) == [0] and la._offsets(32, 4) == [0, 8, 16, 24] and la._offsets(2, 4) == [0, 0, 1, 1]
+    assert local_sync.partition([100, 10, 60, 50, 5], 2) == [0, 0, 1, 1, 0]  # 115 and 110 elements
+    assert local_sync.partition([7, 7, 7], 3) == [0, 1, 2]
+    assert local_sync.offsets(32, 1) == [0] and local_sync.offsets(32, 4) == [0, 8, 16, 24] and local_sync.offsets(2, 4) == [0, 0, 1, 1]
     p = [torch.zeros(3, requires_grad=True) for _ in range(2)]
-    assert la.LocalAdaptive(p, fragments=5).fragments == 2  # at most one fragment per parameter
-    with pytest.raises(ValueError):
-        la.LocalAdaptive(p, periods_u=(4,), Kv=8, Kx=4, sync_delay=4)
+    assert local_adaptive(p, fragments=5).schedule.fragments == 2  # at most one fragment per parameter
+    with pytest.raises(ConfigError, match=r"sync_delay = 4: allowed is an integer >= 0 below the smallest period > 0 \(4\)"):
+        local_adaptive(p, Ku=(4,), Kv=8, Kx=4, sync_delay=4)
     hp = BaseHParams()
-    st = la.settings(la.Config(fragments=4, sync_delay=3, Kx=4, Ku=[8], Kv=0), hp)
-    assert (st.fragments, st.sync_delay) == (4, 3)
+    assert la.check(la.Config(fragments=4, sync_delay=3, Kx=4, Ku=[8], Kv=0), hp) == []
     with pytest.raises(ConfigError) as e:
         resolve("DES-LOC", {"sync_delay": la.PRESETS["DES-LOC"]["Kx"]})  # Kx is the smallest period
     assert "[commopt.local] sync_delay" in str(e.value)
@@ -275,9 +289,9 @@ def test_fragments_schedule_and_options():
 
 # ---- config, registry, analytic bytes --------------------------------------------------------------
 def r_sent(shapes, cfg, replicate_size):
-    """traffic.local_r_bytes with every option of ``cfg`` set by the user."""
+    """la.local_r_bytes with every option of ``cfg`` set by the user."""
     shards = [ShardShape(n, tuple(s), tuple(s)) for n, s in shapes]
-    return traffic.local_r_bytes(shards, resolve("LocalAdam", dataclasses.asdict(cfg)), replicate_size).sent
+    return la.local_r_bytes(shards, resolve("LocalAdam", dataclasses.asdict(cfg)), replicate_size).sent
 
 
 def test_registry_names():
@@ -299,7 +313,7 @@ def test_a_key_set_to_the_family_default_beats_the_preset(name, key, value):
     assert getattr(resolved.options, key) == value  # ... set by the user, kept
     assert key not in resolved.preset_keys()
     opt = make(name, nn.Linear(3, 2).named_parameters(), Topology.single(), **{key: value})
-    assert getattr(opt, {"base": "base", "clip": "clip", "outer": "outer", "Kx": "Kx"}[key]) == value
+    assert getattr(opt.options.options, key) == value
 
 
 def test_presets_and_config_errors():
@@ -316,31 +330,37 @@ def test_presets_and_config_errors():
     assert (g["betas1"], g["beta2"], g["eps"], g["weight_decay"]) == ((0.85,), 0.97, 1e-7, 0.0)
     g = make("DES-LOC-ADOPT", model.named_parameters(), Topology.single(), hp).param_groups[0]
     assert (g["betas1"], g["beta2"], g["eps"], g["weight_decay"]) == ((0.95,), 0.9999, 1e-6, 0.0)
-    assert (opt.Kx, opt.periods_u, opt.Kv, opt.clip, opt.switch_at) == (16, (48,), 96, "coordinate", 0)
+    assert (opt.periods, opt.options.options.clip, opt.switch_at) == (local_sync.Periods(16, (48,), 96), "coordinate", 0)
     g = make("DES-LOC", model.named_parameters(), Topology.single(), hp, beta2=0.97).param_groups[0]
     assert g["beta2"] == 0.97  # the user's value beats the preset's
-    r = la.settings(resolve("MT-DAO", {"lr": 0.5, "weight_decay": 0.0}, hp).options, hp)
-    assert (r.base, r.betas1, r.omegas, r.beta2, r.lr, r.weight_decay) == ("adopt", (0.999,), (0.95,), 0.9999, 0.5, 0.0)
+    r = make("MT-DAO", model.named_parameters(), Topology.single(), hp, lr=0.5, weight_decay=0.0)
+    g = r.param_groups[0]
+    assert (r.options.options.base, g["betas1"], g["omegas"], g["beta2"], g["lr"], g["weight_decay"]) == (
+        "adopt", (0.999,), (0.95,), 0.9999, 0.5, 0.0)
     dl = make("DiLoCo", model.named_parameters(), Topology.single(), hp)
-    assert dl.outer == "nesterov" and dl.periods_u == (0,) and dl.Kv == 0
+    assert dl.options.options.outer == "nesterov" and dl.periods == local_sync.Periods(Kx=32, Ku=(0,), Kv=0)
     # "auto": power of two nearest the half-life (0.999 → 693 → 512; 0.9999 → 6931 → 8192)
-    r = la.settings(la.Config(beta1=[0.999], Ku=["auto"], beta2=0.9999, Kv="auto", Kx="auto"), hp)
-    assert (r.periods_u, r.Kv, r.Kx) == ((512,), 8192, 512)
-    for bad, key in [
-        (dict(switch_at="soon"), "switch_at"),
-        (dict(switch_at=-1), "switch_at"),
-        (dict(Ku=[32, 64], omega=[0.5]), "omega"),
-        (dict(Ku=[32], beta1=[0.9, 0.99], omega=[1.0]), "beta1"),
-        (dict(Kv=-1), "Kv"),
-        (dict(Kx="often"), "Kx"),
-        (dict(Ku=[16, 0.5], omega=[0.5, 0.5]), "Ku[1]"),
-        (dict(omega=[1.5]), "omega"),
-        (dict(clip="global"), "clip"),
-    ]:
-        with pytest.raises(ConfigError) as e:
-            resolve("LocalAdam", bad, hp)  # the pre-flight resolution: before any process group exists
-        msg = str(e.value)
-        assert "\n" not in msg and f"[commopt.local] {key}" in msg, msg
+    r = la.resolve_periods(la.Config(beta1=[0.999], Ku=["auto"], beta2=0.9999, Kv="auto", Kx="auto"), hp)
+    assert r == local_sync.Periods(Kx=512, Ku=(512,), Kv=8192)
+
+
+@pytest.mark.parametrize("bad, key", [
+    (dict(switch_at="soon"), "switch_at"),
+    (dict(switch_at=-1), "switch_at"),
+    (dict(Ku=[32, 64], omega=[0.5]), "omega"),
+    (dict(Ku=[32], beta1=[0.9, 0.99], omega=[1.0]), "beta1"),
+    (dict(Kv=-1), "Kv"),
+    (dict(Kx="often"), "Kx"),
+    (dict(Ku=[16, 0.5], omega=[0.5, 0.5]), "Ku[1]"),
+    (dict(omega=[1.5]), "omega"),
+    (dict(clip="global"), "clip"),
+])
+def test_config_error_names_the_key(bad, key):
+    hp = BaseHParams(lr=1e-3, beta1=0.85, beta2=0.97, eps=1e-7, weight_decay=0.05)
+    with pytest.raises(ConfigError) as e:
+        resolve("LocalAdam", bad, hp)  # the pre-flight resolution: before any process group exists
+    msg = str(e.value)
+    assert "\n" not in msg and f"[commopt.local] {key}" in msg, msg
 
 
 def test_r_bytes_formula_and_paper_configurations():
@@ -377,8 +397,8 @@ def _two_replicas(rank, world):
     # (a) SGDM Kx = Ku = 1 == synchronous DP SGD-momentum on the averaged gradient
     data = _grads(4, shapes, 15, replicas=world)
     ps = [t.clone().requires_grad_() for t in init]
-    opt = la.LocalAdaptive(ps, topo, base="sgdm", lr=0.1, betas1=(0.9,), periods_u=(1,), Kx=1,
-                           weight_decay=0.0, transfer_dtype=None)
+    opt = local_adaptive(ps, topo, base="sgdm", lr=0.1, beta1=(0.9,), Ku=(1,), Kx=1,
+                           weight_decay=0.0, transfer_dtype="native")
     ref = [t.clone().requires_grad_() for t in init]
     ref_opt = torch.optim.SGD(ref, lr=0.1 * (1 - 0.9), momentum=0.9)
     for step in data:
@@ -395,7 +415,7 @@ def _two_replicas(rank, world):
     # R bytes over 100 steps = d·(100/Kx + 100/Ku + 100/Kv) elements × 4 (fp32 on the wire)
     ledger = comm.CommLedger()
     ps = [t.clone().float().requires_grad_() for t in init]
-    opt = la.LocalAdaptive(ps, topo, lr=1e-2, betas1=(0.9,), periods_u=(20,), beta2=0.99, Kv=50, Kx=4,
+    opt = local_adaptive(ps, topo, lr=1e-2, beta1=(0.9,), Ku=(20,), beta2=0.99, Kv=50, Kx=4,
                            weight_decay=0.1, ledger=ledger)
     data = _grads(5, shapes, 100, replicas=world)
     hashes, calls, in_sync = [], [], [opt.replicas_in_sync()]
@@ -412,7 +432,7 @@ def _two_replicas(rank, world):
     # bf16 transfer halves the bytes of the same schedule
     ledger2 = comm.CommLedger()
     ps2 = [t.clone().float().requires_grad_() for t in init]
-    opt2 = la.LocalAdaptive(ps2, topo, lr=1e-2, periods_u=(20,), Kv=50, Kx=4, transfer_dtype=torch.bfloat16,
+    opt2 = local_adaptive(ps2, topo, lr=1e-2, Ku=(20,), Kv=50, Kx=4, transfer_dtype="bf16",
                             ledger=ledger2)
     for step in data:
         for i, p in enumerate(ps2):
@@ -423,10 +443,18 @@ def _two_replicas(rank, world):
     return out
 
 
-def test_two_replicas_sgdm_dp_hashes_and_ledger():
-    res = run_distributed(_two_replicas, 2)
-    for o in res:
+@pytest.fixture(scope="module")
+def two_replicas():
+    return run_distributed(_two_replicas, 2)
+
+
+def test_two_replicas_sgdm_with_period_1_is_dp_sgd_momentum(two_replicas):
+    for o in two_replicas:
         assert o["sgdm_diff"] < 1e-12 and o["sgdm_moved"] > 1e-2
+
+
+def test_two_replicas_des_loc_in_sync_after_each_kx_sync_and_bytes(two_replicas):
+    res = two_replicas
     d = res[0]["d"]
     for n in range(1, 101):
         same = res[0]["hashes"][n - 1] == res[1]["hashes"][n - 1]
@@ -437,21 +465,25 @@ def test_two_replicas_sgdm_dp_hashes_and_ledger():
     assert res[0]["in_sync"][0] and res[0]["replica_local"]
     expected = d * (100 / 4 + 100 / 20 + 100 / 50) * 4
     assert res[0]["bytes"] == res[1]["bytes"] == expected
-    assert res[0]["bytes_bf16"] == expected / 2
     assert res[0]["r_bytes_formula"] * 100 == pytest.approx(expected)
+
+
+def test_two_replicas_bf16_transfer_halves_the_bytes(two_replicas):
+    d = two_replicas[0]["d"]
+    assert two_replicas[0]["bytes_bf16"] == d * (100 / 4 + 100 / 20 + 100 / 50) * 4 / 2
 
 
 # ---- streaming sync: fragments at staggered offsets, merged sync_delay steps after issue ---------------
 STREAM_SHAPES = [(8, 5), (5,), (6, 6), (3,), (10, 2)]
 STREAM_STEPS = 24  # a multiple of every period below; the last step leaves fragment 0 in flight
 STREAM_CONFIGS = [  # (label, optimizer kwargs)
-    *[(f"adam/F3/tau{tau}", dict(base="adam", betas1=(0.9,), periods_u=(4,), Kv=8, Kx=4, weight_decay=0.1,
+    *[(f"adam/F3/tau{tau}", dict(base="adam", beta1=(0.9,), Ku=(4,), Kv=8, Kx=4, weight_decay=0.1,
                                  fragments=3, sync_delay=tau)) for tau in (0, 1, 2)],
-    ("adopt2/F2/tau2", dict(base="adopt", betas1=(0.5, 0.95), omegas=(0.3, 0.6), periods_u=(3, 6), beta2=0.9,
+    ("adopt2/F2/tau2", dict(base="adopt", beta1=(0.5, 0.95), omega=(0.3, 0.6), Ku=(3, 6), beta2=0.9,
                             Kv=6, Kx=3, eps=1e-6, clip="norm", clip_threshold=0.5, fragments=2, sync_delay=2)),
-    *[(f"diloco/F3/tau{tau}", dict(base="adam", betas1=(0.9,), periods_u=(0,), Kv=0, Kx=4, outer="nesterov",
+    *[(f"diloco/F3/tau{tau}", dict(base="adam", beta1=(0.9,), Ku=(0,), Kv=0, Kx=4, outer="nesterov",
                                    outer_lr=0.7, outer_momentum=0.9, fragments=3, sync_delay=tau)) for tau in (0, 2)],
-    ("sgdm/F4/tau1", dict(base="sgdm", betas1=(0.9,), periods_u=(3,), Kx=3, weight_decay=0.01, fragments=4,
+    ("sgdm/F4/tau1", dict(base="sgdm", beta1=(0.9,), Ku=(3,), Kx=3, weight_decay=0.01, fragments=4,
                           sync_delay=1)),
 ]
 
@@ -471,11 +503,11 @@ def _simulate_streaming(kw):
     LocalAdaptive with one replica (no syncs), the schedule, snapshots, means and merges by hand."""
     F, tau, K_x = kw["fragments"], kw["sync_delay"], kw["Kx"]
     params = [[t.clone().requires_grad_() for t in _stream_init()] for _ in range(2)]
-    opts = [la.LocalAdaptive(ps, **dict(kw, outer="average", fragments=1, sync_delay=0)) for ps in params]
-    frag = la._partition([math.prod(s) for s in STREAM_SHAPES], F)
+    opts = [local_adaptive(ps, **dict(kw, outer="average", fragments=1, sync_delay=0)) for ps in params]
+    frag = local_sync.partition([math.prod(s) for s in STREAM_SHAPES], F)
     anchors = [t.clone() for t in _stream_init()]
     bufs = [torch.zeros_like(t) for t in anchors]
-    kinds = [(f"u{j}", k) for j, k in enumerate(kw["periods_u"])] + [("v", kw.get("Kv", 0)), ("x", K_x)]
+    kinds = [(f"u{j}", k) for j, k in enumerate(kw["Ku"])] + [("v", kw.get("Kv", 0)), ("x", K_x)]
     if kw["base"] == "sgdm":
         kinds = [(k, K) for k, K in kinds if k != "v"]
 
@@ -483,7 +515,7 @@ def _simulate_streaming(kw):
         st = opts[r].state[params[r][i]]
         if kind == "x":
             return params[r][i].data
-        return st["exp_avg_sq"] if kind == "v" else st[la.LocalAdaptive._moment_key(int(kind[1:]))]
+        return st["exp_avg_sq"] if kind == "v" else st[la.moment_key(int(kind[1:]))]
 
     flight, hashes = [], []
     for n in range(1, STREAM_STEPS + 1):
@@ -523,7 +555,7 @@ def _streaming(rank, world):
     for label, kw in STREAM_CONFIGS:
         ledger = comm.CommLedger()
         ps = [t.clone().requires_grad_() for t in _stream_init()]
-        opt = la.LocalAdaptive(ps, topo, lr=1e-2, transfer_dtype=None, ledger=ledger, **kw)
+        opt = local_adaptive(ps, topo, lr=1e-2, transfer_dtype="native", ledger=ledger, **kw)
         calls, hashes, in_sync = [], [], []
         for n in range(1, STREAM_STEPS + 1):
             for p, g in zip(ps, _stream_grads(rank, n)):
@@ -533,12 +565,12 @@ def _streaming(rank, world):
             hashes.append([_hash(p) for p in ps])
             in_sync.append(opt.replicas_in_sync())
         out[label] = dict(params=[p.detach().clone() for p in ps], calls=calls, hashes=hashes, in_sync=in_sync,
-                          bytes=ledger.totals["R_sent"], in_flight=len(opt._in_flight),
+                          bytes=ledger.totals["R_sent"], in_flight=opt.metrics()["syncs_in_flight"],
                           replica_local=opt.params_replica_local)
         if label == "diloco/F3/tau2":  # a checkpoint with syncs in flight, resumed on fresh objects
             saved = copy.deepcopy(opt.state_dict())
             qs = [p.detach().clone().requires_grad_() for p in ps]
-            opt2 = la.LocalAdaptive(qs, topo, lr=1e-2, transfer_dtype=None, **kw)
+            opt2 = local_adaptive(qs, topo, lr=1e-2, transfer_dtype="native", **kw)
             opt2.load_state_dict(saved)
             for n in range(STREAM_STEPS + 1, STREAM_STEPS + 8):
                 for p, q, g in zip(ps, qs, _stream_grads(rank, n)):
@@ -546,41 +578,50 @@ def _streaming(rank, world):
                 opt.step()
                 opt2.step()
             out["resumed_equal"] = all(torch.equal(p, q) for p, q in zip(ps, qs))
-            out["resumed_n"] = opt2._n
+            out["resumed_n"] = int(opt2.state[qs[0]]["step"])
     return out
 
 
-def test_streaming_sync_equals_simulation_bytes_and_checkpoint():
-    res = run_distributed(_streaming, 2)
-    d = sum(math.prod(s) for s in STREAM_SHAPES)
-    for label, kw in STREAM_CONFIGS:
-        want, want_hashes = _simulate_streaming(dict(kw, lr=1e-2))
-        F, tau, K_x = kw["fragments"], kw["sync_delay"], kw["Kx"]
-        frag = la._partition([math.prod(s) for s in STREAM_SHAPES], F)
-        for rank in range(2):
-            got = res[rank][label]
-            for a, b in zip(got["params"], want[rank]):
-                torch.testing.assert_close(a, b, rtol=0, atol=1e-13, msg=label)
-            assert got["hashes"] == [h[rank] for h in want_hashes] or tau > 0 or kw.get("outer"), label
-            assert got["in_flight"] == (1 if tau else 0)  # the last step's sync is still on the wire
-            assert got["replica_local"]
-            # one fused collective per step at most; bytes per period as the byte formula says
-            assert max(got["calls"]) == 1, label
-            cfg = la.Config(base=kw["base"], Kx=K_x, Ku=list(kw["periods_u"]), Kv=kw.get("Kv", 0),
-                            beta1=list(kw["betas1"]), omega=list(kw.get("omegas", (1.0,) * len(kw["betas1"]))),
-                            transfer_dtype="native", fragments=F, sync_delay=tau)
-            shards = [ShardShape(str(i), s, s, itemsize=8) for i, s in enumerate(STREAM_SHAPES)]
-            per_step = traffic.local_r_bytes(shards, resolve("LocalAdam", dataclasses.asdict(cfg)), 2).sent
-            assert got["bytes"] == pytest.approx(per_step * STREAM_STEPS), label
-            # replicas_in_sync: only with a single offset and no delay (never here after step 1)
-            assert not any(got["in_sync"]), label
-        if tau == 0:  # right after a fragment's x merges, the replicas agree on it exactly
-            for n in range(1, STREAM_STEPS + 1):
-                for i, f in enumerate(frag):
-                    merged = (n - f * K_x // F) % K_x == 0
-                    same = res[0][label]["hashes"][n - 1][i] == res[1][label]["hashes"][n - 1][i]
-                    assert same == merged, (label, n, i)
-    assert res[0]["resumed_equal"] and res[1]["resumed_equal"] and res[0]["resumed_n"] == STREAM_STEPS + 7
+@pytest.fixture(scope="module")
+def streaming_results():
+    return run_distributed(_streaming, 2)
+
+
+@pytest.mark.parametrize("label, kw", STREAM_CONFIGS, ids=[label for label, _ in STREAM_CONFIGS])
+def test_streaming_sync_equals_simulation_and_bytes(streaming_results, label, kw):
+    res = streaming_results
+    want, want_hashes = _simulate_streaming(dict(kw, lr=1e-2))
+    F, tau, K_x = kw["fragments"], kw["sync_delay"], kw["Kx"]
+    frag = local_sync.partition([math.prod(s) for s in STREAM_SHAPES], F)
+    for rank in range(2):
+        got = res[rank][label]
+        for a, b in zip(got["params"], want[rank]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-13, msg=label)
+        assert got["hashes"] == [h[rank] for h in want_hashes] or tau > 0 or kw.get("outer"), label
+        assert got["in_flight"] == (1 if tau else 0)  # the last step's sync is still on the wire
+        assert got["replica_local"]
+        # one fused collective per step at most; bytes per period as the byte formula says
+        assert max(got["calls"]) == 1, label
+        cfg = la.Config(base=kw["base"], Kx=K_x, Ku=list(kw["Ku"]), Kv=kw.get("Kv", 0),
+                        beta1=list(kw["beta1"]), omega=list(kw.get("omega", (1.0,) * len(kw["beta1"]))),
+                        transfer_dtype="native", fragments=F, sync_delay=tau)
+        shards = [ShardShape(str(i), s, s, itemsize=8) for i, s in enumerate(STREAM_SHAPES)]
+        per_step = la.local_r_bytes(shards, resolve("LocalAdam", dataclasses.asdict(cfg)), 2).sent
+        assert got["bytes"] == pytest.approx(per_step * STREAM_STEPS), label
+        # replicas_in_sync: only with a single offset and no delay (never here after step 1)
+        assert not any(got["in_sync"]), label
+    if tau == 0:  # right after a fragment's x merges, the replicas agree on it exactly
+        for n in range(1, STREAM_STEPS + 1):
+            for i, f in enumerate(frag):
+                merged = (n - f * K_x // F) % K_x == 0
+                same = res[0][label]["hashes"][n - 1][i] == res[1][label]["hashes"][n - 1][i]
+                assert same == merged, (label, n, i)
+
+
+def test_streaming_checkpoint_with_syncs_in_flight_resumes_identically(streaming_results):
+    """diloco/F3/tau2 saved with syncs in flight, resumed on fresh objects on both replicas."""
+    for res in streaming_results:
+        assert res["resumed_equal"] and res["resumed_n"] == STREAM_STEPS + 7
 
 
 # ---- 2x2 HSDP (dp_replicate=2, fsdp=2) == single-process simulation of the two replicas ----------
@@ -596,13 +637,14 @@ class _Net(nn.Module):
 
 HSDP_CONFIGS = [
     # N = 2 quasi-hyperbolic momenta, desynced periods, norm clip (sums over S), Nesterov outer
-    dict(base="adam", lr=2e-2, betas1=(0.5, 0.95), omegas=(0.3, 0.6), periods_u=(2, 3), beta2=0.9, Kv=6, Kx=2,
+    dict(base="adam", lr=2e-2, beta1=(0.5, 0.95), omega=(0.3, 0.6), Ku=(2, 3), beta2=0.9, Kv=6, Kx=2,
          eps=1e-8, weight_decay=0.05, clip="norm", clip_threshold=0.5, outer="nesterov", outer_lr=0.7,
          outer_momentum=0.9),
-    dict(base="adopt", lr=1e-2, betas1=(0.9,), omegas=(0.9,), periods_u=(3,), beta2=0.99, Kv=4, Kx=2,
+    dict(base="adopt", lr=1e-2, beta1=(0.9,), omega=(0.9,), Ku=(3,), beta2=0.99, Kv=4, Kx=2,
          eps=1e-6, weight_decay=0.0, clip="coordinate", clip_threshold=0.3),
-    dict(base="sgdm", lr=5e-2, betas1=(0.9,), omegas=(1.0,), periods_u=(4,), Kx=3, weight_decay=0.01),
+    dict(base="sgdm", lr=5e-2, beta1=(0.9,), omega=(1.0,), Ku=(4,), Kx=3, weight_decay=0.01),
 ]
+HSDP_IDS = ["adam-qh2-norm-clip-nesterov", "adopt-coordinate-clip", "sgdm"]
 STEPS, BATCH = 13, 8  # 13: the run ends between parameter syncs
 
 
@@ -619,7 +661,7 @@ def _simulate(cfg):
     for m in models:
         m.load_state_dict(base.state_dict())
     # the outer step is simulated below; a local optimizer with one replica would apply it again
-    opts = [la.LocalAdaptive(list(m.parameters()), **dict(cfg, outer="average")) for m in models]
+    opts = [local_adaptive(list(m.parameters()), **dict(cfg, outer="average")) for m in models]
     anchors = [p.detach().clone() for p in models[0].parameters()]
     bufs = [torch.zeros_like(p) for p in anchors]
     for step in range(1, STEPS + 1):
@@ -636,9 +678,9 @@ def _simulate(cfg):
                     t.copy_(mean)
 
         with torch.no_grad():
-            for j, k in enumerate(cfg["periods_u"]):
+            for j, k in enumerate(cfg["Ku"]):
                 if step % k == 0:
-                    avg(lambda o, m: [o.state[p][o._moment_key(j)] for p in m.parameters()])
+                    avg(lambda o, m: [o.state[p][la.moment_key(j)] for p in m.parameters()])
             if cfg["base"] != "sgdm" and step % cfg["Kv"] == 0:
                 avg(lambda o, m: [o.state[p]["exp_avg_sq"] for p in m.parameters()])
             if step % cfg["Kx"] == 0:
@@ -667,7 +709,7 @@ def _hsdp(rank, world):
                 m.set_force_sum_reduction_for_comms(True)
                 m.set_gradient_divide_factor(1.0)  # force-sum alone still divides by |S|
         ledger = comm.CommLedger()
-        opt = la.LocalAdaptive(list(model.parameters()), topo, transfer_dtype=None, ledger=ledger, **cfg)
+        opt = local_adaptive(list(model.parameters()), topo, transfer_dtype="native", ledger=ledger, **cfg)
         for step in range(1, STEPS + 1):
             x, y = _batches(replica, step)
             half = slice(srank * BATCH // 2, (srank + 1) * BATCH // 2)
@@ -683,21 +725,26 @@ def _hsdp(rank, world):
     return out
 
 
-def test_hsdp_2x2_equals_single_process_simulation():
-    res = run_distributed(_hsdp, 4)
-    for c, cfg in enumerate(HSDP_CONFIGS):
-        ref = _simulate(cfg)
-        for rank_out in res:
-            o = rank_out[c]
-            assert o["dtensor_state"]
-            for k, v in ref[o["replica"]].items():
-                torch.testing.assert_close(o["params"][k], v, rtol=1e-10, atol=1e-12, msg=f"cfg {c} {k}")
-            # R bytes: every local-shard element of each state on its own schedule, float64 native
-            per_d = (STEPS // cfg["Kx"] + sum(STEPS // k for k in cfg["periods_u"])
-                     + (STEPS // cfg["Kv"] if cfg["base"] != "sgdm" else 0))
-            assert o["R_sent"] == o["d_local"] * per_d * 8
-        # mid-period the two replicas really differ (so the comparison per replica means something)
-        assert any(not torch.allclose(ref[0][k], ref[1][k]) for k in ref[0])
+@pytest.fixture(scope="module")
+def hsdp_results():
+    return run_distributed(_hsdp, 4)
+
+
+@pytest.mark.parametrize("c", range(len(HSDP_CONFIGS)), ids=HSDP_IDS)
+def test_hsdp_2x2_equals_single_process_simulation(hsdp_results, c):
+    cfg = HSDP_CONFIGS[c]
+    ref = _simulate(cfg)
+    for rank_out in hsdp_results:
+        o = rank_out[c]
+        assert o["dtensor_state"]
+        for k, v in ref[o["replica"]].items():
+            torch.testing.assert_close(o["params"][k], v, rtol=1e-10, atol=1e-12, msg=f"cfg {c} {k}")
+        # R bytes: every local-shard element of each state on its own schedule, float64 native
+        per_d = (STEPS // cfg["Kx"] + sum(STEPS // k for k in cfg["Ku"])
+                 + (STEPS // cfg["Kv"] if cfg["base"] != "sgdm" else 0))
+        assert o["R_sent"] == o["d_local"] * per_d * 8
+    # mid-period the two replicas really differ (so the comparison per replica means something)
+    assert any(not torch.allclose(ref[0][k], ref[1][k]) for k in ref[0])
 
 
 # ---- norm clip over a TP mesh: sharded and replicated parameters counted once ----------------------
@@ -710,9 +757,9 @@ def _tp_norm_clip(rank, world):
     shapes, places = [(4, 3), (5,), (2, 6)], [[Shard(0)], [Replicate()], [Shard(1)]]
     init = [torch.randn(s, dtype=F64, generator=torch.Generator().manual_seed(20 + i)) for i, s in enumerate(shapes)]
     ps = [nn.Parameter(distribute_tensor(t.clone(), mesh, pl)) for t, pl in zip(init, places)]
-    kw = dict(lr=0.1, betas1=(0.9,), beta2=0.99, clip="norm", clip_threshold=0.5, periods_u=(1,), Kv=1, Kx=1,
+    kw = dict(lr=0.1, beta1=(0.9,), beta2=0.99, clip="norm", clip_threshold=0.5, Ku=(1,), Kv=1, Kx=1,
               weight_decay=0.1)
-    opt = la.LocalAdaptive(ps, topo, **kw)
+    opt = local_adaptive(ps, topo, **kw)
     data = _grads(7, shapes, 6)
     for (grads,) in data:
         for p, g, pl in zip(ps, grads, places):
@@ -726,7 +773,7 @@ def test_norm_clip_over_tp_shards_equals_single_process():
     shapes = [(4, 3), (5,), (2, 6)]
     init = [torch.randn(s, dtype=F64, generator=torch.Generator().manual_seed(20 + i)) for i, s in enumerate(shapes)]
     ps = [t.clone().requires_grad_() for t in init]
-    opt = la.LocalAdaptive(ps, lr=0.1, betas1=(0.9,), beta2=0.99, clip="norm", clip_threshold=0.5, periods_u=(1,),
+    opt = local_adaptive(ps, lr=0.1, beta1=(0.9,), beta2=0.99, clip="norm", clip_threshold=0.5, Ku=(1,),
                            Kv=1, Kx=1, weight_decay=0.1)
     for (grads,) in _grads(7, shapes, 6):
         for p, g in zip(ps, grads):
@@ -744,7 +791,7 @@ def test_state_is_eager_so_dcp_does_not_run_a_dummy_step():
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     p = torch.ones(3, dtype=F64, requires_grad=True)
-    opt = la.LocalAdaptive([p], base="adopt", periods_u=(2,), Kv=2, Kx=2)
+    opt = local_adaptive([p], base="adopt", Ku=(2,), Kv=2, Kx=2)
     assert opt.replicas_in_sync()
     _init_optim_state(opt)
     assert int(opt.state[p]["step"]) == 0 and p.grad is None

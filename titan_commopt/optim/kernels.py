@@ -301,3 +301,12 @@ def adopt_multi_(
     torch._foreach_add_(xs, update, alpha=-lr)
     torch._foreach_mul_(vs, beta2)
     torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
+
+
+def nesterov_outer_(x: Tensor, anchor: Tensor, buf: Tensor, *, lr: float, momentum: float) -> None:
+    """DiLoCo's outer step on ``x`` = mean_R(x), with ``anchor`` = x at the previous outer step and
+    ``buf`` the outer momentum; the anchor moves to the new x."""
+    delta = anchor - x  # pseudo-gradient Δ = x_anchor − mean_R(x)
+    buf.mul_(momentum).add_(delta)  # b ← μ b + Δ
+    x.copy_(anchor).sub_(delta.add_(buf, alpha=momentum), alpha=lr)  # x ← anchor − η(Δ + μ b)
+    anchor.copy_(x)

@@ -65,7 +65,7 @@ DES-LOC is N = 1, ω = 1 (plain Adam locally); MT-DAO the general case. Base alg
 Where hyper-parameters come from: ``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay`` of this
 table win when set (≥ 0 / a non-empty list); a negative value / empty list takes torchtitan's
 ``[optimizer]`` value (``hparams``). An unset ``lr`` is ``[optimizer] lr × lr_scale``, computed once by
-the registry's ``resolve`` into ``Resolved.hparams.lr``, which is what ``settings`` reads (so the scale
+the registry's ``resolve`` into ``Resolved.hparams.lr``, which is what the optimizer reads (so the scale
 is never applied twice). ``lr`` is only the initial value of ``param_groups[i]["lr"]``: the LR
 scheduler owns it afterwards and every step reads it from there.
 
@@ -105,16 +105,20 @@ paper's analysis bounds state changes by the per-coordinate radius ρ); ``norm``
 replica's own norm (MT-DAO's paper clips per worker; its ρ = 1 is the training loop's max_norm, so
 the preset leaves ``clip = "none"``).
 
-``settings(cfg, hparams)`` turns the table into concrete numbers (periods, betas, lr) and does every
-cross-field check (list lengths, Σω, periods) without any collective; ``build``, the byte formula
-(``traffic.local_r_bytes``) and the registry's ``check`` call it. The fused sync concatenates every due state into one buffer (up to
-3× the local parameter shard at a step where x, u and v are all due): that is the price of one
-collective per step.
+Where things are: ``check`` (called by the registry's ``resolve``, nowhere else) holds every
+cross-field rule (list lengths, Σω, periods, ``sync_delay``) without any collective; ``resolve_periods``
+is the one value derived from the table (``"auto"`` → a number), read by ``check``, the optimizer,
+``state_shape`` and the byte formula ``local_r_bytes``; the sync schedule and the two ways a sync
+lands (in place, or streamed and merged) are in ``local_sync.py``, run as tasks on the optimizer's
+``runtime`` (``titan_commopt.overlap``); the outer step is ``kernels.nesterov_outer_``. The fused sync
+concatenates every due state into one buffer (up to 3× the local parameter shard at a step where x,
+u and v are all due): that is the price of one collective per step.
 """
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from functools import partial
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
@@ -125,11 +129,11 @@ from titan_commopt.topology import R, S, T, Topology
 
 from . import kernels
 from .base import CommOptimizer
-from .common import LR_SCALE_HELP, BaseHParams, NamedParams, local, replica_grad
-from .family import Family, Resolved
-from .traffic import local_r_bytes
+from .common import LR_SCALE_HELP, BaseHParams, local, replica_grad
+from .family import Bytes, Family, Resolved, ShardShape
+from .local_sync import DueStates, Periods, SyncSchedule, sync_in_place, sync_streaming
 
-__all__ = ["Config", "PRESETS", "LocalAdaptive", "FAMILY", "build", "check", "settings", "Settings"]
+__all__ = ["Config", "PRESETS", "LocalAdaptive", "FAMILY", "check", "resolve_periods", "local_r_bytes", "moment_key"]
 
 SECTION = "commopt.local"
 
@@ -138,7 +142,7 @@ SECTION = "commopt.local"
 class Config:
     """``[commopt.local]``: the DES-LOC / MT-DAO engine (also LocalAdam and DiLoCo presets)."""
 
-    base: str = option("adam", "Local base optimizer.", choices=("adam", "adopt", "sgdm"))
+    base: Literal["adam", "adopt", "sgdm"] = option("adam", "Local base optimizer.")
     beta1: list[float] = option(
         [], "β1_j of the N first momenta; [] = one momentum per Ku entry with [optimizer] beta1 "
         "(e.g. [0.9, 0.999] for two momenta).", kind=list,
@@ -160,17 +164,16 @@ class Config:
         32, "Parameter sync period (0 = never; \"auto\" = from the half-life of the fastest state, "
         "min over β1_j and β2).", ge=0, auto=True, kind=int,
     )
-    outer: str = option(
+    outer: Literal["average", "nesterov"] = option(
         "average", "Outer optimizer at a Kx sync: average (x = mean_R x) or nesterov (Nesterov "
-        "momentum on the pseudo-gradient x_anchor − mean_R x, DiLoCo).", choices=("average", "nesterov"),
+        "momentum on the pseudo-gradient x_anchor − mean_R x, DiLoCo).",
     )
     outer_lr: float = option(0.7, "Outer (Nesterov) learning rate.", gt=0.0)
     outer_momentum: float = option(0.9, "Outer (Nesterov) momentum.", ge=0.0, lt=1.0)
-    clip: str = option(
+    clip: Literal["none", "coordinate", "norm"] = option(
         "none", "A second gradient clip inside the optimizer, after [training] max_norm: "
         "coordinate-wise to ±clip_threshold (DES-LOC's algorithm) or by this replica's own gradient "
         "norm.",
-        choices=("none", "coordinate", "norm"),
     )
     clip_threshold: float = option(1.0, "Clipping radius ρ.", gt=0.0)
     lr: float = option(
@@ -188,9 +191,8 @@ class Config:
         "carried across. 0 = no switch; \"warmup\" = [lr_scheduler] warmup_steps.",
         ge=0, auto="warmup", kind=int,
     )
-    transfer_dtype: str = option(
+    transfer_dtype: Literal["fp32", "bf16", "native"] = option(
         "fp32", "dtype of synced states on the wire (native = the state's own dtype).",
-        choices=("fp32", "bf16", "native"),
     )
     fragments: int = option(
         1, "Streaming sync: parameters (with their states) split into this many fragments, balanced "
@@ -278,118 +280,134 @@ PRESET_SOURCES: dict[str, str] = {
 }
 
 
-# ---- configuration → concrete numbers (shared by build and the byte formula) ---------------------
-@dataclass(frozen=True)
-class Settings:
-    base: str
-    betas1: tuple[float, ...]
-    omegas: tuple[float, ...]
-    periods_u: tuple[int, ...]
-    beta2: float
-    Kv: int
-    Kx: int
-    lr: float
-    eps: float
-    weight_decay: float
-    fragments: int = 1
-    sync_delay: int = 0
-    switch_at: int = 0
-    base_beta1: float = 0.9
 
 
-def _period(value: Any, beta: float, key: str) -> int:
-    if value == "auto":
-        return resolve_auto_period(value, beta)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(
-            f"[{SECTION}] {key} = {value!r}: allowed is an integer >= 0 (0 = never) or \"auto\""
-        )
-    return value
+# ---- the table's values, [optimizer]'s where it leaves one unset ------------------------------------
+def _betas1(cfg: Config, hparams: BaseHParams) -> tuple[float, ...]:
+    """β1_j of each first momentum: the table's, or [optimizer] beta1 for every Ku entry."""
+    return tuple(float(b) for b in (list(cfg.beta1) or [hparams.beta1] * len(cfg.Ku)))
 
 
-def settings(cfg: Config, hparams: Optional[BaseHParams] = None) -> Settings:
-    """The table's concrete numbers, defaults filled in from ``hparams`` (torchtitan's
-    ``[optimizer]``; ``hparams.lr`` is taken as the effective lr: ``resolve`` has applied ``lr_scale``).
-    Raises ``ConfigError`` on a cross-field problem."""
-    hp = hparams or BaseHParams()
+def _beta2(cfg: Config, hparams: BaseHParams) -> float:
+    return float(hparams.beta2 if cfg.beta2 < 0 else cfg.beta2)
+
+
+def _table_or(value: float, fallback: float) -> float:
+    """The table's value; a negative one (unset) takes [optimizer]'s ``fallback``."""
+    return fallback if value < 0 else value
+
+
+def resolve_periods(cfg: Config, hparams: BaseHParams) -> Periods:
+    """The sync periods, each ``"auto"`` the power of two nearest its state's half-life (Kx: of the
+    fastest state); Kv = 0 without a second moment (sgdm). The one value derived from the table, read
+    by ``check``, the optimizer, ``state_shape`` and the byte formula. Raises ``ConfigError`` when an
+    "auto" period has no decay in (0, 1)."""
+    betas1, beta2 = _betas1(cfg, hparams), _beta2(cfg, hparams)
+    has_v = cfg.base != "sgdm"
+    ku = tuple(resolve_auto_period(k, b) for k, b in zip(cfg.Ku, betas1))
+    kv = resolve_auto_period(cfg.Kv, beta2)
+    kx = resolve_auto_period(cfg.Kx, min(betas1 + ((beta2,) if has_v else ())))
+    return Periods(Kx=kx, Ku=ku, Kv=kv if has_v else 0)
+
+
+def check(cfg: Config, hparams: BaseHParams) -> list[str]:
+    """The family's cross-field rules (list lengths, Σω, periods, sync_delay), no collectives: the
+    first problem found, as one line. Each value's kind has passed the generic validator."""
     ku, om = list(cfg.Ku), list(cfg.omega)
-    b1 = list(cfg.beta1) or [hp.beta1] * len(ku)
     n = len(ku)
     if n == 0:
-        raise ConfigError(f"[{SECTION}] Ku = []: allowed is one period per first momentum (N >= 1)")
-    for key, values in (("beta1", b1), ("omega", om)):
+        return [f"[{SECTION}] Ku = []: allowed is one period per first momentum (N >= 1)"]
+    b1 = list(cfg.beta1) or [hparams.beta1] * n
+    for key, values, allowed, ok in (
+        ("beta1", b1, "numbers in [0, 1)", lambda v: 0.0 <= v < 1.0),
+        ("omega", om, "numbers in [0, 1]", lambda v: 0.0 <= v <= 1.0),
+    ):
         if len(values) != n:
-            raise ConfigError(
-                f"[{SECTION}] {key} = {values!r}: allowed is a list of {n} entries, one per Ku entry "
-                f"(Ku = {ku!r})"
-            )
-    for key, values in (("beta1", b1), ("omega", om)):
-        for v in values:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-            ok = ok and (0.0 <= v < 1.0 if key == "beta1" else 0.0 <= v <= 1.0)
-            if not ok:
-                allowed = "numbers in [0, 1)" if key == "beta1" else "numbers in [0, 1]"
-                raise ConfigError(f"[{SECTION}] {key} = {values!r}: allowed is {allowed}")
+            return [f"[{SECTION}] {key} = {values!r}: allowed is a list of {n} entries, one per Ku entry (Ku = {ku!r})"]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and ok(v) for v in values):
+            return [f"[{SECTION}] {key} = {values!r}: allowed is {allowed}"]
     if sum(om) > 1.0 + 1e-12:
-        raise ConfigError(f"[{SECTION}] omega = {om!r}: allowed is weights with sum <= 1")
-    beta2 = hp.beta2 if cfg.beta2 < 0 else cfg.beta2
+        return [f"[{SECTION}] omega = {om!r}: allowed is weights with sum <= 1"]
+    beta2 = _beta2(cfg, hparams)
     if not 0.0 <= beta2 < 1.0:
-        raise ConfigError(f"[{SECTION}] beta2 = {beta2!r}: allowed is a number in [0, 1)")
-    periods_u = tuple(_period(k, b, f"Ku[{j}]") for j, (k, b) in enumerate(zip(ku, b1)))
-    kv = _period(cfg.Kv, beta2, "Kv")
-    fastest = min(b1 + ([beta2] if cfg.base != "sgdm" else []))
-    kx = _period(cfg.Kx, fastest, "Kx")
-    kv = kv if cfg.base != "sgdm" else 0
-    positive = [k for k in (kx, kv, *periods_u) if k > 0]
-    if positive and cfg.sync_delay >= min(positive):
-        raise ConfigError(
-            f"[{SECTION}] sync_delay = {cfg.sync_delay!r}: allowed is an integer >= 0 below the smallest "
-            f"period > 0 ({min(positive)}): a fragment must have merged before it is due again"
-        )
-    return Settings(
-        base=cfg.base,
-        betas1=tuple(float(b) for b in b1),
-        omegas=tuple(float(w) for w in om),
-        periods_u=periods_u,
-        beta2=float(beta2),
-        Kv=kv,
-        Kx=kx,
-        lr=hp.lr if cfg.lr < 0 else cfg.lr,
-        eps=hp.eps if cfg.eps < 0 else cfg.eps,
-        weight_decay=hp.weight_decay if cfg.weight_decay < 0 else cfg.weight_decay,
-        fragments=int(cfg.fragments),
-        sync_delay=int(cfg.sync_delay),
-        switch_at=hp.warmup_steps if cfg.switch_at == "warmup" else int(cfg.switch_at),
-        base_beta1=float(hp.beta1),
-    )
-
-
-def check(cfg: Config, hparams: Optional[BaseHParams] = None) -> list[str]:
-    """The family's cross-field rules (list lengths, Σω, periods), no collectives."""
+        return [f"[{SECTION}] beta2 = {beta2!r}: allowed is a number in [0, 1)"]
+    for j, k in enumerate(ku):  # Kv and Kx are single values: the generic validator checked them
+        if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            return [f"[{SECTION}] Ku[{j}] = {k!r}: allowed is an integer >= 0 (0 = never) or \"auto\""]
     try:
-        settings(cfg, hparams)
+        positive = resolve_periods(cfg, hparams).positive()
     except ConfigError as error:
         return [str(error)]
+    if positive and cfg.sync_delay >= min(positive):
+        return [
+            f"[{SECTION}] sync_delay = {cfg.sync_delay!r}: allowed is an integer >= 0 below the smallest "
+            f"period > 0 ({min(positive)}): a fragment must have merged before it is due again"
+        ]
     return []
 
 
-def _offsets(period: int, fragments: int) -> list[int]:
-    """Step offset of each fragment within a period: spread evenly, fragment 0 at 0 (so one
-    fragment is today's schedule: due when ``step % period == 0``)."""
-    return [f * period // fragments for f in range(fragments)]
+def local_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_size: int) -> Bytes:
+    """R payload per rank per step: d·(1/Kx + Σ_j 1/K_j + 1/Kv)·bytes, all-reduce (sent =
+    received); d = the local shard's elements, bytes = the transfer dtype's (the parameter's for
+    ``native``); a period of 0 (never) adds nothing. Fragments and ``sync_delay`` move syncs in time,
+    not their bytes."""
+    if replicate_size <= 1:
+        return Bytes()
+    periods = resolve_periods(resolved.options, resolved.hparams)
+    inv = lambda k: 1.0 / k if k > 0 else 0.0  # noqa: E731
+    per_element = inv(periods.Kx) + sum(inv(k) for k in periods.Ku) + inv(periods.Kv)
+    dtype = resolved.options.transfer_dtype
+    total = sum(s.numel * (s.itemsize if dtype == "native" else comm.DTYPES[dtype].itemsize) for s in shards)
+    return Bytes(total * per_element, total * per_element)
 
 
-def _partition(sizes: Sequence[int], fragments: int) -> list[int]:
-    """Fragment of each parameter: greedy by size (largest first onto the lightest fragment, ties to
-    the lower index), so fragments are balanced in elements. Deterministic from the sizes alone,
-    hence the same on every replica."""
-    load = [0] * fragments
-    out = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        f = min(range(fragments), key=lambda f: (load[f], f))
-        out[i] = f
-        load[f] += sizes[i]
-    return out
+# ---- the local step's pieces, chosen once from the table ---------------------------------------------
+LocalUpdate = Callable[..., None]  # (xs, gs, moments, vs, group, hp, n, corrections) → None
+
+
+def _local_update(cfg: Config) -> LocalUpdate:
+    """The base optimizer's multi-tensor update; ``hp`` = lr, betas1, omegas, weight_decay of this
+    update, ``corrections`` the first momenta's bias corrections after MT-DAO's switch."""
+    if cfg.base == "sgdm":
+        def update(xs, gs, moments, vs, group, hp, n, corrections):
+            kernels.sgdm_multi_(xs, gs, moments, **hp)
+    elif cfg.base == "adopt":
+        def update(xs, gs, moments, vs, group, hp, n, corrections):
+            kernels.adopt_multi_(xs, gs, moments, vs, **hp, beta2=group["beta2"], eps=group["eps"], step=n,
+                                 clip=cfg.adopt_clip)
+    else:
+        def update(xs, gs, moments, vs, group, hp, n, corrections):
+            kernels.qh_adamw_multi_(xs, gs, moments, vs, **hp, beta2=group["beta2"], eps=group["eps"], step=n,
+                                    bias_correction=cfg.bias_correction, corrections1=corrections, fused=True)
+    return update
+
+
+GradientClip = Callable[[list[torch.Tensor], Optional[torch.Tensor]], list[torch.Tensor]]
+
+
+def _gradient_clip(cfg: Config) -> Optional[GradientClip]:
+    """The optimizer's own clip of a chunk's gradients (new tensors; ``p.grad`` is never written),
+    given the replica's norm scale min(1, ρ/‖g‖) for ``norm``; ``None`` for no clip."""
+    rho = cfg.clip_threshold
+    if cfg.clip == "coordinate":
+        return lambda gs, scale: [g.clamp(-rho, rho) for g in gs]
+    if cfg.clip == "norm":
+        return lambda gs, scale: torch._foreach_mul(gs, scale)  # × 1.0 when not clipping: exact
+    return None
+
+
+def moment_key(j: int) -> str:
+    """The state key of first momentum j; j = 0 keeps torch Adam's name, so an AdamW checkpoint's
+    first moment maps onto it."""
+    return "exp_avg" if j == 0 else f"exp_avg_{j}"
+
+
+def _trainable(named_params: Any) -> list:
+    """``(fqn, param)`` pairs, or param-group dicts of them, without the frozen parameters."""
+    items = list(named_params)
+    if items and isinstance(items[0], dict):
+        return [{**g, "params": [(n, p) for n, p in g["params"] if p.requires_grad]} for g in items]
+    return [(n, p) for n, p in items if p.requires_grad]
 
 
 def _replication(p: torch.Tensor, topology: Topology) -> int:
@@ -403,16 +421,6 @@ def _replication(p: torch.Tensor, topology: Topology) -> int:
     )
 
 
-@dataclass
-class _InFlight:
-    """One step's fused sync in flight (``sync_delay`` > 0): merged after update ``merge_at``."""
-
-    merge_at: int
-    tensors: list[torch.Tensor]  # the live local states (x, u_j, v)
-    snapshots: list[torch.Tensor]  # their values at issue; mean_R of those once ``pending`` is waited for
-    kinds: list[str]  # "x", "u" or "v" per tensor
-    states: list[Optional[dict]]  # the parameter's state for "x" (the outer step's anchor and buffer)
-    pending: "comm.Pending[None]"
 
 
 # Elements per multi-tensor kernel call. On a GPU it bounds the temporaries a call allocates for its
@@ -439,82 +447,49 @@ def _chunks(rows: list[list[torch.Tensor]], limit: int) -> list[list[list[torch.
     return chunks
 
 
+
+
 class LocalAdaptive(CommOptimizer):
     """One engine for DES-LOC (N = 1, ω = 1), MT-DAO (N momenta, quasi-hyperbolic), Local Adam
     (Ku = Kv = Kx) and DiLoCo (Ku = Kv = 0, Nesterov outer). See the module docstring for the math.
 
-    ``betas1``/``omegas``/``beta2``/``eps``/``weight_decay``/``lr`` are per param group;
-    the periods, base algorithm, clipping and outer optimizer are global (syncs are fused over all
-    parameters, and the norm clip is over the whole replica gradient).
+    ``betas1``/``omegas``/``beta2``/``eps``/``weight_decay``/``lr`` are per param group (from the
+    table, [optimizer]'s where unset); the periods, base algorithm, clipping and outer optimizer are
+    global (syncs are fused over all parameters, and the norm clip is over the whole replica gradient).
+    Public state besides torch's: ``periods`` (resolved), ``schedule`` (which fragment of which state
+    is due when), ``switch_at`` (MT-DAO's switch as an update count).
     """
 
-    def __init__(
-        self,
-        params: Any,
-        topology: Optional[Topology] = None,
-        *,
-        base: str = "adam",
-        lr: float = 1e-3,
-        betas1: Sequence[float] = (0.9,),
-        omegas: Sequence[float] = (1.0,),
-        periods_u: Sequence[int] = (32,),
-        beta2: float = 0.999,
-        Kv: int = 32,
-        Kx: int = 32,
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        bias_correction: bool = True,
-        adopt_clip: bool = True,
-        clip: str = "none",
-        clip_threshold: float = 1.0,
-        outer: str = "average",
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        transfer_dtype: Optional[torch.dtype] = torch.float32,
-        fragments: int = 1,
-        sync_delay: int = 0,
-        switch_at: int = 0,
-        base_beta1: float = 0.9,
-        ledger: Optional["comm.CommLedger"] = None,
-    ) -> None:
-        if not (len(betas1) == len(omegas) == len(periods_u) >= 1):
-            raise ValueError("betas1, omegas and periods_u need one entry per first momentum")
-        if base not in ("adam", "adopt", "sgdm") or clip not in ("none", "coordinate", "norm"):
-            raise ValueError(f"bad base {base!r} or clip {clip!r}")
-        if outer not in ("average", "nesterov"):
-            raise ValueError(f"bad outer {outer!r}")
+    def __init__(self, named_params: Any, topology: Topology, options: Resolved, *,
+                 ledger: Optional["comm.CommLedger"] = None) -> None:
+        cfg, hp = options.options, options.hparams
         defaults = dict(
-            lr=lr, betas1=tuple(betas1), omegas=tuple(omegas), beta2=beta2, eps=eps,
-            weight_decay=weight_decay,
+            lr=hp.lr, betas1=_betas1(cfg, hp), omegas=tuple(float(w) for w in cfg.omega), beta2=_beta2(cfg, hp),
+            eps=_table_or(cfg.eps, hp.eps), weight_decay=_table_or(cfg.weight_decay, hp.weight_decay),
         )
-        super().__init__(params, topology or Topology.single(), None, defaults, ledger=ledger)
-        self.base = base
-        self.periods_u = tuple(int(k) for k in periods_u)
-        self.Kv = int(Kv) if base != "sgdm" else 0
-        self.Kx = int(Kx)
-        self.bias_correction = bias_correction
-        self.adopt_clip = adopt_clip
-        self.clip = clip
-        self.clip_threshold = clip_threshold
-        self.outer = outer
-        self.outer_lr = outer_lr
-        self.outer_momentum = outer_momentum
-        self.transfer_dtype = transfer_dtype
-        positive = [k for k in (self.Kx, self.Kv, *self.periods_u) if k > 0]
-        if fragments < 1 or sync_delay < 0 or (positive and sync_delay >= min(positive)):
-            raise ValueError(f"fragments = {fragments} (>= 1), sync_delay = {sync_delay} (>= 0, below every period > 0)")
-        self.sync_delay = int(sync_delay)
-        if switch_at < 0 or not 0.0 <= base_beta1 < 1.0:
-            raise ValueError(f"switch_at = {switch_at} (>= 0), base_beta1 = {base_beta1} (in [0, 1))")
+        super().__init__(_trainable(named_params), topology, options, defaults, ledger=ledger)
+        self.periods = resolve_periods(cfg, hp)
         # Global, not per group: read with the checkpointed step counter, a resume switches at the same
         # update; param_groups saved before the switch existed still load.
-        self.switch_at = int(switch_at)
-        self.base_beta1 = float(base_beta1)
+        self.switch_at = hp.warmup_steps if cfg.switch_at == "warmup" else int(cfg.switch_at)
+        self._base_beta1 = float(hp.beta1)  # u_0's β before the switch
+        self._corrects_switch = cfg.base == "adam" and cfg.bias_correction
+        self._local_update = _local_update(cfg)
+        self._has_v = cfg.base != "sgdm"
+        self._clip = _gradient_clip(cfg)
+        self._clip_by_norm = cfg.clip == "norm"
+        self._clip_threshold = cfg.clip_threshold
+        nesterov = cfg.outer == "nesterov"
+        self._outer = partial(kernels.nesterov_outer_, lr=cfg.outer_lr, momentum=cfg.outer_momentum) if nesterov else None
+        # One replica syncs nothing, unless the outer step runs (DiLoCo with one worker is not Adam).
+        self._syncs = topology.replicate_size > 1 or nesterov
+        self._replicate = topology.replicate if topology.replicate_size > 1 else None
+        self._wire_dtype = None if cfg.transfer_dtype == "native" else comm.DTYPES[cfg.transfer_dtype]
+        self._sync_delay = cfg.sync_delay
         # The step counter: one Python int (no host read per parameter); every parameter's
         # state["step"] is the same CPU scalar tensor holding it, so checkpoints carry it.
         self._n = 0
         self._step_t = torch.tensor(0.0)
-        self._in_flight: list[_InFlight] = []
         # Eager state: DCP's _init_optim_state would otherwise run a dummy zero-grad step (lr 0) on
         # an empty state, advancing the step counter (the sync schedule) and seeding ADOPT's v with 0.
         self._params: list[tuple[dict, torch.Tensor]] = []
@@ -523,16 +498,13 @@ class LocalAdaptive(CommOptimizer):
                 if p.requires_grad:
                     self._init_state(p, len(group["betas1"]))
                     self._params.append((group, p))
-        self.fragments = max(1, min(int(fragments), len(self._params)))
-        self._fragment = _partition([p.numel() for _, p in self._params], self.fragments)
-        # (state kind, period): "u<j>" for first momentum j, "v", "x"; in the fused buffer's order
-        self._kinds = [(f"u{j}", k) for j, k in enumerate(self.periods_u)] + [("v", self.Kv), ("x", self.Kx)]
+        self.schedule = SyncSchedule(self.periods, [p.numel() for _, p in self._params], cfg.fragments)
 
     # ---- hooks the torchtitan adapter reads (titan/optimizers.py, state.py) ------------------------
     @property
     def params_replica_local(self) -> bool:
         """Parameters differ across replicas between Kx syncs: checkpoints keep them per replica."""
-        return self.Kx != 1
+        return self.periods.Kx != 1
 
     def replicas_in_sync(self) -> bool:
         """Whether every replica holds the same parameters now: before the first step (the adapter
@@ -540,38 +512,32 @@ class LocalAdaptive(CommOptimizer):
         averaged with no delay. With several fragments at different offsets, or a ``sync_delay``
         (local progress is kept at a merge), that never happens after the first step. Read from the
         checkpointed step counter, so it stays right after a resume."""
-        n = self._n
-        if n == 0:
-            return True
-        if self.sync_delay > 0 or self.Kx <= 0:
-            return False
-        return all((n - off) % self.Kx == 0 for off in _offsets(self.Kx, self.fragments))
+        return self._n == 0 or (self._sync_delay == 0 and self.schedule.all_x_due(self._n))
 
     def steps_to_next_sync(self) -> Optional[int]:
         """Steps until the next R sync of any state (x, u_j or v); ``None`` when one period is 1
-        (a sync every step) or all are 0 (never)."""
-        periods = [k for k in (self.Kx, self.Kv, *self.periods_u) if k > 0]
-        if not periods or min(periods) == 1 or self.topology.replicate_size == 1:
-            return None
-        n = self._n  # a fragment f of a state with period k syncs when (n − offset_f) % k == 0
-        return min((off - n - 1) % k + 1 for k in periods for off in _offsets(k, self.fragments))
+        (a sync every step) or all are 0 (never), or with one replica."""
+        return None if self.topology.replicate_size == 1 else self.schedule.steps_to_next(self._n)
+
+    def metrics(self) -> dict[str, float]:
+        """``syncs_in_flight`` (streaming fragments not merged yet) and ``steps_to_next_sync``."""
+        out = {"syncs_in_flight": float(self.runtime.in_flight)}
+        steps = self.steps_to_next_sync()
+        if steps is not None:
+            out["steps_to_next_sync"] = float(steps)
+        return out
 
     # ---- state -----------------------------------------------------------------------------------
-    @staticmethod
-    def _moment_key(j: int) -> str:
-        # j = 0 keeps torch Adam's name so an AdamW checkpoint's first moment maps onto it
-        return "exp_avg" if j == 0 else f"exp_avg_{j}"
-
     def _init_state(self, p: torch.Tensor, n_moments: int) -> dict:
         state = self.state[p]
         if not state:
             zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
             state["step"] = self._step_t
             for j in range(n_moments):
-                state[self._moment_key(j)] = zeros()
-            if self.base != "sgdm":
+                state[moment_key(j)] = zeros()
+            if self._has_v:
                 state["exp_avg_sq"] = zeros()
-            if self.outer == "nesterov" and self.Kx > 0:
+            if self._outer is not None and self.periods.Kx > 0:
                 # x at the last sync: the outer step's pseudo-gradient is anchor − mean_R(x)
                 state["outer_anchor"] = p.detach().clone()
                 state["outer_buf"] = zeros()
@@ -586,9 +552,7 @@ class LocalAdaptive(CommOptimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        for entry in self._in_flight:  # the state is replaced: drain the collectives, drop the merges
-            entry.pending.wait()
-        self._in_flight = []
+        self.runtime.abandon()  # the state is replaced: the collectives complete, their merges are dropped
         super().load_state_dict(state_dict)
         # Read the step counter once (a checkpoint of per-parameter counters takes their largest),
         # then share one tensor again.
@@ -598,6 +562,11 @@ class LocalAdaptive(CommOptimizer):
         for s in self.state.values():
             if "step" in s:
                 s["step"] = self._step_t
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Wait for every sync in flight and merge it now (before a checkpoint; at the end of a run)."""
+        super().flush()
 
     # ---- step ------------------------------------------------------------------------------------
     def _clip_scale(self, grads: list[torch.Tensor], params: list[torch.Tensor]) -> torch.Tensor:
@@ -614,7 +583,7 @@ class LocalAdaptive(CommOptimizer):
             sq += torch.stack(norms).double().square().sum() / rep
         comm.all_reduce(sq, S, self.topology.shard, op="sum", ledger=self.ledger)
         comm.all_reduce(sq, T, self.topology.tp, op="sum", ledger=self.ledger)
-        return (self.clip_threshold / (sq.sqrt() + 1e-12)).clamp(max=1.0)
+        return (self._clip_threshold / (sq.sqrt() + 1e-12)).clamp(max=1.0)
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -635,183 +604,86 @@ class LocalAdaptive(CommOptimizer):
         n = self._n
         self._step_t.fill_(n)
 
-        scale = None
-        if self.clip == "norm":
-            scale = self._clip_scale([g for _, _, g in work], [p for _, p, _ in work])
-
+        scale = self._clip_scale([g for _, _, g in work], [p for _, p, _ in work]) if self._clip_by_norm else None
         by_group: dict[int, tuple[dict, list[list[torch.Tensor]]]] = {}
         for group, p, g in work:
             state = self.state[p]
             x = local(p)
             row = [x, g if g.dtype == x.dtype else g.to(x.dtype)]
-            row += [local(state[self._moment_key(j)]) for j in range(len(group["betas1"]))]
-            if self.base != "sgdm":
+            row += [local(state[moment_key(j)]) for j in range(len(group["betas1"]))]
+            if self._has_v:
                 row.append(local(state["exp_avg_sq"]))
             by_group.setdefault(id(group), (group, []))[1].append(row)
         for group, rows in by_group.values():
             limit = _CHUNK.get(rows[0][0].device.type, _DEFAULT_CHUNK)
             for chunk in _chunks(rows, limit):
                 cols = [list(col) for col in zip(*chunk)]
-                cols[1] = self._clipped(cols[1], scale)
+                if self._clip is not None:
+                    cols[1] = self._clip(cols[1], scale)
                 self._update(group, cols, n)
         self._sync(n)
         return loss
 
-    def _clipped(self, gs: list[torch.Tensor], scale: Optional[torch.Tensor]) -> list[torch.Tensor]:
-        """The clipped gradients (new tensors; ``p.grad`` is never written), per chunk so that only a
-        chunk's worth of temporaries exists at a time."""
-        if self.clip == "coordinate":
-            return [g.clamp(-self.clip_threshold, self.clip_threshold) for g in gs]
-        if self.clip == "norm":
-            return torch._foreach_mul(gs, scale)  # × 1.0 when not clipping: exact
-        return gs
-
     def _update(self, group: dict, cols: list[list[torch.Tensor]], n: int) -> None:
         """One local step: ``cols`` = [xs, gs, u_0s, …, u_{N−1}s(, vs)] of some parameters of ``group``."""
         nm = len(group["betas1"])
-        xs, gs, moments, vs = cols[0], cols[1], cols[2 : 2 + nm], cols[2 + nm] if self.base != "sgdm" else None
+        xs, gs, moments, vs = cols[0], cols[1], cols[2 : 2 + nm], cols[2 + nm] if self._has_v else None
         betas1, omegas, corrections = group["betas1"], group["omegas"], None
         k = self.switch_at
         if n <= k:  # before MT-DAO's switch: the plain base optimizer on u_0 (the other u_j stay 0)
-            betas1, omegas, moments = (self.base_beta1,), (1.0,), moments[:1]
-        elif k > 0 and self.base == "adam" and self.bias_correction:
+            betas1, omegas, moments = (self._base_beta1,), (1.0,), moments[:1]
+        elif k > 0 and self._corrects_switch:
             # The weight each EMA has gathered: u_0 was built with the base β for k updates, then β1_0
             # (1 − β^k·β1_0^(n−k)); u_j (j ≥ 1) started at zero at the switch (1 − β1_j^(n−k)).
-            carried = [self.base_beta1**k] + [1.0] * (nm - 1)
+            carried = [self._base_beta1**k] + [1.0] * (nm - 1)
             corrections = [1 - c * b ** (n - k) for c, b in zip(carried, betas1)]
         hp = dict(lr=group["lr"], betas1=betas1, omegas=omegas, weight_decay=group["weight_decay"])
-        if self.base == "sgdm":
-            kernels.sgdm_multi_(xs, gs, moments, **hp)
-        elif self.base == "adopt":
-            kernels.adopt_multi_(xs, gs, moments, vs, **hp, beta2=group["beta2"], eps=group["eps"], step=n,
-                                 clip=self.adopt_clip)
-        else:
-            kernels.qh_adamw_multi_(xs, gs, moments, vs, **hp, beta2=group["beta2"], eps=group["eps"], step=n,
-                                    bias_correction=self.bias_correction, corrections1=corrections, fused=True)
+        self._local_update(xs, gs, moments, vs, group, hp, n, corrections)
 
-    # ---- the R syncs -----------------------------------------------------------------------------
-    def _due(self, n: int) -> dict[str, set[int]]:
-        """The fragments of each state kind due after update ``n``."""
-        due: dict[str, set[int]] = {}
-        for kind, period in self._kinds:
-            if period > 0:
-                frags = {f for f, off in enumerate(_offsets(period, self.fragments)) if (n - off) % period == 0}
-                if frags:
-                    due[kind] = frags
-        return due
-
+    # ---- the R syncs (local_sync.py) -------------------------------------------------------------
     def _sync(self, n: int) -> None:
-        """Issue the fused all-reduce of every (state, fragment) due after update ``n``; merge it now
-        (``sync_delay`` = 0) or after update ``n + sync_delay``; merge what is due now."""
-        due = self._due(n) if self.topology.replicate_size > 1 or self.outer == "nesterov" else {}
+        """Average every (state, fragment) due after update ``n`` in one fused all-reduce: now
+        (``sync_delay`` = 0) or merged after update ``n + sync_delay``; merge what is due now."""
+        due = self.schedule.due(n) if self._syncs else {}
         if due:
-            tensors, kinds, states = [], [], []
-            for (group, p), f in zip(self._params, self._fragment):
-                state = self.state[p]
-                for j in range(len(group["betas1"])):
-                    if f in due.get(f"u{j}", ()):
-                        tensors.append(local(state[self._moment_key(j)]))
-                        kinds.append("u")
-                        states.append(None)
-                if f in due.get("v", ()):
-                    tensors.append(local(state["exp_avg_sq"]))
-                    kinds.append("v")
-                    states.append(None)
-                if f in due.get("x", ()):
-                    tensors.append(local(p))
-                    kinds.append("x")
-                    states.append(state)
-            self._issue(n, tensors, kinds, states)
-        while self._in_flight and self._in_flight[0].merge_at <= n:
-            self._merge(self._in_flight.pop(0))
+            states = self._due_states(due)
+            if self._sync_delay:
+                self.runtime.start(sync_streaming(states, self._reduce, self._outer), due=n + self._sync_delay)
+            else:
+                self.runtime.run(sync_in_place(states, self._reduce, self._outer))
+        self.runtime.advance(n)
 
-    def _issue(self, n: int, tensors: list, kinds: list[str], states: list) -> None:
-        replicate = self.topology.replicate if self.topology.replicate_size > 1 else None
-        kw = dict(op="mean", dtype=self.transfer_dtype, ledger=self.ledger)
-        if self.sync_delay == 0:  # blocking, in place: x = mean_R(x), then the outer step
-            comm.all_reduce_fused(tensors, R, replicate, **kw)
-            if self.outer == "nesterov":
-                for t, kind, state in zip(tensors, kinds, states):
-                    if kind == "x":
-                        self._nesterov(t, state)
-            return
-        snapshots = [t.clone() for t in tensors]  # the price of the overlap: one copy of what is sent
-        pending = comm.all_reduce_fused(snapshots, R, replicate, async_op=True, **kw)
-        self._in_flight.append(_InFlight(n + self.sync_delay, tensors, snapshots, kinds, states, pending))
+    def _due_states(self, due: dict[str, set[int]]) -> DueStates:
+        out = DueStates()
+        for (group, p), f in zip(self._params, self.schedule.fragment_of):
+            state = self.state[p]
+            for j in range(len(group["betas1"])):
+                if f in due.get(f"u{j}", ()):
+                    out.tensors.append(local(state[moment_key(j)]))
+            if f in due.get("v", ()):
+                out.second_moments.append(len(out.tensors))
+                out.tensors.append(local(state["exp_avg_sq"]))
+            if f in due.get("x", ()):
+                if self._outer is not None:
+                    out.outer.append((len(out.tensors), local(state["outer_anchor"]), local(state["outer_buf"])))
+                out.tensors.append(local(p))
+        return out
 
-    def _merge(self, entry: _InFlight) -> None:
-        """t ← mean_R(t at issue) + (t − t at issue) for every tensor of ``entry`` (Streaming DiLoCo's
-        rule, keeping the local progress made while the sync was in flight); for x with the Nesterov
-        outer step, the step is applied to the snapshot's mean first."""
-        torch._foreach_sub_(entry.tensors, entry.snapshots)  # the local progress since the issue
-        entry.pending.wait()  # snapshots := mean_R(snapshots)
-        if self.outer == "nesterov":
-            for snap, kind, state in zip(entry.snapshots, entry.kinds, entry.states):
-                if kind == "x":
-                    self._nesterov(snap, state)
-        torch._foreach_add_(entry.tensors, entry.snapshots)
-        for t, kind in zip(entry.tensors, entry.kinds):
-            if kind == "v":
-                t.clamp_min_(0)  # v − v_issue + mean_R(v_issue) can dip below 0 when β2^τ is small
-
-    @torch.no_grad()
-    def flush(self) -> None:
-        """Wait for every sync in flight and merge it now (before a checkpoint; at the end of a run)."""
-        while self._in_flight:
-            self._merge(self._in_flight.pop(0))
-
-    def _nesterov(self, x: torch.Tensor, state: dict) -> None:
-        """DiLoCo outer step; ``x`` already holds mean_R(x)."""
-        anchor, buf = local(state["outer_anchor"]), local(state["outer_buf"])
-        mu = self.outer_momentum
-        delta = anchor - x  # pseudo-gradient Δ = x_anchor − mean_R(x)
-        buf.mul_(mu).add_(delta)  # b ← μ b + Δ
-        x.copy_(anchor).sub_(delta.add_(buf, alpha=mu), alpha=self.outer_lr)  # x ← anchor − η(Δ + μ b)
-        anchor.copy_(x)
+    def _reduce(self, tensors: list[torch.Tensor]) -> "comm.Pending[None]":
+        return comm.all_reduce_fused(tensors, R, self._replicate, op="mean", dtype=self._wire_dtype,
+                                     ledger=self.ledger, async_op=True)
 
 
 # ---- the family ------------------------------------------------------------------------------------
-def build(named_params: NamedParams, topology: Topology, resolved: Resolved, *, ledger=None) -> LocalAdaptive:
-    cfg = resolved.options
-    st = settings(cfg, resolved.hparams)
-    return LocalAdaptive(
-        [{"params": [(n, p) for n, p in named_params if p.requires_grad]}],
-        topology,
-        base=st.base,
-        lr=st.lr,
-        betas1=st.betas1,
-        omegas=st.omegas,
-        periods_u=st.periods_u,
-        beta2=st.beta2,
-        Kv=st.Kv,
-        Kx=st.Kx,
-        eps=st.eps,
-        weight_decay=st.weight_decay,
-        bias_correction=cfg.bias_correction,
-        adopt_clip=cfg.adopt_clip,
-        clip=cfg.clip,
-        clip_threshold=cfg.clip_threshold,
-        outer=cfg.outer,
-        outer_lr=cfg.outer_lr,
-        outer_momentum=cfg.outer_momentum,
-        transfer_dtype=None if cfg.transfer_dtype == "native" else comm.DTYPES[cfg.transfer_dtype],
-        fragments=st.fragments,
-        sync_delay=st.sync_delay,
-        switch_at=st.switch_at,
-        base_beta1=st.base_beta1,
-        ledger=ledger,
-    )
-
-
 def state_shape(resolved: Resolved) -> dict[str, Any]:
     """What shapes the checkpointed state: the base (which moments, what they mean), the number of
     first momenta, the Nesterov outer state (Kx > 0) and per-replica parameters (Kx != 1)."""
-    st = settings(resolved.options, resolved.hparams)
+    cfg, periods = resolved.options, resolve_periods(resolved.options, resolved.hparams)
     return {
-        "base": st.base,
-        "Ku (number of first momenta)": len(st.periods_u),
-        "outer": resolved.options.outer if st.Kx > 0 else "none (Kx = 0)",
-        "Kx": 1 if st.Kx == 1 else "not 1 (parameters kept per replica)",
+        "base": cfg.base,
+        "Ku (number of first momenta)": len(periods.Ku),
+        "outer": cfg.outer if periods.Kx > 0 else "none (Kx = 0)",
+        "Kx": 1 if periods.Kx == 1 else "not 1 (parameters kept per replica)",
     }
 
 
@@ -819,7 +691,7 @@ FAMILY = Family(
     key="local",
     options=Config,
     presets=PRESETS,
-    build=build,
+    build=LocalAdaptive,
     r_bytes=local_r_bytes,
     check=check,
     state_shape=state_shape,
