@@ -293,3 +293,32 @@ def test_flush_at_end_of_training_applies_the_overlapped_update():
         # overlap leaves step 1's update in flight; the end-of-training flush applies it, giving
         # the parameters of the non-overlapped run
         assert out == {"moved_by_step_False": True, "moved_by_step_True": False, "equal": True}
+
+
+def _ledger_in_checkpoint(rank, world_size):
+    from titan_commopt.titan.adapter.container import CommOptimizersContainer
+    from titan_commopt.titan.adapter.replica_checkpoint import LEDGER_KEY
+
+    model = nn.Linear(4, 3)
+    ledger = comm.CommLedger()
+    ledger.record("R", "all_reduce_sum", 5, 5)
+    ledger.end_step()
+
+    def container(in_checkpoint):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return CommOptimizersContainer(
+            [model], [opt], name="AdamW", resolved=None, topology=Topology.single(), ledger=ledger,
+            fsdp_traffic=None, adamw_reference_r_bytes=0, ledger_in_checkpoint=in_checkpoint,
+        )
+
+    saved = container(True).state_dict()
+    old = container(False)  # resuming a checkpoint written before the ledger's totals were saved
+    asked = old.state_dict()
+    old.load_state_dict({k: v for k, v in saved.items() if k != LEDGER_KEY})
+    return {"saved": LEDGER_KEY in saved, "asked": LEDGER_KEY in asked, "after": LEDGER_KEY in old.state_dict(),
+            "totals": ledger.totals["R_sent"]}
+
+
+def test_a_checkpoint_without_ledger_totals_loads_and_the_next_save_has_them():
+    (out,) = run_distributed(_ledger_in_checkpoint, 1)
+    assert out == {"saved": True, "asked": False, "after": True, "totals": 5}

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from titan_commopt import comm
-from titan_commopt.optim import ShardShape, build_optimizer, resolve, traffic
+from titan_commopt.optim import ShardShape, build_optimizer, resolve
 from titan_commopt.optim import local_adaptive as la
 from titan_commopt.optim.common import BaseHParams
 from titan_commopt.topology import Topology
@@ -142,9 +142,9 @@ def _resolved(case, **changes):
     return resolve("Dion", {**DION_CASES[case], **changes}, HP)
 
 
-def _build(case, named, topo):
+def _build(case, named, topo, ledger):
     resolved = _resolved(case)
-    return build_optimizer(named, topo, resolved), resolved
+    return build_optimizer(named, topo, resolved, ledger=ledger), resolved
 
 
 def _slices(p):
@@ -168,17 +168,17 @@ def _worker(rank, world, dims, cases):
     for case in cases:
         model = _parallelize(make_net(), mesh)
         named = list(model.named_parameters())
-        opt, resolved = _build(case, named, topo)
-        with comm.use_ledger(comm.CommLedger()) as ledger:
-            for step in range(1, STEPS + 1):
-                tokens, y = batch(replica, step)
-                sq_error(model(tokens[rows]), y[rows, cols]).backward()
-                if case in ZERO:
-                    p = dict(named)[ZERO[case]]
-                    p.grad = torch.zeros_like(p.grad)
-                opt.step()
-                opt.zero_grad()
-                ledger.end_step()
+        ledger = comm.CommLedger()
+        opt, resolved = _build(case, named, topo, ledger)
+        for step in range(1, STEPS + 1):
+            tokens, y = batch(replica, step)
+            sq_error(model(tokens[rows]), y[rows, cols]).backward()
+            if case in ZERO:
+                p = dict(named)[ZERO[case]]
+                p.grad = torch.zeros_like(p.grad)
+            opt.step()
+            opt.zero_grad()
+            ledger.end_step()
         states_ok = all(
             isinstance(v, DTensor) and v.placements == p.placements
             for p in opt.state for v in opt.state[p].values()
@@ -191,7 +191,7 @@ def _worker(rank, world, dims, cases):
                         for n, p in named},
             states_ok=states_ok, in_sync=getattr(opt, "replicas_in_sync", lambda: True)(),
             R_sent=ledger.totals.get("R_sent", 0.0), T_sent=ledger.totals.get("T_sent", 0.0),
-            formula=(traffic.demo_r_bytes([ShardShape.of(n, p) for n, p in named], resolved, W).sent
+            formula=(resolved.family.r_bytes([ShardShape.of(n, p) for n, p in named], resolved, W).sent
                      if case in DEMO_CASES else None),
         )
     return dict(replica=replica, out=out)
@@ -264,12 +264,12 @@ def simulate_local(case):
                     x.copy_(mean)
 
         with torch.no_grad():
-            for j, k in enumerate(o0.periods_u):
+            for j, k in enumerate(o0.periods.Ku):
                 if k and step % k == 0:
-                    avg(lambda o, m: [o.state[p][o._moment_key(j)] for p in m.parameters()])
-            if o0.Kv and step % o0.Kv == 0:
+                    avg(lambda o, m: [o.state[p][la.moment_key(j)] for p in m.parameters()])
+            if o0.periods.Kv and step % o0.periods.Kv == 0:
                 avg(lambda o, m: [o.state[p]["exp_avg_sq"] for p in m.parameters()])
-            if step % o0.Kx == 0:
+            if step % o0.periods.Kx == 0:
                 avg(lambda o, m: [p.data for p in m.parameters()])
                 if cfg.outer == "nesterov":
                     nesterov_outer_step_(models, anchors, bufs, cfg.outer_momentum, cfg.outer_lr)

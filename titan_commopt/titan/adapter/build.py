@@ -21,7 +21,7 @@ from titan_commopt.optim import ShardShape, broadcast_parameters, build_optimize
 from titan_commopt.optim.traffic import adamw_hsdp_r_bytes, fsdp_traffic
 from titan_commopt.topology import Topology
 
-from ..config.resume import check_resume
+from ..config.resume import check_resume, ledger_saved
 from ..config.section import commopt_of
 from . import clipping
 from .container import CommOptimizersContainer, Safeguards
@@ -94,6 +94,7 @@ def build_optimizers(
             check_replicas_every=commopt.check_replicas_every,
             max_consecutive_skips=commopt.max_consecutive_skips,
         ),
+        ledger_in_checkpoint=ledger_saved(job_config),
     )
     if resolved is not None:
         clipping.install()

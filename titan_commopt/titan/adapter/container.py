@@ -48,6 +48,7 @@ class CommOptimizersContainer(OptimizersContainer):
         fsdp_traffic: Optional[FsdpTraffic],
         adamw_reference_r_bytes: float,
         safeguards: Safeguards = Safeguards(),
+        ledger_in_checkpoint: bool = True,
     ) -> None:
         if resolved is not None and not all(isinstance(o, CommOptimizer) for o in optimizers):
             raise TypeError("optimizers that own the replicate sync must be CommOptimizers")
@@ -61,6 +62,9 @@ class CommOptimizersContainer(OptimizersContainer):
         self.adamw_reference_r_bytes = adamw_reference_r_bytes
         self.guard = StepGuard(safeguards, ledger)
         self.steps_taken = 0
+        # False while the checkpoint this run resumes from predates the saved ledger totals: its
+        # load must not ask for them (DCP refuses a missing key); every save after it has them.
+        self._ledger_in_checkpoint = ledger_in_checkpoint
         self._pending_params = replica_checkpoint.PendingParams()
         self._nonfinite_vote: Optional[bool] = None  # agreed by clip_grad_norm_ for the coming step
         self._logged = (dict(ledger.totals), ledger.steps)  # the ledger at the previous metrics()
@@ -176,13 +180,14 @@ class CommOptimizersContainer(OptimizersContainer):
     def state_dict(self) -> dict[str, Any]:
         with self.ledger.set_aside():  # a lazy-state init steps the optimizers: not a training step
             flat = super().state_dict()
+        ledger = self.ledger if self._ledger_in_checkpoint else None
         if not self.owns_replicate_sync:
-            return replica_checkpoint.save_ledger(flat, self.ledger)
+            return replica_checkpoint.save_ledger(flat, ledger)
         return replica_checkpoint.save_replica(
             flat, self.topology.replica_index,
             counters={"skipped_steps": self.skipped_steps, "steps_taken": self.steps_taken},
             resolved_record={**self.resolved.record(), "replicas": self.topology.replicate_size},
-            ledger=self.ledger,
+            ledger=ledger,
             params=self._named_params() if any(o.params_replica_local for o in self.optimizers) else None,
         )
 
@@ -205,6 +210,7 @@ class CommOptimizersContainer(OptimizersContainer):
             for optimizer, groups in zip(self.optimizers, ours):
                 for group, values in zip(optimizer.param_groups, groups):
                     group.update(values)
+        self._ledger_in_checkpoint = True
         self._logged = (dict(self.ledger.totals), self.ledger.steps)  # per-step scalars from the checkpoint on
 
     @staticmethod

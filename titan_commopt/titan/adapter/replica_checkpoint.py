@@ -46,20 +46,24 @@ class PendingParams:
         self._values = {}
 
 
-def save_ledger(flat: dict[str, Any], ledger: CommLedger) -> dict[str, Any]:
-    return {**flat, LEDGER_KEY: json.dumps(ledger.state_dict(), sort_keys=True)}
+def save_ledger(flat: dict[str, Any], ledger: Optional[CommLedger]) -> dict[str, Any]:
+    """``flat`` with the ledger's entry (none for ``ledger=None``: a load from a checkpoint written
+    before the totals were saved, which must not ask for the entry)."""
+    return flat if ledger is None else {**flat, LEDGER_KEY: json.dumps(ledger.state_dict(), sort_keys=True)}
 
 
 def load_ledger(state: dict[str, Any], ledger: CommLedger) -> dict[str, Any]:
-    """``state`` less the ledger's entry, which ``ledger`` takes."""
+    """``state`` less the ledger's entry, which ``ledger`` takes (where the checkpoint has one)."""
     rest = dict(state)
-    ledger.load_state_dict(json.loads(rest.pop(LEDGER_KEY)))
+    saved = rest.pop(LEDGER_KEY, None)
+    if saved is not None:
+        ledger.load_state_dict(json.loads(saved))
     return rest
 
 
 def save_replica(
     flat: dict[str, Any], replica: int, *, counters: dict[str, int], resolved_record: dict[str, Any],
-    ledger: CommLedger, params: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
+    ledger: Optional[CommLedger], params: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
 ) -> dict[str, Any]:
     """``flat`` (the optimizers' state) with the container's parts added, all under ``replica<r>/``."""
     out = dict(flat)

@@ -38,10 +38,13 @@ import pickle
 import re
 from typing import Any, Optional
 
-from ..adapter.replica_checkpoint import RESOLVED_KEY
+from ..adapter.replica_checkpoint import LEDGER_KEY, RESOLVED_KEY
 from ..platform.stop import RESUME_REFUSED, stop_run
 
-__all__ = ["check_resume", "checkpoint_to_load", "saved_replicas", "read_metadata", "read_record", "CheckpointDamaged"]
+__all__ = [
+    "check_resume", "checkpoint_to_load", "saved_replicas", "read_metadata", "read_record", "ledger_saved",
+    "CheckpointDamaged",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -296,3 +299,17 @@ def check_resume(job_config: Any, resolved: Any, replicas: int, dp_degree: Optio
     problem = resume_problem(job_config, resolved, replicas, dp_degree)
     if problem is not None:
         stop_run(problem, RESUME_REFUSED)
+
+
+def ledger_saved(job_config: Any) -> bool:
+    """Whether the optimizer state this run loads holds the comm ledger's totals (checkpoints
+    written before they were saved do not: the ``comm/*_total`` scalars then count from the resume).
+    True when no optimizer state is loaded."""
+    path = checkpoint_to_load(job_config)
+    if path is None or "optimizer" in job_config.checkpoint.exclude_from_loading:
+        return True
+    keys = [k for k in read_metadata(path).state_dict_metadata if k.startswith("optimizer.")]
+    if not keys or any(k.endswith("/" + LEDGER_KEY) or k == f"optimizer.{LEDGER_KEY}" for k in keys):
+        return True
+    logger.info("titan_commopt: %s predates the saved comm ledger totals: comm/*_total count from this resume", path)
+    return False
