@@ -454,7 +454,7 @@ def _matrix_case(mesh, topo, placements, shape, grads_of, cfg_kwargs, row_split=
     assert shard.local == loc and shard.row_split == (row_split if topo.replicate_size > 1 else shard.row_split)
     expected = dion.dion_r_bytes([shard], resolve("Dion", dataclasses.asdict(cfg)), topo.replicate_size).sent
     return dict(diff=float((p.full_tensor() - ref_p.detach()).abs().max()), r_bytes=r_bytes, expected=expected,
-                local=loc, r=dion.dion_rank(*shape, cfg), transposed=opt.layouts["layers.0.attention.wo.weight"].transposed)
+                local=loc, r=dion.dion_rank(*shape, cfg), transposed=orientations(opt)["layers.0.attention.wo.weight"])
 
 
 def _four_ranks(rank, world):

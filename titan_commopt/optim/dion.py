@@ -91,12 +91,11 @@ shape the checkpointed state (``state_shape``): a resume that changes them is re
 Momenta (M, and the scalar optimizer's moments on the compressed path's siblings) differ across
 replicas on the compressed path — by design (decoupled momentum); checkpoints must keep them per
 replica. Gradient scale: ``topology.replica_grad`` (see topology.py).
+
+Where things live: routing, ranks, orientation, shard-group layouts and the byte formula in
+``dion_layout``; the hierarchical R reduction (a task) in ``dion_reduce``; the orthonormalization
+of P in ``orthogonalize``; the optimizer, its options and the family here.
 """
-
-import dataclasses
-import logging
-import math
-
 
 import dataclasses
 import logging
@@ -359,10 +358,11 @@ class Dion(CommOptimizer):
         self._log_routing(routed)
 
     def _log_routing(self, routed: dict[str, list[tuple[str, nn.Parameter]]]) -> None:
-        lines = [f"{self.options.name}: {self.topology.describe()}, scalar optimizer {self.options.options.scalar_optimizer}"]
+        algo = self.options.options.scalar_optimizer
+        lines = [f"{self.options.name}: {self.topology.describe()}, scalar optimizer {algo}"]
         for kind, pairs in routed.items():
             for fqn, p in pairs:
-                how = self.options.options.scalar_optimizer
+                how = algo
                 if kind == "dion":
                     lay = self._layouts[p]
                     how = f"r={lay.r} {'P,R' if lay.compressed else 'full-grad'} R-sync"
@@ -468,7 +468,7 @@ class Dion(CommOptimizer):
                    group_key(lay.cols), lay.q_placements, tuple(getattr(p, "placements", ())),
                    tuple(local(p).shape), p.dtype, p.device)
             found.setdefault(key, []).append((p, group, lay, g))
-            if not self.state[p]:
+            if not self.state[p]:  # the batch views M and Q: they exist from the first step on
                 self._init_dion_state(p, lay)
         members = sorted(found.values(), key=lambda ms: not ms[0][2].compressed)
         return [
