@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_commopt import comm
-from titan_commopt.optim import ShardShape, dion, make, resolve, traffic
+from titan_commopt.optim import ShardShape, dion, dion_reduce, make, resolve, shard_groups
+from titan_commopt.optim.orthogonalize import cholesky_qr2, orthogonalize
 from titan_commopt.optim.common import BaseHParams
 from titan_commopt.options import ConfigError, validate
 from titan_commopt.topology import Topology
@@ -33,11 +34,18 @@ def build(named_params, topology, cfg):
     return make("Dion", named_params, topology, HP, **dataclasses.asdict(cfg))
 
 
+def direct(named_params, *, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, **options):
+    """Dion on one process with these ``[optimizer]`` values and ``[commopt.dion]`` options, at exactly
+    ``lr`` (the family's own lr: no preset scale)."""
+    hp = BaseHParams(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
+    return make("Dion", named_params, Topology.single(), hp, lr=lr, **options)
+
+
 def r_sent(entries, cfg, replicate_size=2, itemsize=4):
-    """R bytes sent per step from ``(fqn, local[, global[, row_split]])`` entries (traffic.dion_r_bytes)."""
+    """R bytes sent per step from ``(fqn, local[, global[, row_split]])`` entries (dion.dion_r_bytes)."""
     shards = [ShardShape(e[0], tuple(e[1]), tuple(e[2]) if len(e) > 2 else tuple(e[1]),
                          tuple(e[3]) if len(e) > 3 else (0, 1), itemsize) for e in entries]
-    return traffic.dion_r_bytes(shards, resolve("Dion", dataclasses.asdict(cfg)), replicate_size).sent
+    return dion.dion_r_bytes(shards, resolve("Dion", dataclasses.asdict(cfg)), replicate_size).sent
 
 
 # ---- a direct dense implementation of the paper's equations (Algorithm 1 + sqrt(m/n), decay) ------
@@ -91,13 +99,13 @@ def test_matches_dense_equations(shape, rank, method, orientation):
     X0 = torch.randn(shape, dtype=torch.float64)
     grads = [torch.randn(shape, dtype=torch.float64) for _ in range(5)]
     p = nn.Parameter(X0.clone())
-    opt = dion.Dion([dict(params=[("w", p)], algorithm="dion")], lr=0.05, mu=0.9, weight_decay=0.1,
-                    rank=rank, orthogonalize=method, orientation=orientation)
+    opt = direct([("w", p)], lr=0.05, mu=0.9, weight_decay=0.1, rank=rank, orthogonalize=method,
+                 orientation=orientation)
     for g in grads:
         p.grad = g.clone()
         opt.step()
     wide = shape[0] < shape[1]
-    assert opt._layouts[p].transposed == (orientation == "reference" and wide)
+    assert opt.layouts["w"].transposed == (orientation == "reference" and wide)
     if orientation == "paper":
         X, M, Q = dense_dion(X0, grads, dion.initial_q("w", shape[1], rank, 0, torch.float64), 0.05, 0.9, 0.1)
     else:
@@ -119,8 +127,7 @@ def test_zero_gradient_step_keeps_everything():
     torch.manual_seed(6)
     X0 = torch.randn(9, 7, dtype=torch.float64)
     p, v = nn.Parameter(X0.clone()), nn.Parameter(torch.ones(7, dtype=torch.float64))
-    opt = dion.Dion([dict(params=[("w", p)], algorithm="dion"), dict(params=[("v", v)], algorithm="adamw")],
-                    lr=0.0, rank=3, weight_decay=0.1)
+    opt = direct([("w", p), ("v", v)], lr=0.0, rank=3, weight_decay=0.1)  # v: AdamW
     p.grad, v.grad = torch.zeros_like(p), torch.zeros_like(v)
     opt.step()
     assert torch.equal(p.detach(), X0) and torch.equal(v.detach(), torch.ones(7, dtype=torch.float64))
@@ -129,16 +136,19 @@ def test_zero_gradient_step_keeps_everything():
 
 
 def test_scalar_optimizers_match_references():
+    """Vectors (routed to the scalar optimizer, base weight decay): AdamW as torch's, Lion as its equations."""
     torch.manual_seed(2)
-    X0 = torch.randn(5, 3, dtype=torch.float64)
-    grads = [torch.randn(5, 3, dtype=torch.float64) for _ in range(4)]
+    X0 = torch.randn(15, dtype=torch.float64)
+    grads = [torch.randn(15, dtype=torch.float64) for _ in range(4)]
     a, b, c = (nn.Parameter(X0.clone()) for _ in range(3))
-    ours = dion.Dion([dict(params=[("a", a)], algorithm="adamw"), dict(params=[("c", c)], algorithm="lion")],
-                     lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.2)
+    hp = dict(lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.2)
+    ours = [direct([("a", a)], scalar_optimizer="adamw", **hp), direct([("c", c)], scalar_optimizer="lion", **hp)]
+    assert [g["algorithm"] for o in ours for g in o.param_groups] == ["adamw", "lion"]
     ref = torch.optim.AdamW([b], lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.2)
     for g in grads:
         a.grad, b.grad, c.grad = g.clone(), g.clone(), g.clone()
-        ours.step()
+        for opt in ours:
+            opt.step()
         ref.step()
     torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-12)
     torch.testing.assert_close(c.detach(), dense_lion(X0, grads, 0.01, 0.8, 0.9, 0.2), rtol=0, atol=1e-12)
@@ -149,14 +159,14 @@ def test_cholesky_qr_falls_back_when_ill_conditioned():
     U, _ = torch.linalg.qr(torch.randn(40, 6, dtype=torch.float64))
     good = U * torch.tensor([1.0, 2, 3, 4, 5, 6], dtype=torch.float64)
     bad = U * torch.tensor([1.0, 1, 1, 1, 1, 1e-9], dtype=torch.float64)  # cond 1e9 > limit (~7e6)
-    assert dion._cholesky_qr(good, []) is not None and dion._cholesky_qr(bad, []) is None
+    assert cholesky_qr2([good], [[]])[0] is not None and cholesky_qr2([bad], [[]])[0] is None
     # float32 P with cond 1e4 (beyond fp32 CholeskyQR2's ~4e3): the float64 Gram still handles it
     mid = (U * torch.logspace(0, 4, 6, dtype=torch.float64)).float()
-    out32 = dion._cholesky_qr(mid, [])
+    out32 = cholesky_qr2([mid], [[]])[0]
     assert out32 is not None and out32.dtype == torch.float32
     torch.testing.assert_close(out32.T @ out32, torch.eye(6), rtol=0, atol=1e-5)
     for P in (good, bad):
-        out = dion._orthogonalize(P.clone(), [], "cholesky_qr")
+        out = orthogonalize([P.clone()], [[]], "cholesky_qr")[0]
         torch.testing.assert_close(out.T @ out, torch.eye(6, dtype=torch.float64), rtol=0, atol=1e-10)
         # same column space as P, up to column signs: the Q factor of P
         torch.testing.assert_close((out.T @ torch.linalg.qr(P).Q).abs(), torch.eye(6, dtype=torch.float64),
@@ -171,8 +181,7 @@ def test_state_dict_roundtrip_continues_identically():
     def make():
         torch.manual_seed(5)
         w, bvec = nn.Parameter(torch.randn(8, 6, dtype=torch.float64)), nn.Parameter(torch.zeros(6, dtype=torch.float64))
-        opt = dion.Dion([dict(params=[("w", w)], algorithm="dion"), dict(params=[("b", bvec)], algorithm="adamw")],
-                        lr=0.05, rank=2)
+        opt = direct([("w", w), ("b", bvec)], lr=0.05, rank=2)
         return w, bvec, opt
 
     def run(w, bvec, opt, ks):
@@ -258,7 +267,7 @@ def train(model, opt, part=None, ledger=None):
 
 def orientations(opt):
     """fqn → whether the matrix runs transposed (``orientation = "reference"`` orients by layout)."""
-    return {lay.fqn: lay.transposed for lay in opt._layouts.values()}
+    return {fqn: lay.transposed for fqn, lay in opt.layouts.items()}
 
 
 def reference(cfg, flags=None):
@@ -354,6 +363,23 @@ CONFIGS = {
     "full_qr": dict(rank_fraction=1.0, orthogonalize="qr", scalar_optimizer="lion"),  # full-grad path
     "low_paper": dict(rank_fraction=0.25, orientation="paper"),  # the paper's form of every matrix
 }
+FSDP_CONFIGS = {**CONFIGS, "low_qr": dict(rank_fraction=0.25, orthogonalize="qr")}
+TWO_RANK_CASES = [f"dp/{name}" for name in CONFIGS] + [f"fsdp/{name}" for name in FSDP_CONFIGS]
+# One DTensor matrix against single-process Dion: case -> (global shape, options); DP_TP: the tensor
+# dim TP shards (1: row-wise parallel, columns; 0: column-wise parallel, rows).
+HSDP_MATRICES = {  # uneven shards over fsdp
+    "hsdp/(11, 9)/": ((11, 9), dict(rank=4)),
+    "hsdp/(11, 9)/qr": ((11, 9), dict(rank=4, orthogonalize="qr")),
+    "hsdp/(5, 1)/": ((5, 1), dict(rank=1, compress="always")),
+}
+FSDP_TP_MATRICES = {"fsdp_tp/(11, 9)": ((11, 9), dict(rank=3, orthogonalize="qr")),
+                    "fsdp_tp/(12, 10)": ((12, 10), dict(rank=10))}
+DP_TP_MATRICES = {
+    "dp_tp/cols": (1, (12, 10), dict(rank=3)),
+    "dp_tp/rows": (0, (12, 10), dict(rank=3, orthogonalize="qr")),
+    "dp_tp/cols_full": (1, (12, 10), dict(rank_fraction=1.0)),
+}
+FOUR_RANK_CASES = [f"hsdp/{name}" for name in CONFIGS] + [*HSDP_MATRICES, *FSDP_TP_MATRICES, *DP_TP_MATRICES]
 
 
 def _fsdp(model, mesh):
@@ -396,7 +422,7 @@ def _two_ranks(rank, world):
         out[f"dp/{name}"] = _toy_run(dp, topo, None, rank, 2, kw)
     fs = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
     topo = Topology.from_mesh(fs, grad_scale=1.0)
-    for name, kw in {**CONFIGS, "low_qr": dict(rank_fraction=0.25, orthogonalize="qr")}.items():
+    for name, kw in FSDP_CONFIGS.items():
         out[f"fsdp/{name}"] = _toy_run(fs, topo, fs["fsdp"], rank, 2, kw)
     return out
 
@@ -426,9 +452,9 @@ def _matrix_case(mesh, topo, placements, shape, grads_of, cfg_kwargs, row_split=
     loc = tuple(p.to_local().shape)
     shard = ShardShape.of("layers.0.attention.wo.weight", p)
     assert shard.local == loc and shard.row_split == (row_split if topo.replicate_size > 1 else shard.row_split)
-    expected = traffic.dion_r_bytes([shard], resolve("Dion", dataclasses.asdict(cfg)), topo.replicate_size).sent
+    expected = dion.dion_r_bytes([shard], resolve("Dion", dataclasses.asdict(cfg)), topo.replicate_size).sent
     return dict(diff=float((p.full_tensor() - ref_p.detach()).abs().max()), r_bytes=r_bytes, expected=expected,
-                local=loc, r=dion.dion_rank(*shape, cfg), transposed=opt._layouts[p].transposed)
+                local=loc, r=dion.dion_rank(*shape, cfg), transposed=orientations(opt)["layers.0.attention.wo.weight"])
 
 
 def _four_ranks(rank, world):
@@ -454,47 +480,50 @@ def _four_ranks(rank, world):
     # (5, 1) forced compressed: R has 1 row, the second fsdp rank's slice is empty.
     topo = Topology.from_mesh(hsdp)  # grads below are already the replica's mean: grad scale 1
     fsdp_index = hsdp.get_local_rank("fsdp")
-    for shape, kw in [((11, 9), dict(rank=4)), ((11, 9), dict(rank=4, orthogonalize="qr")),
-                      ((5, 1), dict(rank=1, compress="always"))]:
+    for case, (shape, kw) in HSDP_MATRICES.items():
         g = grads(topo.replica_index, 2)
         g.shape = shape
-        out[f"hsdp/{shape}/{kw.get('orthogonalize', '')}"] = _matrix_case(
+        out[case] = _matrix_case(
             hsdp["fsdp"], topo, [Shard(0)], shape, g, kw, row_split=(fsdp_index, 2))
 
     # FSDP rows × TP columns on a 2-D mesh (uneven shards: 11 rows, 9 columns).
     st = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
     topo = Topology.from_mesh(st)
-    for shape, kw in [((11, 9), dict(rank=3, orthogonalize="qr")), ((12, 10), dict(rank=10))]:
+    for case, (shape, kw) in FSDP_TP_MATRICES.items():
         g = grads(0, 1)
         g.shape = shape
-        out[f"fsdp_tp/{shape}"] = _matrix_case(st, topo, [Shard(0), Shard(1)], shape, g, kw)
+        out[case] = _matrix_case(st, topo, [Shard(0), Shard(1)], shape, g, kw)
     # Replicas × TP: columns (row-wise parallel) and rows (column-wise parallel) over tp.
     rt = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "tp"))
     topo = Topology.from_mesh(rt)
     replica = topo.replica_index
-    for label, placements, shape, kw in [
-        ("cols", [Shard(1)], (12, 10), dict(rank=3)),
-        ("rows", [Shard(0)], (12, 10), dict(rank=3, orthogonalize="qr")),
-        ("cols_full", [Shard(1)], (12, 10), dict(rank_fraction=1.0)),
-    ]:
+    for case, (dim, shape, kw) in DP_TP_MATRICES.items():
         g = grads(replica, 2)
         g.shape = shape
-        split = (rt.get_local_rank("tp"), 2) if placements == [Shard(0)] else (0, 1)
-        out[f"dp_tp/{label}"] = _matrix_case(rt["tp"], topo, placements, shape, g, kw, row_split=split)
+        split = (rt.get_local_rank("tp"), 2) if dim == 0 else (0, 1)
+        out[case] = _matrix_case(rt["tp"], topo, [Shard(dim)], shape, g, kw, row_split=split)
     return out
 
 
-def _check(results):
+def _check(results, case):
     for rank, res in enumerate(results):
-        for case, r in res.items():
-            assert r["diff"] < 1e-9, (rank, case, r["diff"])
-            assert all(b == r["expected"] for b in r["r_bytes"]), (rank, case, r["r_bytes"], r["expected"])
+        r = res[case]
+        assert r["diff"] < 1e-9, (rank, r["diff"])
+        assert all(b == r["expected"] for b in r["r_bytes"]), (rank, r["r_bytes"], r["expected"])
 
 
-def test_distributed_dp_and_fsdp_equal_single_process():
-    results = run_distributed(_two_ranks, 2)
-    _check(results)
-    r = results[0]
+@pytest.fixture(scope="module")
+def two_rank_results():
+    return run_distributed(_two_ranks, 2)
+
+
+@pytest.mark.parametrize("case", TWO_RANK_CASES)
+def test_distributed_dp_and_fsdp_equal_single_process(two_rank_results, case):
+    _check(two_rank_results, case)
+
+
+def test_distributed_dp_and_fsdp_orientation_and_traffic(two_rank_results):
+    r = two_rank_results[0]
     assert r["dp/low"]["expected"] > 0 and r["fsdp/low"]["expected"] == 0  # no R without replicas
     # microsoft/dion's orientation: unsharded, only the wide matrices run transposed; FSDP2 shards every
     # row, and then every matrix runs transposed (Q follows X's local rows); paper: none
@@ -516,9 +545,18 @@ def test_distributed_dp_and_fsdp_equal_single_process():
     assert r["dp/low"]["expected"] < r["dp/full_qr"]["expected"]
 
 
-def test_distributed_hsdp_and_tp_equal_single_process():
-    results = run_distributed(_four_ranks, 4)
-    _check(results)
+@pytest.fixture(scope="module")
+def four_rank_results():
+    return run_distributed(_four_ranks, 4)
+
+
+@pytest.mark.parametrize("case", FOUR_RANK_CASES)
+def test_distributed_hsdp_and_tp_equal_single_process(four_rank_results, case):
+    _check(four_rank_results, case)
+
+
+def test_distributed_hsdp_and_tp_replicas_layouts_and_payload(four_rank_results):
+    results = four_rank_results
     r0 = results[0]
     # Replicas stay bit-identical (ranks 0/2 and 1/3 hold the same shard on different replicas),
     # although their momenta differ by design on the compressed path.
@@ -571,30 +609,39 @@ def _tp_fsdp(rank, world):
         placements = {n: tuple((type(pl).__name__, getattr(pl, "dim", None)) for pl in p.placements)
                       for n, p in model.named_parameters()}
         opt = build(model.named_parameters(), topo, cfg)
-        layouts = {lay.fqn: (len(lay.rows), len(lay.cols)) for lay in opt._layouts.values()}
+        layouts = {fqn: (len(lay.rows), len(lay.cols)) for fqn, lay in opt.layouts.items()}
         train(model, opt, part=(mesh.get_local_rank("fsdp"), 2))
         out[name] = dict(diff=compare(model, reference(cfg, orientations(opt))), r_bytes=[0.0], expected=0,
                          placements=placements, layouts=layouts, transposed=orientations(opt))
     # The hierarchical R reduction over two row groups (w1: fsdp then tp) and one (w2: fsdp), with
     # uneven (7 rows over 4) and empty (3 rows over 4) slices, equals the plain sum over the row groups
     # (the R mean itself is a no-op here: no replicas).
-    by_fqn = {lay.fqn: dataclasses.replace(lay, compressed=True) for lay in opt._layouts.values()}
+    by_fqn = {fqn: dataclasses.replace(lay, compressed=True) for fqn, lay in opt.layouts.items()}
     lays = [by_fqn[f] for f in ("layers.0.w1.weight", "layers.1.w1.weight", "layers.0.w2.weight")]
     gen = torch.Generator().manual_seed(rank)
     Rs = [torch.randn(n, 2, generator=gen, dtype=torch.float64) for n in (3, 7, 5)]
     want = [Rm.clone() for Rm in Rs]
-    dion._sum_over(want, [lay.rows for lay in lays])
-    with comm.use_ledger(comm.CommLedger()) as ledger:
-        dion._reduce_r(Rs, lays, None, True)
+    shard_groups.sum_over(want, [lay.rows for lay in lays])
+    ledger = comm.CommLedger()
+    dion_reduce.reduce_r_now(Rs, lays, None, True, ledger)
     out["nested"] = dict(diff=max(float((a - b).abs().max()) for a, b in zip(Rs, want)), r_bytes=[0.0], expected=0,
                          splits=[lay.row_split for lay in lays],
                          ops=[(c.role, c.op) for c in ledger.records if c.op != comm.TIME_OP])
     return out
 
 
-def test_distributed_fsdp_over_tensor_parallel_equals_single_process():
-    results = run_distributed(_tp_fsdp, 4)
-    _check(results)
+@pytest.fixture(scope="module")
+def tp_fsdp_results():
+    return run_distributed(_tp_fsdp, 4)
+
+
+@pytest.mark.parametrize("case", [*CONFIGS, "nested"])
+def test_distributed_fsdp_over_tensor_parallel_equals_single_process(tp_fsdp_results, case):
+    _check(tp_fsdp_results, case)
+
+
+def test_distributed_fsdp_over_tensor_parallel_layouts_and_collectives(tp_fsdp_results):
+    results = tp_fsdp_results
     r = results[0]["low"]
     # colwise w1: FSDP re-shards TP's rows (strided); row-wise w2: rows over fsdp, columns over tp
     assert r["layouts"]["layers.0.w1.weight"] == (2, 0) and r["layouts"]["layers.0.w2.weight"] == (1, 1)
@@ -614,11 +661,8 @@ def _mp_model():
 
 
 def _mp_opt(model, mixed, orientation="reference", scalar="adamw"):
-    return dion.Dion(
-        [dict(params=[("0.weight", model[0].weight), ("2.weight", model[2].weight)], algorithm="dion"),
-         dict(params=[("0.bias", model[0].bias), ("2.bias", model[2].bias)], algorithm=scalar)],
-        lr=0.02, rank=4, weight_decay=0.01, mixed_precision=mixed, orientation=orientation,
-    )
+    return direct(list(model.named_parameters()), lr=0.02, rank=4, weight_decay=0.01, mixed_precision=mixed,
+                  orientation=orientation, scalar_optimizer=scalar)
 
 
 @pytest.mark.parametrize("orientation,scalar", [("reference", "adamw"), ("paper", "lion")])
@@ -654,8 +698,8 @@ def test_mixed_precision_state_update_and_training(orientation, scalar):
             if key in st:
                 assert st[key].dtype == torch.bfloat16, key
     # weights (16, 12) tall and (8, 16) wide: the reference runs the wide one transposed
-    assert opt._layouts[model[0].weight].transposed is False
-    assert opt._layouts[model[2].weight].transposed == (orientation == "reference")
+    assert opt.layouts["0.weight"].transposed is False
+    assert opt.layouts["2.weight"].transposed == (orientation == "reference")
     assert losses[-1] < 0.8 * losses[0]
     for p, q, p0 in zip(early, runs[False][4], x0):
         assert float((p - q).norm() / (q - p0).norm()) < 5e-2

@@ -28,6 +28,8 @@ def test_all_zero_gradient_moves_by_weight_decay_only(orthogonalize, wd):
         expected.mul_(1 - opt.param_groups[0]["lr"] * wd)  # lr × the preset's lr_scale
         assert torch.equal(p.detach(), expected)
     assert torch.equal(opt.state[p]["momentum"], torch.zeros_like(p))  # nothing fed back either
+    # the all-zero P has a singular Gram: CholeskyQR2 fell back at every step (QR needs no fallback)
+    assert opt.metrics() == {"orthonormalize_fallbacks": 3.0 if orthogonalize == "cholesky_qr" else 0.0}
 
 
 def test_training_resumes_normally_after_zero_gradients():

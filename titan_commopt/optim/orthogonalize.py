@@ -22,7 +22,7 @@ The result equals the Q factor of P up to column signs, which Dion's update ``P 
 """
 
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -30,7 +30,9 @@ from titan_commopt import comm
 
 from .shard_groups import Groups, sum_over
 
-__all__ = ["newton_schulz", "orthogonalize", "orthonormalize_stacked", "cholesky_qr2", "gathered_qr"]
+__all__ = ["newton_schulz", "orthogonalize", "orthonormalizer", "Orthonormalizer", "cholesky_qr2", "gathered_qr"]
+
+Ledger = Optional[comm.CommLedger]  # where the collectives are counted (None: comm's process-wide ledger)
 
 
 def newton_schulz(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -61,7 +63,8 @@ def _batches(Ps: Sequence[torch.Tensor]) -> list[list[int]]:
 
 
 def _cqr2(
-    stacks: Sequence[torch.Tensor], index: Sequence[Sequence[int]], rows: Sequence[Groups], dtype: torch.dtype
+    stacks: Sequence[torch.Tensor], index: Sequence[Sequence[int]], rows: Sequence[Groups], dtype: torch.dtype,
+    ledger: Ledger,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Batched CholeskyQR2 in ``dtype`` of the stacked P's ``stacks[s]`` (``[k, m, r]``; entry ``j``
     is matrix ``index[s][j]``, whose row groups are ``rows[index[s][j]]``). No host synchronization:
@@ -82,7 +85,7 @@ def _cqr2(
         for gram, ix in zip(grams, index):
             for j, i in enumerate(ix):
                 views[i] = gram[j]
-        sum_over(views, rows)  # type: ignore[arg-type]  # r×r per matrix over the row shards, in place
+        sum_over(views, rows, ledger=ledger)  # type: ignore[arg-type]  # r×r per matrix over the row shards, in place
         for s, gram in enumerate(grams):
             L, info = torch.linalg.cholesky_ex(gram)
             bad = info != 0
@@ -108,11 +111,13 @@ def _split(values: list, sizes: Sequence[int]) -> list[list]:
     return out
 
 
-def _cqr2_list(Ps: Sequence[torch.Tensor], rows: Sequence[Groups], dtype: torch.dtype) -> list[Optional[torch.Tensor]]:
+def _cqr2_list(
+    Ps: Sequence[torch.Tensor], rows: Sequence[Groups], dtype: torch.dtype, ledger: Ledger
+) -> list[Optional[torch.Tensor]]:
     """CholeskyQR2 in ``dtype`` of a list of P's, stacked by shape; None where it failed. One host
     synchronization (reading the failure flags of all of them)."""
     index = _batches(Ps)
-    results, fails = _cqr2([torch.stack([Ps[i] for i in ix]) for ix in index], index, rows, dtype)
+    results, fails = _cqr2([torch.stack([Ps[i] for i in ix]) for ix in index], index, rows, dtype, ledger)
     out: list[Optional[torch.Tensor]] = [None] * len(Ps)
     flags = _split(torch.cat(fails).tolist(), [len(ix) for ix in index])  # the host synchronization
     for ix, res, fl in zip(index, results, flags):
@@ -122,7 +127,9 @@ def _cqr2_list(Ps: Sequence[torch.Tensor], rows: Sequence[Groups], dtype: torch.
     return out
 
 
-def cholesky_qr2(Ps: Sequence[torch.Tensor], rows: Sequence[Groups]) -> list[Optional[torch.Tensor]]:
+def cholesky_qr2(
+    Ps: Sequence[torch.Tensor], rows: Sequence[Groups], *, ledger: Ledger = None
+) -> list[Optional[torch.Tensor]]:
     """CholeskyQR2 of row-distributed P's (``rows[i]``: the row groups of ``Ps[i]``, [] = unsharded).
 
     First in P's own dtype (float32 at least); the ones too ill-conditioned for it are retried in
@@ -135,34 +142,40 @@ def cholesky_qr2(Ps: Sequence[torch.Tensor], rows: Sequence[Groups]) -> list[Opt
     if not Ps:
         return []
     dtype = torch.promote_types(Ps[0].dtype, torch.float32)  # no Cholesky in bf16/fp16
-    out = _cqr2_list(Ps, rows, dtype)
+    out = _cqr2_list(Ps, rows, dtype, ledger)
     retry = [i for i, o in enumerate(out) if o is None]
     if retry and dtype != torch.float64:
-        for i, o in zip(retry, _cqr2_list([Ps[i] for i in retry], [rows[i] for i in retry], torch.float64)):
+        for i, o in zip(retry, _cqr2_list([Ps[i] for i in retry], [rows[i] for i in retry], torch.float64, ledger)):
             out[i] = o
     return out
 
 
-def _orthonormal_stacks(
-    stacks: Sequence[torch.Tensor], index: Sequence[Sequence[int]], rows: Sequence[Groups], method: str
-) -> list[torch.Tensor]:
-    """Orthonormalize stacked P's (``index``/``rows`` as for :func:`_cqr2`), P's dtype out.
-
-    ``cholesky_qr``: CholeskyQR2 in P's dtype (float32 at least) for all of them, then ONE host
-    synchronization reads which entries failed. Only where some did (rare) they are retried in
-    float64 and, where that fails too, replaced by the QR of the gathered rows; both steps
-    synchronize again, on every rank alike (the flags come from the all-reduced Grams)."""
+def _qr_stacks(
+    stacks: Sequence[torch.Tensor], index: Sequence[Sequence[int]], rows: Sequence[Groups], ledger: Ledger
+) -> tuple[list[torch.Tensor], int]:
+    """``method = "qr"``: the QR of every P's gathered rows (``index``/``rows`` as for :func:`_cqr2`),
+    in matrix-index order; P's dtype out, no fallback."""
     where = {i: (s, j) for s, ix in enumerate(index) for j, i in enumerate(ix)}
-    if method != "cholesky_qr":
-        outs = [torch.empty_like(P) for P in stacks]
-        for i in sorted(where):
-            s, j = where[i]
-            outs[s][j] = gathered_qr(stacks[s][j], rows[i])
-        return outs
+    outs = [torch.empty_like(P) for P in stacks]
+    for i in sorted(where):
+        s, j = where[i]
+        outs[s][j] = gathered_qr(stacks[s][j], rows[i], ledger=ledger)
+    return outs, 0
+
+
+def _cholesky_qr_stacks(
+    stacks: Sequence[torch.Tensor], index: Sequence[Sequence[int]], rows: Sequence[Groups], ledger: Ledger
+) -> tuple[list[torch.Tensor], int]:
+    """``method = "cholesky_qr"``: CholeskyQR2 in P's dtype (float32 at least) for all of them, then
+    ONE host synchronization reads which entries failed. Only where some did (rare) they are retried
+    in float64 and, where that fails too, replaced by the QR of the gathered rows; both steps
+    synchronize again, on every rank alike (the flags come from the all-reduced Grams). Also returns
+    how many entries needed that fallback (read from the flags already on the host)."""
     if not stacks:
-        return []
+        return [], 0
+    where = {i: (s, j) for s, ix in enumerate(index) for j, i in enumerate(ix)}
     dtype = torch.promote_types(stacks[0].dtype, torch.float32)  # no Cholesky in bf16/fp16
-    outs, fails = _cqr2(stacks, index, rows, dtype)
+    outs, fails = _cqr2(stacks, index, rows, dtype, ledger)
     flags = _split(torch.cat(fails).tolist(), [len(ix) for ix in index])  # the one host synchronization
     failed = sorted(i for ix, fl in zip(index, flags) for i, f in zip(ix, fl) if f)
     outs = [o.to(P.dtype) for o, P in zip(outs, stacks)]
@@ -170,62 +183,76 @@ def _orthonormal_stacks(
         Ps = [stacks[where[i][0]][where[i][1]] for i in failed]
         retry: list[Optional[torch.Tensor]] = [None] * len(failed)
         if dtype != torch.float64:
-            retry = _cqr2_list(Ps, [rows[i] for i in failed], torch.float64)
+            retry = _cqr2_list(Ps, [rows[i] for i in failed], torch.float64, ledger)
         for i, P, o in zip(failed, Ps, retry):
             s, j = where[i]
-            outs[s][j] = o if o is not None else gathered_qr(P, rows[i])
-    return outs
+            outs[s][j] = o if o is not None else gathered_qr(P, rows[i], ledger=ledger)
+    return outs, len(failed)
 
 
-def orthonormalize_stacked(
-    stacks: Sequence[torch.Tensor], rows: Sequence[Groups], method: str = "cholesky_qr"
-) -> list[torch.Tensor]:
-    """Orthonormal columns for every entry of stacked, row-distributed P's (``[k, m, r]`` each; all
-    entries of stack ``s`` share the row groups ``rows[s]``; every rank passes the same stacks in
-    the same order). New stacks, P's layout and dtype. ``cholesky_qr`` synchronizes with the host
-    once (the failure flags of all entries), more only where some P needs the fallback."""
-    index, start = [], 0
-    for P in stacks:
-        index.append(list(range(start, start + P.shape[0])))
-        start += P.shape[0]
-    per_matrix = [g for P, g in zip(stacks, rows) for _ in range(P.shape[0])]
-    return _orthonormal_stacks(stacks, index, per_matrix, method)
+_METHODS = {"cholesky_qr": _cholesky_qr_stacks, "qr": _qr_stacks}
+
+# (stacks, rows, ledger) -> (new stacks, how many P's needed the fallback): see orthonormalizer()
+Orthonormalizer = Callable[[Sequence[torch.Tensor], Sequence[Groups], Ledger], tuple[list[torch.Tensor], int]]
 
 
-def _gather_rows(P: torch.Tensor, rows: Groups) -> tuple[torch.Tensor, int]:
+def orthonormalizer(method: str) -> Orthonormalizer:
+    """The orthonormalization of stacked, row-distributed P's that ``method`` names, chosen once.
+
+    The returned function takes ``stacks`` (``[k, m, r]`` each; all entries of stack ``s`` share the
+    row groups ``rows[s]``; every rank passes the same stacks in the same order) and the ledger of
+    its collectives, and returns new stacks (P's layout and dtype) with orthonormal columns, and the
+    number of entries that needed the fallback (0 for ``qr``). ``cholesky_qr`` synchronizes with the
+    host once (the failure flags of all entries), more only where some P needs the fallback."""
+    stacked = _METHODS[method]
+
+    def orthonormalize(
+        stacks: Sequence[torch.Tensor], rows: Sequence[Groups], ledger: Ledger
+    ) -> tuple[list[torch.Tensor], int]:
+        index, start = [], 0
+        for P in stacks:
+            index.append(list(range(start, start + P.shape[0])))
+            start += P.shape[0]
+        per_matrix = [g for P, g in zip(stacks, rows) for _ in range(P.shape[0])]
+        return stacked(stacks, index, per_matrix, ledger)
+
+    return orthonormalize
+
+
+def _gather_rows(P: torch.Tensor, rows: Groups, ledger: Ledger) -> tuple[torch.Tensor, int]:
     """All rows of P over the row groups (m×r; shards may be uneven), and where ours start."""
     block, start = P, 0
     for role, group in rows:
         count = torch.tensor([block.shape[0]], dtype=torch.int64, device=block.device)
-        counts = comm.all_gather(count, role, group)[:, 0]
+        counts = comm.all_gather(count, role, group, ledger=ledger)[:, 0]
         padded = torch.zeros(int(counts.max()), block.shape[1], dtype=block.dtype, device=block.device)
         padded[: block.shape[0]] = block  # all_gather takes equal shapes
-        gathered = comm.all_gather(padded, role, group)
+        gathered = comm.all_gather(padded, role, group, ledger=ledger)
         start += int(counts[: comm.group_rank(group)].sum())
         block = torch.cat([gathered[i, : int(c)] for i, c in enumerate(counts.tolist())])
     return block, start
 
 
-def gathered_qr(P: torch.Tensor, rows: Groups) -> torch.Tensor:
+def gathered_qr(P: torch.Tensor, rows: Groups, *, ledger: Ledger = None) -> torch.Tensor:
     """This rank's rows of the Householder-QR factor Q of the row-distributed P (gathered, m×r)."""
     if not rows:
         return torch.linalg.qr(P).Q
-    full, start = _gather_rows(P, rows)
+    full, start = _gather_rows(P, rows, ledger)
     return torch.linalg.qr(full).Q[start : start + P.shape[0]].contiguous()
 
 
 def orthogonalize(
-    Ps: Sequence[torch.Tensor], rows: Sequence[Groups], method: str = "cholesky_qr"
+    Ps: Sequence[torch.Tensor], rows: Sequence[Groups], method: str = "cholesky_qr", *, ledger: Ledger = None
 ) -> list[torch.Tensor]:
     """Orthonormal columns spanning each row-distributed P (new tensors, P's layout and dtype).
 
     ``method``: ``"cholesky_qr"`` (CholeskyQR2, QR where it gives up) or ``"qr"`` (QR always).
-    Same-shape P's are computed stacked; see :func:`orthonormalize_stacked` for the host
+    Same-shape P's are computed stacked; see :func:`orthonormalizer` for the host
     synchronizations.
     """
     Ps, rows = list(Ps), list(rows)
     index = _batches(Ps)
-    outs = _orthonormal_stacks([torch.stack([Ps[i] for i in ix]) for ix in index], index, rows, method)
+    outs, _ = _METHODS[method]([torch.stack([Ps[i] for i in ix]) for ix in index], index, rows, ledger)
     result: list[Optional[torch.Tensor]] = [None] * len(Ps)
     for ix, out in zip(index, outs):
         for j, i in enumerate(ix):

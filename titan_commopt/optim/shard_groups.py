@@ -6,7 +6,7 @@ mesh-dim order. Many matrices share the same groups, so their reductions are buc
 collective per group and bucket, through ``titan_commopt.comm``.
 """
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -22,7 +22,6 @@ def group_key(groups: Groups) -> tuple:
     return tuple((role, id(group)) for role, group in groups)
 
 
-
 def buckets(groups_of: Sequence[Groups]) -> list[tuple[Groups, list[int]]]:
     """Indices of the entries sharing the same non-empty groups, bucket by bucket: one fused
     collective per bucket (every rank holds the same matrices in the same order, so buckets and
@@ -34,9 +33,11 @@ def buckets(groups_of: Sequence[Groups]) -> list[tuple[Groups, list[int]]]:
     return list(found.values())
 
 
-def sum_over(tensors: Sequence[torch.Tensor], groups_of: Sequence[Groups]) -> None:
+def sum_over(
+    tensors: Sequence[torch.Tensor], groups_of: Sequence[Groups], *, ledger: Optional[comm.CommLedger] = None
+) -> None:
     """In-place all-reduce-sum of each tensor over its groups: one fused collective per group for
-    all tensors that share the same groups."""
+    all tensors that share the same groups, counted in ``ledger``."""
     for groups, members in buckets(groups_of):
         for role, group in groups:
-            comm.all_reduce_fused([tensors[i] for i in members], role, group, op="sum")
+            comm.all_reduce_fused([tensors[i] for i in members], role, group, op="sum", ledger=ledger)

@@ -1,0 +1,223 @@
+"""Dion's routing and shapes: which parameters Dion runs, at which rank, on which side (transposed
+or not), with which shard groups (:class:`Layout`), and the R payload that follows from it
+(:func:`dion_r_bytes`, the family's byte formula). Everything here reads only shapes, placements and
+the options, so the optimizer (``dion.py``) and the byte formula share one source of truth.
+"""
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from titan_commopt import comm
+from titan_commopt.topology import T, Topology
+
+from .common import mesh_dim_role
+from .family import Bytes, Resolved, ShardShape
+from .shard_groups import Groups
+
+try:  # FSDP2 over TP shards an already row-sharded dim again: a strided row split
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - older torch
+    _StridedShard = ()  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from .dion import Config
+
+__all__ = [
+    "KINDS", "route", "dion_rank", "compressed", "transposed", "initial_q", "r_slice", "Layout", "layout_of",
+    "dion_r_bytes",
+]
+
+KINDS = ("dion", "embed", "head", "scalar")  # what route() returns, in the order param groups are made
+
+_WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module"}
+
+
+def _names(csv: str) -> set[str]:
+    return {s.strip() for s in csv.split(",") if s.strip()}
+
+
+def route(fqn: str, ndim: int, cfg: "Config") -> str:
+    """``"dion"``, ``"embed"``, ``"head"`` or ``"scalar"`` for a parameter, by FQN and rank.
+
+    Embedding and head are found by module name (any dotted component), because by shape they are
+    indistinguishable from block matrices.
+    """
+    parts = [p for p in fqn.split(".")[:-1] if p not in _WRAPPERS]
+    if _names(cfg.head_names).intersection(parts):
+        return "head"
+    if _names(cfg.embed_names).intersection(parts):
+        return "embed"
+    return "dion" if ndim == 2 else "scalar"
+
+
+def dion_rank(m: int, n: int, cfg: "Config") -> int:
+    r = cfg.rank if cfg.rank > 0 else math.ceil(cfg.rank_fraction * min(m, n))
+    return max(1, min(r, m, n))
+
+
+def compressed(m: int, n: int, r: int, cfg: "Config") -> bool:
+    """Whether the R sync sends P and R instead of the gradient (decided on the global shape)."""
+    if cfg.compress != "auto":
+        return cfg.compress == "always"
+    return (m + n) * r < m * n
+
+
+def transposed(m: int, n: int, sharded: Sequence[tuple[str, int]], orientation: str) -> bool:
+    """Whether a matrix of global shape (m, n) runs transposed (Xᵀ, Q of shape m×r), given the
+    ``(role, tensor dim)`` of every mesh dim of size > 1 that shards it (role ``T`` for TP, anything
+    else FSDP-like, S).
+
+    ``orientation = "paper"``: never. ``"reference"``: microsoft/dion's rule
+    (``Dion._get_dion_param_config``, also in its dion_reference.py): transposed when m < n; then,
+    for a sharded matrix, not transposed when TP shards its rows or S its columns, and transposed
+    when S shards its rows or TP its columns (the last test wins: S rows + TP columns, torchtitan's
+    row-wise layers under FSDP, run transposed). The point of the rule: Q sits on the side S shards
+    (its rows stay local) and P on the side TP shards (orthogonalized over TP).
+    """
+    if orientation != "reference":
+        return False
+    s_dims = {d for role, d in sharded if role != T}
+    t_dims = {d for role, d in sharded if role == T}
+    out = m < n
+    if 0 in t_dims or 1 in s_dims:
+        out = False
+    if 0 in s_dims or 1 in t_dims:
+        out = True
+    return out
+
+
+def initial_q(fqn: str, n: int, r: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The full (n, r) initial right factor: the same on every rank for the same (seed, fqn)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
+    return torch.randn(n, r, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def r_slice(n_loc: int, row_split: tuple[int, int]) -> tuple[int, int]:
+    """``(start, rows)`` of slice ``index`` when R's ``n_loc`` rows are split over ``count`` row
+    shards in ``ceil(n_loc / count)``-row chunks (``row_split = (index, count)``); the last slices
+    may be short or empty."""
+    index, count = row_split
+    chunk = -(-n_loc // count)
+    start = min(index * chunk, n_loc)
+    return start, min(chunk, n_loc - start)
+
+
+
+# ---- sharding layout of one matrix -----------------------------------------------------------------
+@dataclass
+class Layout:
+    fqn: str
+    m: int
+    n: int
+    r: int
+    compressed: bool
+    rows: Groups  # groups that shard X's rows (P is row-local over them)
+    cols: Groups  # groups that shard X's columns (Q is row-sharded over them)
+    col_offset: int  # first global column of the local shard
+    q_placements: Optional[tuple] = None
+    row_split: tuple[int, int] = (0, 1)  # this rank's R slice: (index, count) over the row groups
+    transposed: bool = False  # run on Xᵀ: rows/cols/col_offset/splits above describe Xᵀ (P's rows = X's columns)
+    col_split: tuple[int, int] = (0, 1)  # this rank's P slice (transposed only): (index, count) over the col groups
+
+    @property
+    def q_rows(self) -> int:
+        """Rows of the full Q: the columns of the matrix Dion runs on (X or Xᵀ)."""
+        return self.m if self.transposed else self.n
+
+
+def _group_for(mesh: Any, dim: int, topology: Topology) -> tuple[str, Any]:
+    role = mesh_dim_role(mesh, dim)  # by the mesh dim's name, as ShardShape.of (the byte formula's)
+    candidate = topology.tp if role == T else topology.shard
+    own = mesh.get_group(dim)
+    # Prefer the Topology's group (the roles' single source of truth) when it is the same set of ranks.
+    if candidate is not None and comm.group_ranks(candidate) == comm.group_ranks(own):
+        return role, candidate
+    return role, own
+
+
+def _split_of(groups: Groups) -> tuple[int, int]:
+    """``(index, count)`` of this rank over ``groups``, mixed radix, first group most significant."""
+    index, count = 0, 1
+    for _, group in groups:
+        size = comm.group_size(group)
+        index, count = index * size + comm.group_rank(group), count * size
+    return index, count
+
+
+def layout_of(fqn: str, p: torch.Tensor, topology: Topology, cfg: "Config") -> Layout:
+    m, n = p.shape
+    r = dion_rank(m, n, cfg)
+    lay = Layout(fqn, m, n, r, compressed(m, n, r, cfg), [], [], 0)
+    if not isinstance(p, DTensor):
+        lay.transposed = transposed(m, n, (), cfg.orientation)
+        return lay
+    mesh = p.device_mesh
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    rows: Groups = []  # X's row groups and column groups
+    cols: Groups = []
+    sharded, strided_rows = [], False
+    for i, pl in enumerate(p.placements):
+        if pl.is_replicate() or mesh.size(i) == 1:
+            continue
+        if pl.is_partial():
+            raise ValueError(f"Dion: {fqn} has a Partial placement on mesh dim {names[i]!r}")
+        dim = pl.dim  # Shard and _StridedShard both carry it
+        if isinstance(pl, _StridedShard):
+            if dim == 1:
+                raise NotImplementedError(
+                    f"Dion: {fqn} is strided-sharded on its columns; shard FSDP on the dim TP does not "
+                    "shard (as microsoft/dion requires)"
+                )
+            strided_rows = True
+        role, group = _group_for(mesh, i, topology)
+        sharded.append((role, dim))
+        (rows if dim == 0 else cols).append((role, group))
+    # A strided row split (FSDP over TP's column-wise layers, a layout microsoft/dion refuses) keeps the
+    # paper's form: Q would have to follow X's non-contiguous rows.
+    t = transposed(m, n, sharded, cfg.orientation) and not strided_rows
+    lay.transposed = t
+    lay.rows, lay.cols = (cols, rows) if t else (rows, cols)
+    lay.row_split, lay.col_split = _split_of(lay.rows), _split_of(lay.cols)
+    q_dim = 0 if t else 1  # the dim of X whose sharding Q's rows follow
+    lay.q_placements = tuple(
+        Shard(0) if isinstance(pl, Shard) and pl.dim == q_dim else Replicate() for pl in p.placements
+    )
+    if lay.cols:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(p.shape, mesh, p.placements)
+        lay.col_offset = int(offset[q_dim])
+    return lay
+
+
+# ---- the byte formula (Family.r_bytes) -----------------------------------------------------------
+def dion_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_size: int) -> Bytes:
+    """Dion, all-reduce (sent = received), in the parameter dtype: a compressed matrix costs
+    ``(m_loc + slice rows)·r`` elements (P's local rows, and this rank's slice of R after the
+    reduce-scatter over the row shards: :func:`r_slice`), an uncompressed matrix and every
+    scalar-optimizer parameter its local shard. A matrix that runs transposed (:func:`transposed`)
+    costs its slice of P (X's ``n_loc`` columns split over X's row shards) plus its slice of R (X's
+    ``m_loc`` rows split over X's column shards): the same number as the paper's form wherever
+    X's columns are not sharded."""
+    if replicate_size <= 1:
+        return Bytes()
+    cfg = resolved.options
+    total = 0
+    for s in shards:
+        elements = s.numel
+        if route(s.fqn, len(s.shape), cfg) == "dion":
+            m, n = s.shape
+            r = dion_rank(m, n, cfg)
+            if compressed(m, n, r, cfg):
+                if transposed(m, n, s.sharded, cfg.orientation):
+                    elements = (r_slice(s.local[1], s.row_split)[1] + r_slice(s.local[0], s.col_split)[1]) * r
+                else:
+                    elements = (s.local[0] + r_slice(s.local[1], s.row_split)[1]) * r
+        total += elements * s.itemsize
+    return Bytes(total, total)
+
