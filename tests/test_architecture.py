@@ -2,7 +2,7 @@
 
 Every ``import`` counts, also the ones inside functions (a lazy import still ties the two modules
 together: the byte formulas once imported the families' internals that way while the families
-imported the formulas back). Layers, from the bottom: ``comm``/``topology``/``options``/``overlap``
+imported the formulas back), except those under ``if TYPE_CHECKING:``, which never run. Layers, from the bottom: ``comm``/``topology``/``options``/``overlap``
 and ``compress/`` → ``optim/`` → ``titan/``; only ``titan/`` imports torchtitan.
 """
 
@@ -28,7 +28,15 @@ def _imports(module: str, path: Path, known: dict[str, Path]) -> set[str]:
     is_package = path.name == "__init__.py"
     here = module.split(".") if is_package else module.split(".")[:-1]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    typing_only = {  # imports under ``if TYPE_CHECKING:`` never run
+        id(inner) for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body for inner in ast.walk(stmt)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):

@@ -44,7 +44,6 @@ __all__ = [
     "CommLedger",
     "Pending",
     "get_ledger",
-    "use_ledger",
     "scalars",
     "all_reduce",
     "all_reduce_fused",
@@ -225,18 +224,6 @@ def get_ledger() -> CommLedger:
     """The process-wide ledger: the default of every collective given no ``ledger`` (standalone use;
     a training run passes its own, ``titan/adapter/run_context.py``)."""
     return _LEDGER
-
-
-@contextmanager
-def use_ledger(ledger: CommLedger) -> Iterator[CommLedger]:
-    """Send the records of everything inside the block to ``ledger`` instead of the process-wide one
-    (set-up and checkpoint traffic that is not a training step's)."""
-    global _LEDGER
-    previous, _LEDGER = _LEDGER, ledger
-    try:
-        yield ledger
-    finally:
-        _LEDGER = previous
 
 
 def _active(group: Optional[dist.ProcessGroup]) -> bool:

@@ -1,8 +1,10 @@
-"""Every byte formula in one place: what a rank sends and receives per step.
+"""The traffic that is not a family's: the AdamW-HSDP baseline and FSDP2's own collectives.
 
-Used by the training container (``comm/R_ratio_vs_adamw_hsdp`` and FSDP2's estimated traffic), by
-``scripts/comm_report.py`` (any flavor and mesh, on the meta device) and by the tests that hold the
-ledger of real runs against these numbers. Units follow ``titan_commopt.comm``: payload per rank
+Each family's R payload formula lives in the family's module, beside the code whose bytes it
+counts (``Family.r_bytes``). These two are used by the training container
+(``comm/R_ratio_vs_adamw_hsdp`` and FSDP2's estimated traffic), by ``scripts/comm_report.py`` (any
+flavor and mesh, on the meta device) and by the tests that hold the ledger of real runs against
+them. Units follow ``titan_commopt.comm``: payload per rank
 (an all-reduce of n bytes: n sent, n received; an all-gather over W ranks: n sent, (W − 1)·n
 received). Every formula reads parameters as :class:`~titan_commopt.optim.family.ShardShape`.
 """
@@ -13,11 +15,9 @@ from typing import Sequence
 from titan_commopt import comm
 from titan_commopt.topology import R, S
 
-from .family import Bytes, Resolved, ShardShape
+from .family import Bytes, ShardShape
 
-__all__ = [
-    "FsdpTraffic", "fsdp_traffic", "adamw_hsdp_r_bytes", "demo_r_bytes", "local_r_bytes", "dion_r_bytes",
-]
+__all__ = ["FsdpTraffic", "fsdp_traffic", "adamw_hsdp_r_bytes"]
 
 
 # ---- the baseline and FSDP2's own collectives ----------------------------------------------------
@@ -70,65 +70,3 @@ def fsdp_traffic(
     if hsdp_r_sync and replicate_size > 1:
         out = FsdpTraffic(out.s_all_gather_sent, out.s_all_gather_recv, out.s_reduce_scatter, numel * reduce_bytes)
     return out
-
-
-# ---- the families' R payloads --------------------------------------------------------------------
-def demo_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_size: int) -> Bytes:
-    """DeMo/FlexDeMo: one all-gather of every shard's packed payload (averaged over the
-    replicator's period), so received = (W − 1) × sent."""
-    from titan_commopt.compress.replicators import make_replicator
-
-    if replicate_size <= 1:
-        return Bytes()
-    sent = 0.0
-    for s in shards:
-        if s.numel == 0:
-            continue
-        rep = make_replicator(resolved.options, s.local, s.fqn)
-        sent += sum(rep.payload_bytes(t) for t in range(1, rep.period + 1)) / rep.period
-    return Bytes(sent, (replicate_size - 1) * sent)
-
-
-def local_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_size: int) -> Bytes:
-    """DES-LOC / MT-DAO / LocalAdam / DiLoCo: d·(1/Kx + Σ_j 1/K_j + 1/Kv)·bytes, all-reduce (sent =
-    received); d = the local shard's elements, bytes = the transfer dtype's (the parameter's for
-    ``native``); a period of 0 (never) adds nothing."""
-    from .local_adaptive import settings
-
-    if replicate_size <= 1:
-        return Bytes()
-    st = settings(resolved.options, resolved.hparams)
-    inv = lambda k: 1.0 / k if k > 0 else 0.0  # noqa: E731
-    per_element = inv(st.Kx) + sum(inv(k) for k in st.periods_u) + inv(st.Kv)
-    dtype = resolved.options.transfer_dtype
-    total = sum(s.numel * (s.itemsize if dtype == "native" else comm.DTYPES[dtype].itemsize) for s in shards)
-    return Bytes(total * per_element, total * per_element)
-
-
-def dion_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_size: int) -> Bytes:
-    """Dion, all-reduce (sent = received), in the parameter dtype: a compressed matrix costs
-    ``(m_loc + slice rows)·r`` elements (P's local rows, and this rank's slice of R after the
-    reduce-scatter over the row shards: ``dion.r_slice``), an uncompressed matrix and every
-    scalar-optimizer parameter its local shard. A matrix that runs transposed (``dion.transposed``)
-    costs its slice of P (X's ``n_loc`` columns split over X's row shards) plus its slice of R (X's
-    ``m_loc`` rows split over X's column shards): the same number as the paper's form wherever
-    X's columns are not sharded."""
-    from .dion import compressed, dion_rank, r_slice, route, transposed
-
-    if replicate_size <= 1:
-        return Bytes()
-    cfg = resolved.options
-    total = 0
-    for s in shards:
-        elements = s.numel
-        if route(s.fqn, len(s.shape), cfg) == "dion":
-            m, n = s.shape
-            r = dion_rank(m, n, cfg)
-            if compressed(m, n, r, cfg):
-                if transposed(m, n, s.sharded, cfg.orientation):
-                    elements = (r_slice(s.local[1], s.row_split)[1] + r_slice(s.local[0], s.col_split)[1]) * r
-                else:
-                    elements = (s.local[0] + r_slice(s.local[1], s.row_split)[1]) * r
-        total += elements * s.itemsize
-    return Bytes(total, total)
-
