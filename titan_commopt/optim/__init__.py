@@ -84,13 +84,14 @@ def build_optimizer(
 
 def make(
     name: str, named_params: Any, topology: Optional[Topology] = None, hparams: Optional[BaseHParams] = None,
-    **options: Any,
+    *, ledger: "comm.CommLedger | None" = None, **options: Any,
 ) -> CommOptimizer:
     """Optimizer ``name`` outside torchtitan, as with ``torch.optim``: ``named_params`` as from
     ``model.named_parameters()``, ``options`` the ``[commopt.<family>]`` keys you set (the preset
-    fills the rest), ``hparams`` the ``[optimizer]`` values."""
+    fills the rest), ``hparams`` the ``[optimizer]`` values, ``ledger`` where its bytes are recorded
+    (default: ``comm.get_ledger()``)."""
     resolved = resolve(name, options, hparams)
-    return build_optimizer(list(named_params), topology or Topology.single(), resolved)
+    return build_optimizer(list(named_params), topology or Topology.single(), resolved, ledger=ledger)
 
 
 @torch.no_grad()

@@ -109,7 +109,7 @@ class Family:
     - ``check(options, hparams)``: cross-field rules, one problem line each (no collectives);
     - ``state_shape(resolved)``: ``{option key: value}`` of what decides the optimizer state's keys,
       shapes and meaning (JSON values); a checkpoint records it and a resume with another value is
-      refused (``titan/checkpoint.py``). Every other option may change on resume;
+      refused (``titan/config/resume.py``). Every other option may change on resume;
     - ``summary``: one line for the docs;
     - ``preset_sources``: ``{optimizer name: where its values come from}`` (paper, section/table),
       printed beside each preset in ``docs/options.md``.
@@ -121,7 +121,7 @@ class Family:
     key: str
     options: type
     presets: Mapping[str, Mapping[str, Any]]
-    build: Callable[[NamedParams, Any, "Resolved"], torch.optim.Optimizer]
+    build: Callable[..., torch.optim.Optimizer]  # (named_params, topology, resolved, *, ledger=None)
     r_bytes: Callable[[Sequence[ShardShape], "Resolved", int], Bytes]
     check: Callable[[Any, BaseHParams], list[str]] = no_problems
     state_shape: Callable[["Resolved"], Mapping[str, Any]] = no_state_shape

@@ -99,7 +99,7 @@ start at zero there); with Adam's bias correction each u_j is divided by the wei
 same on every replica and after a resume.
 
 Clipping: under torchtitan, ``[training] max_norm`` has already clipped every replica's gradient
-by the replicas' common norm (``titan/container.py``) when ``step()`` runs. ``clip`` is a second,
+by the replicas' common norm (``titan/adapter/container.py``) when ``step()`` runs. ``clip`` is a second,
 optional clip inside the optimizer: ``coordinate`` is DES-LOC's algorithm (its preset keeps it: the
 paper's analysis bounds state changes by the per-coordinate radius ρ); ``norm`` clips by this
 replica's own norm (MT-DAO's paper clips per worker; its ρ = 1 is the training loop's max_norm, so
@@ -500,7 +500,7 @@ class LocalAdaptive(CommOptimizer):
                     self._params.append((group, p))
         self.schedule = SyncSchedule(self.periods, [p.numel() for _, p in self._params], cfg.fragments)
 
-    # ---- hooks the torchtitan adapter reads (titan/optimizers.py, state.py) ------------------------
+    # ---- hooks the torchtitan adapter reads (titan/adapter/container.py, state.py) ------------------------
     @property
     def params_replica_local(self) -> bool:
         """Parameters differ across replicas between Kx syncs: checkpoints keep them per replica."""
