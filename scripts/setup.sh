@@ -3,6 +3,10 @@
 # torch==2.13.0 goes in first: on our CPU machines pip takes the local CPU wheel; an open-ended
 # "torch" requirement on a fresh venv would pull a multi-GB CUDA build instead.
 # GPU users: install your own CUDA/ROCm torch 2.13 into the venv first (or set TORCH_SPEC).
+# Variables: VENV (default .venv: the venv to create or reuse, e.g. one on a filesystem every node
+# sees), PYTHON (default python3.11, else python3: the interpreter that makes it), TORCH_SPEC
+# (default torch==2.13.0: pip's arguments for torch, used only when the venv has no torch yet), e.g.
+#   VENV=/shared/venvs/commopt TORCH_SPEC="torch==2.13.0 --index-url <your CUDA index>" bash scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
