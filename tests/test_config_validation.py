@@ -12,7 +12,9 @@ from tests.titan_utils import CONFIG, job_and_resolved, readme_toml
 BAD = [
     # [optimizer] name
     ("Adamm", "", [], ["[optimizer] name = 'Adamm'", "AdamW", "Dion"]),
-    ("dion", "", [], ["[optimizer] name = 'dion'", "Dion"]),
+    ("dion", "", [], ["[optimizer] name = 'dion': did you mean 'Dion'?", "allowed is one of"]),
+    ("FlexDemo", "", [], ["[optimizer] name = 'FlexDemo': did you mean 'FlexDeMo'?", "allowed is one of AdamW"]),
+    ("adamw", "", [], ["[optimizer] name = 'adamw': did you mean 'AdamW'?"]),
     ("", "", [], ["[optimizer] name = ''"]),
     # [commopt] common
     ("AdamW", "[commopt]\non_nonfinite = 'ignore'", [], ["on_nonfinite = 'ignore'", "'skip', 'stop', 'off'"]),
@@ -209,6 +211,13 @@ BAD_TORCHTITAN = [
     ((), "", ["--training.steps", "ten"], None, ["[training] steps = 'ten' (from --training.steps): allowed is an integer"]),
     ((), "", ["--training.steps"], None, ["[training] steps (from --training.steps): needs a value"]),
     ((), "", ["--commopt.demo.sign_before_sync=maybe"], None, ["sign_before_sync = 'maybe'", "true or false"]),
+    # a bad boolean as a separate word names its key (tyro alone says "Unrecognized options: flase")
+    ((), "", ["--commopt.demo.sign_before_sync", "flase"], None,
+     ["[commopt.demo] sign_before_sync = 'flase' (from --commopt.demo.sign_before_sync): allowed is true or false"]),
+    ((), "", ["--checkpoint.enable", "ture", "--training.steps", "3"], None,
+     ["[checkpoint] enable = 'ture' (from --checkpoint.enable): allowed is true or false"]),
+    ((), "", ["--checkpoint.no-enable", "false"], None,
+     ["[checkpoint] enable (from --checkpoint.no-enable false): --checkpoint.no-enable is a flag, it takes no value"]),
     ((), "", ["--commopt.dion.rank", "many"], None, ["[commopt.dion] rank = 'many' (from --commopt.dion.rank): allowed is an integer"]),
     # several at once, across torchtitan's keys and ours
     ((), "[commopt.dion]\nmu = 2.0", ["--optimizer.name", "Dion", "--optimizer.lr", "nan", "--training.seq_len", "0"], None,
@@ -320,3 +329,4 @@ def test_user_set_keys_counts_every_accepted_form():
                  ["--commopt.demo.no-sign_before_sync"], ["--commopt.demo.no_sign_before_sync"],
                  ["--commopt.demo.sign-before-sync"], ["--commopt.demo.no-sign-before-sync"]):
         assert user_set_keys(argv, {})["demo"] == {"sign_before_sync"}, argv
+
