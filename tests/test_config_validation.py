@@ -12,7 +12,9 @@ from tests.titan_utils import CONFIG, job_and_resolved, readme_toml
 BAD = [
     # [optimizer] name
     ("Adamm", "", [], ["[optimizer] name = 'Adamm'", "AdamW", "Dion"]),
-    ("dion", "", [], ["[optimizer] name = 'dion'", "Dion"]),
+    ("dion", "", [], ["[optimizer] name = 'dion': did you mean 'Dion'?", "allowed is one of"]),
+    ("FlexDemo", "", [], ["[optimizer] name = 'FlexDemo': did you mean 'FlexDeMo'?", "allowed is one of AdamW"]),
+    ("adamw", "", [], ["[optimizer] name = 'adamw': did you mean 'AdamW'?"]),
     ("", "", [], ["[optimizer] name = ''"]),
     # [commopt] common
     ("AdamW", "[commopt]\non_nonfinite = 'ignore'", [], ["on_nonfinite = 'ignore'", "'skip', 'stop', 'off'"]),
@@ -209,6 +211,13 @@ BAD_TORCHTITAN = [
     ((), "", ["--training.steps", "ten"], None, ["[training] steps = 'ten' (from --training.steps): allowed is an integer"]),
     ((), "", ["--training.steps"], None, ["[training] steps (from --training.steps): needs a value"]),
     ((), "", ["--commopt.demo.sign_before_sync=maybe"], None, ["sign_before_sync = 'maybe'", "true or false"]),
+    # a bad boolean as a separate word names its key (tyro alone says "Unrecognized options: flase")
+    ((), "", ["--commopt.demo.sign_before_sync", "flase"], None,
+     ["[commopt.demo] sign_before_sync = 'flase' (from --commopt.demo.sign_before_sync): allowed is true or false"]),
+    ((), "", ["--checkpoint.enable", "ture", "--training.steps", "3"], None,
+     ["[checkpoint] enable = 'ture' (from --checkpoint.enable): allowed is true or false"]),
+    ((), "", ["--checkpoint.no-enable", "false"], None,
+     ["[checkpoint] enable (from --checkpoint.no-enable false): --checkpoint.no-enable is a flag, it takes no value"]),
     ((), "", ["--commopt.dion.rank", "many"], None, ["[commopt.dion] rank = 'many' (from --commopt.dion.rank): allowed is an integer"]),
     # several at once, across torchtitan's keys and ours
     ((), "[commopt.dion]\nmu = 2.0", ["--optimizer.name", "Dion", "--optimizer.lr", "nan", "--training.seq_len", "0"], None,
@@ -320,3 +329,110 @@ def test_user_set_keys_counts_every_accepted_form():
                  ["--commopt.demo.no-sign_before_sync"], ["--commopt.demo.no_sign_before_sync"],
                  ["--commopt.demo.sign-before-sync"], ["--commopt.demo.no-sign-before-sync"]):
         assert user_set_keys(argv, {})["demo"] == {"sign_before_sync"}, argv
+
+
+# ---- warnings: valid, but probably not meant (titan/config/validate.py: run_warnings) -------------
+def _warnings(tmp_path, cli, table=""):
+    base = CONFIG.read_text()
+    path = tmp_path / "job.toml"
+    path.write_text(base[: base.index("\n[commopt]")] + "\n" + table + "\n")
+    return check_config(["--job.config_file", str(path), *cli]).warnings
+
+
+@pytest.mark.parametrize("cli, table, expected", [
+    # the A/B case: one TOML, the optimizer switched on the command line
+    (["--optimizer.name", "Dion", "--commopt.demo.chunk", "32"], "",
+     ["[commopt.demo] chunk: set, but [optimizer] name = 'Dion' reads [commopt.dion]; ignored "
+      "([commopt.demo] is read by DeMo, FlexDeMo)"]),
+    (["--optimizer.name", "Dion"], "[commopt.demo]\nchunk = 32\nsign_before_sync = false\n[commopt.dion]\nrank = 8",
+     ["[commopt.demo] chunk, sign_before_sync: set, but [optimizer] name = 'Dion' reads [commopt.dion]"]),
+    (["--optimizer.name", "AdamW"], "[commopt.demo]\nchunk = 32\n[commopt.local]\nKx = 4",
+     ["[commopt.demo] chunk: set, but [optimizer] name = 'AdamW' reads no [commopt.<family>] table",
+      "[commopt.local] Kx: set, but [optimizer] name = 'AdamW' reads no [commopt.<family>] table"]),
+    (["--optimizer.name", "FlexDeMo", "--commopt.demo.chunk", "32"], "[commopt]\nhsdp_estimates = false", []),
+    (["--optimizer.name", "DES-LOC"], "[commopt.demo]", []),  # an empty table sets nothing
+])
+def test_a_table_the_optimizer_does_not_read_gets_one_warning_line(tmp_path, cli, table, expected):
+    found = _warnings(tmp_path, cli, table)
+    assert len(found) == len(expected), found
+    for line, piece in zip(found, expected):
+        assert line.startswith(piece), (line, piece)
+
+
+def test_an_unread_table_is_still_checked(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        _warnings(tmp_path, ["--optimizer.name", "Dion"], "[commopt.demo]\nchunk = -1")
+    assert str(info.value).startswith("[commopt.demo] chunk = -1")
+
+
+def test_the_readme_toml_with_another_optimizer_warns_about_its_demo_table(tmp_path):
+    path = tmp_path / "my.toml"
+    path.write_text(readme_toml())
+    run = check_config(["--job.config_file", str(path), "--optimizer.name", "DES-LOC"], world_size=2)
+    assert [line.split(":")[0] for line in run.warnings] == ["[commopt.demo] chunk"]
+
+
+@pytest.mark.parametrize("cli, warned", [
+    (["--optimizer.name", "MT-DAO"], "from the MT-DAO preset"),  # debug_cpu.toml: 40 steps, warm-up 5
+    (["--optimizer.name", "MT-DAO-halflife"], "from the MT-DAO-halflife preset"),
+    (["--optimizer.name", "DES-LOC", "--commopt.local.switch_at", "warmup"], "as set"),
+    (["--optimizer.name", "MT-DAO", "--training.steps", "{short}"], "from the MT-DAO preset"),
+    (["--optimizer.name", "MT-DAO", "--training.steps", "{long}"], None),  # long enough
+    (["--optimizer.name", "MT-DAO", "--commopt.local.switch_at", "0"], None),  # the README's advice
+    (["--optimizer.name", "MT-DAO", "--lr_scheduler.warmup_steps", "0"], None),  # no warm-up: no switch
+    (["--optimizer.name", "MT-DAO", "--lr_scheduler.warmup_steps", "40"], None),  # never reached in 40 steps
+    (["--optimizer.name", "DES-LOC"], None),
+])
+def test_mt_dao_switch_in_a_short_run_gets_one_warning_line(tmp_path, cli, warned):
+    from titan_commopt.titan.config.validate import SWITCH_MIN_STEPS
+
+    cli = [arg.format(short=SWITCH_MIN_STEPS - 1, long=SWITCH_MIN_STEPS) for arg in cli]
+    run = check_config(["--job.config_file", str(_config(tmp_path)), *cli])
+    if warned is None:
+        assert run.warnings == []
+        return
+    (line,) = run.warnings
+    steps, warmup = run.job_config.training.steps, run.job_config.lr_scheduler.warmup_steps
+    assert line == (
+        f"[commopt.local] switch_at = 'warmup' ({warned}) with [training] steps = {steps}: the switch at the end "
+        f"of warm-up (step {warmup}) is meant for runs of at least {SWITCH_MIN_STEPS} steps (after a short "
+        "warm-up the carried momentum misleads training for hundreds of steps); set [commopt.local] switch_at = 0 "
+        "(--commopt.local.switch_at 0)"
+    )
+
+
+def _main_without_training(monkeypatch, argv):
+    """``titan_commopt.train.main`` up to where torchtitan would start."""
+    import titan_commopt.titan.adapter.trainer as trainer
+    import titan_commopt.titan.platform.console as console
+    import titan_commopt.titan.platform.cpu as cpu
+    from titan_commopt.train import main
+
+    started = []
+    monkeypatch.setattr(trainer, "run_torchtitan", started.append)
+    monkeypatch.setattr(console, "quiet_known_noise", lambda: None)
+    monkeypatch.setattr(cpu, "use_cpu_if_no_accelerator", lambda: None)
+    main(argv)
+    assert len(started) == 1
+
+
+def test_warnings_are_printed_once_by_rank_0_or_by_the_launcher(monkeypatch, capsys):
+    from titan_commopt.train import WARNED_ENV, WARNING_PREFIX, report_warnings
+
+    argv = ["--job.config_file", str(CONFIG), "--optimizer.name", "Dion", "--commopt.demo.chunk", "32"]
+    warning = WARNING_PREFIX + "[commopt.demo] chunk: set, but [optimizer] name = 'Dion' reads [commopt.dion]"
+    monkeypatch.setenv(WARNED_ENV, "")  # unset (and restored after the test: the launcher sets it below)
+    # plain torchrun: global rank 0 prints, the others do not
+    for rank, copies in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("RANK", rank)
+        _main_without_training(monkeypatch, argv)
+        err = capsys.readouterr().err
+        assert err.count(warning) == copies and err.count(WARNING_PREFIX) == copies, err
+    # titan_commopt.run prints them before any worker starts; its workers, rank 0 included, do not
+    run = check_config(argv)
+    capsys.readouterr()
+    report_warnings(run, launcher=True)
+    assert capsys.readouterr().err.count(warning) == 1
+    monkeypatch.setenv("RANK", "0")
+    _main_without_training(monkeypatch, argv)  # the worker inherits the launcher's environment
+    assert WARNING_PREFIX not in capsys.readouterr().err

@@ -13,7 +13,9 @@ too.) Differences from ``python -m torchtitan.train``, all before torchtitan's T
    keys, types, command line; ``titan/config/validate.py``: values, the mesh against ``WORLD_SIZE``,
    ``[optimizer]`` and every ``[commopt]`` key): a bad config exits with status 2 and one line per
    problem (key, value, what is allowed), printed by rank 0 (by the launcher under
-   ``titan_commopt.run``), no traceback unless ``TITAN_COMMOPT_TRACEBACK=1``;
+   ``titan_commopt.run``), no traceback unless ``TITAN_COMMOPT_TRACEBACK=1``; what a valid config
+   probably does not mean (a ``[commopt.<family>]`` table the chosen optimizer does not read, MT-DAO's
+   switch in a short run) is one warning line each, printed once (:func:`report_warnings`);
 4. the run made in step 3 (``titan/adapter/run_context.py``: the job config, parsed once, the
    resolved optimizer, the comm ledger) is what torchtitan's Trainer builds from
    (``titan/adapter/trainer.py``);
@@ -28,6 +30,8 @@ from typing import Any, Optional
 
 PREFIX = "titan_commopt: bad config: "  # every pre-flight line starts with it
 TRACEBACK_ENV = "TITAN_COMMOPT_TRACEBACK"  # =1: print the traceback of a pre-flight error too
+WARNING_PREFIX = "titan_commopt: warning: "  # every line of report_warnings starts with it
+WARNED_ENV = "TITAN_COMMOPT_WARNED"  # =1 (set by the launcher for its workers): the warnings are printed
 
 
 def check_config(argv: list[str], world_size: Optional[int] = None) -> Any:
@@ -64,6 +68,20 @@ def report_config_error(error: BaseException, launcher: bool = False) -> None:
     raise SystemExit(2)
 
 
+def report_warnings(run: Any, launcher: bool = False) -> None:
+    """Print the run's config warnings (``run.warnings``) once: by ``titan_commopt.run`` before any
+    worker starts (``launcher``; it tells its workers so through :data:`WARNED_ENV`), else by global
+    rank 0 (plain torchrun, or a launcher that did not print them)."""
+    if not run.warnings:
+        return
+    if launcher:
+        os.environ[WARNED_ENV] = "1"  # the workers inherit the launcher's environment
+    elif os.environ.get(WARNED_ENV) or os.environ.get("RANK", "0") != "0":
+        return
+    sys.stdout.flush()
+    print("\n".join(WARNING_PREFIX + line for line in run.warnings), file=sys.stderr, flush=True)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     from .titan.platform.console import quiet_known_noise
@@ -77,6 +95,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         run = check_config(argv)
     except ConfigError as error:
         report_config_error(error)
+    report_warnings(run)
 
     from .titan.adapter.trainer import run_torchtitan
 

@@ -4,6 +4,7 @@ A new family is one module exposing ``FAMILY`` and one line in :data:`FAMILIES`.
 """
 
 import dataclasses
+import difflib
 from typing import Any, Mapping, Optional
 
 import torch
@@ -46,7 +47,11 @@ def available_names() -> list[str]:
 def family_of(name: str) -> Family:
     family = _names().get(name)
     if family is None:
-        raise ConfigError(f"[optimizer] name = {name!r}: allowed is one of {', '.join(available_names())}")
+        allowed = available_names()
+        by_lower = {n.lower(): n for n in allowed}  # case-insensitive, as check_keys' did-you-mean
+        close = difflib.get_close_matches(name.lower(), list(by_lower), n=1)
+        hint = f"did you mean {by_lower[close[0]]!r}? " if close else ""
+        raise ConfigError(f"[optimizer] name = {name!r}: {hint}allowed is one of {', '.join(allowed)}")
     return family
 
 

@@ -3,7 +3,8 @@
 :meth:`CommoptRun.from_command_line` parses the command line and its TOML once
 (``titan/config/parse.py``), checks every value and resolves the optimizer
 (``titan/config/validate.py``): the parsed job config, the ``[commopt]`` keys the user set, the
-resolved options (``None`` for torchtitan's AdamW/Adam) and the run's comm ledger (every byte a
+resolved options (``None`` for torchtitan's AdamW/Adam), the warnings about the config (one line
+each, printed once by ``titan_commopt.train``/``titan_commopt.run``) and the run's comm ledger (every byte a
 training step sends, recorded by the optimizers, the container and FSDP2's estimates alike). The
 topology is added once the meshes exist (``build.py``).
 
@@ -26,7 +27,7 @@ from titan_commopt.topology import Topology
 
 from ..config.parse import CUSTOM_IMPORT, parse_job
 from ..config.sources import user_set_keys
-from ..config.validate import resolve_job
+from ..config.validate import resolve_job, run_warnings
 
 __all__ = ["CommoptRun"]
 
@@ -36,6 +37,7 @@ class CommoptRun:
     job_config: Any
     user_keys: dict[str, set[str]]  # {family: keys the user set in [commopt.<family>]}
     resolved: Optional[Resolved]  # None: torchtitan's own AdamW/Adam
+    warnings: list[str] = field(default_factory=list)  # one line each: valid, but probably not meant
     ledger: CommLedger = field(default_factory=CommLedger)
     topology: Optional[Topology] = None  # once the meshes exist
 
@@ -47,7 +49,8 @@ class CommoptRun:
         parsed = parse_job(list(sys.argv[1:] if argv is None else argv))
         _import_custom(parsed.job_config)
         user_keys = user_set_keys(parsed.args, parsed.toml)
-        return cls(parsed.job_config, user_keys, resolve_job(parsed.job_config, user_keys, world_size))
+        resolved = resolve_job(parsed.job_config, user_keys, world_size)
+        return cls(parsed.job_config, user_keys, resolved, run_warnings(parsed.job_config, user_keys, resolved))
 
 
 def _import_custom(job_config: Any) -> None:

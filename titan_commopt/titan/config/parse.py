@@ -17,7 +17,8 @@ file), the value and what is allowed:
 Booleans on the command line: tyro wants ``--section.key`` / ``--section.no-key``;
 :func:`normalize_argv` also accepts ``--section.key true|false`` (and ``=true|false``), the form
 ``docs/options.md`` documents, for torchtitan's booleans and ours alike, by rewriting it to the
-flag form before parsing.
+flag form before parsing; any other word after a boolean (``--commopt.demo.sign_before_sync
+flase``) is reported with its key, not left to tyro (which calls it an unrecognized option).
 
 ``ConfigManager`` also needs our ``custom_config_module`` / ``custom_import`` (added by
 :func:`plugin_args` when neither the command line nor the TOML names them).
@@ -299,11 +300,18 @@ def cli_problems(argv: list[str], cls: type) -> list[str]:
             continue
         section, _, name = dotted.rpartition(".")
         if f.type is bool:
-            if eq:
-                out.append(
-                    f"[{section}] {name} = {value!r} (from {key}): allowed is true or false "
-                    f"(--{dotted} true|false, or the flags --{dotted} / --{section}.no-{name})"
-                )
+            # normalize_argv took every true/false; a word left after a boolean is a bad value
+            # (tyro would call it an unrecognized option, without the key)
+            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value = argv[i + 1]
+            elif not eq:
+                continue
+            allowed = f"allowed is true or false (--{dotted} true|false, or the flags --{dotted} / --{section}.no-{name})"
+            if negated:
+                given = arg if eq else f"{key} {value}"
+                out.append(f"[{section}] {name} (from {given}): {key} is a flag, it takes no value; {allowed}")
+            else:
+                out.append(f"[{section}] {name} = {value!r} (from {key}): {allowed}")
             continue
         if _takes_words(f.type):
             continue  # tyro reads the words; [commopt] lists are checked after parsing

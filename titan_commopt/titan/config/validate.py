@@ -7,18 +7,29 @@ world size, model flavor, dataset file, ...), and returns the :class:`~titan_com
 value the run trains with (``None`` for torchtitan's own AdamW/Adam). Every problem is one line, all
 of them reported together; nothing touches a process group, so ``titan_commopt.train`` runs it
 before torchtitan starts.
+
+:func:`run_warnings` names what a valid config does that the user probably did not mean, one line
+each: a ``[commopt.<family>]`` table the chosen optimizer does not read, and MT-DAO's switch at the
+end of a warm-up in a run too short for it.
 """
 
 from typing import Any, Optional
 
-from titan_commopt.optim import BaseHParams, Resolved, family_of, owns_replicate_sync, resolve
+from titan_commopt.optim import FAMILIES, BaseHParams, Resolved, family_of, owns_replicate_sync, resolve
 from titan_commopt.options import ConfigError, problems as option_problems
 
 from .section import commopt_of
 from .sources import given_options
 from .torchtitan_keys import torchtitan_problems, world_size_from_env
 
-__all__ = ["resolve_job", "hparams_of"]
+__all__ = ["resolve_job", "hparams_of", "run_warnings", "unread_tables", "short_run_switch", "SWITCH_MIN_STEPS"]
+
+# MT-DAO's switch at the end of warm-up (``[commopt.local] switch_at = "warmup"``) is recommended only
+# for runs at least this long: the MT-DAO paper switches after a 2048-step warm-up (appendix B.2),
+# when the gradient direction changes slowly; after a short warm-up the momentum carried into the
+# slow β1 = 0.999 misleads training for hundreds of steps (500-step study, docs/benchmarks.md §4:
+# loss 4.0 with the switch, 1.5 without).
+SWITCH_MIN_STEPS = 2048
 
 
 def hparams_of(optimizer_config: Any, lr_scheduler_config: Any = None) -> BaseHParams:
@@ -93,3 +104,45 @@ def resolve_job(
     if found:
         raise ConfigError("\n".join(found))
     return resolved
+
+
+def unread_tables(name: str, user_keys: dict[str, set[str]]) -> list[str]:
+    """One line per ``[commopt.<family>]`` table with keys the user set that optimizer ``name`` does
+    not read (every such table for torchtitan's own AdamW/Adam). Its values are still checked."""
+    reads = family_of(name).key if owns_replicate_sync(name) else None
+    what_it_reads = f"[commopt.{reads}]" if reads else "no [commopt.<family>] table (torchtitan's own optimizer)"
+    out = []
+    for key, family in FAMILIES.items():
+        keys = sorted(user_keys.get(key, ()))
+        if key == reads or not keys:
+            continue
+        readers = ", ".join(sorted(family.presets))
+        out.append(
+            f"[commopt.{key}] {', '.join(keys)}: set, but [optimizer] name = {name!r} reads {what_it_reads}; "
+            f"ignored ([commopt.{key}] is read by {readers})"
+        )
+    return out
+
+
+def short_run_switch(job_config: Any, resolved: Optional[Resolved]) -> list[str]:
+    """One line when MT-DAO's switch at the end of warm-up falls inside a run shorter than
+    :data:`SWITCH_MIN_STEPS`."""
+    if resolved is None or getattr(resolved.options, "switch_at", 0) != "warmup":
+        return []
+    steps, warmup = job_config.training.steps, resolved.hparams.warmup_steps
+    if not 0 < warmup < steps < SWITCH_MIN_STEPS:
+        return []  # no warm-up (no switch), a switch the run never reaches, or a run long enough
+    section = resolved.family.section
+    origin = "as set" if "switch_at" in resolved.user_set else f"from the {resolved.name} preset"
+    return [
+        f"[{section}] switch_at = 'warmup' ({origin}) with [training] steps = {steps}: the switch at the end "
+        f"of warm-up (step {warmup}) is meant for runs of at least {SWITCH_MIN_STEPS} steps (after a short "
+        f"warm-up the carried momentum misleads training for hundreds of steps); set [{section}] switch_at = 0 "
+        f"(--{section}.switch_at 0)"
+    ]
+
+
+def run_warnings(job_config: Any, user_keys: dict[str, set[str]], resolved: Optional[Resolved]) -> list[str]:
+    """What a valid config does that is probably not meant, one line each (:func:`resolve_job` has
+    passed, so ``[optimizer] name`` is known)."""
+    return unread_tables(job_config.optimizer.name, user_keys) + short_run_switch(job_config, resolved)
