@@ -51,8 +51,9 @@ ledger's convention (received = sent: an all-reduce; otherwise an all-gather). T
 the ranks of one node run at the same time: RATE is what each rank has to itself (one NIC per GPU);
 where ``--ranks-per-link`` ranks share one link, each gets RATE / that number.
 
-A bad argument (unknown flavor or optimizer, a malformed or invalid ``--set``, a degree < 1, a
-malformed ``--link``) prints one line and exits with status 2.
+A bad argument (unknown flavor or optimizer, a malformed or invalid ``--set``, a degree,
+``--ranks-per-link`` or ``--steps`` < 1, a malformed ``--link``) prints one line and exits with
+status 2.
 """
 
 import argparse
