@@ -3,9 +3,10 @@
     .venv/bin/python scripts/comm_report.py --flavor 8B --replicate 2 --shard 8
     .venv/bin/python scripts/comm_report.py --flavor 300M --replicate 2 --shard 1 --png out.png
     .venv/bin/python scripts/comm_report.py --flavor cpu_tiny --replicate 2 --shard 2 --set local.Kx=2
+    .venv/bin/python scripts/comm_report.py --flavor 8B --replicate 2 --shard 8 --link 100gbit
 
 The model is torchtitan's llama3 ``Transformer`` built on the meta device. R bytes come from each
-family's byte formula (``titan_commopt.optim.traffic``, the one the ledger is tested against) on
+family's byte formula (``Family.r_bytes``, the one the ledger is tested against) on
 rank 0's FSDP2 shards (``ShardShape.fsdp``: dim 0 split over ``--shard``); S bytes are the FSDP2
 estimate the training container records (all-gather of the parameters in forward and backward + gradient reduce-scatter). AdamW-HSDP
 = the fp32 all-reduce of the local gradient shard over R; AdamW-DDP = the same for the full
@@ -19,15 +20,51 @@ gradient reduce-scatter on S and AdamW-HSDP's all-reduce on R); both default to 
 trains in float32: pass ``--param-dtype float32`` to compare with it.) The optimizers' own R traffic
 does not depend on them (they hold the fp32 parameter shards).
 
-A bad argument (unknown flavor or optimizer, a malformed or invalid ``--set``, a degree < 1) prints
-one line and exits with status 2.
+Burst: the periodic optimizers send nothing on most steps and whole state shards on a sync, so the
+per-step mean hides what one sync moves (what meets a collective timeout). ``R sent/sync`` is the R
+payload per rank of the largest step: after update n the states whose period divides n are due
+together, so the largest step is every state with a period > 0 at once, first after update
+lcm(periods) (the ``largest after update`` column; for the local-adaptive family x, each u_j and
+v; for DeMo's ``diloco`` replicator the whole shard every period). ``--steps N`` limits it to the
+first N updates (MT-DAO-halflife's coprime 32, 693, 6931 coincide only after 153,701,856). It is
+the family's own per-step byte formula asked of a run that syncs exactly those states every step
+(their periods set to 1, the others to 0: ``periodic_states``). With ``[commopt.local] fragments`` F
+> 1 the states are synced in fragments at spread offsets and the real largest step is smaller: the
+column shows ``≤`` that bound. An optimizer that sends on every step (AdamW, DeMo's other
+replicators, Dion) has burst = mean (``striding``: within one element per shard).
+
+Settings: beside each row the resolved values that decide its bytes (preset, ``--set``, and
+``"auto"`` periods made numbers), e.g. chunk/topk/sign/dtype for DeMo, Kx/Ku/Kv/dtype for the
+local family, rank/rank_fraction/compress for Dion.
+
+``--link RATE`` (decimal bits per second: 10mbit, 100mbit, 1gbit, 100gbit, 400gbit) adds each
+optimizer's R time on the wire, per step (mean) and per sync (burst), bandwidth term only (no
+latency, no overlap with compute, no protocol overhead), with the ring algorithms over a full-duplex
+link of RATE per rank and direction::
+
+    time = wire bytes per rank × 8 × ranks_per_link / RATE
+    all-reduce of n bytes (ledger: n sent, n received):          wire = 2·(W − 1)/W · n
+    all-gather of n bytes (ledger: n sent, (W − 1)·n received):  wire = (W − 1) · n
+
+with W = ``--replicate`` (at W = 2 both are n). Which collective a row uses is read from the
+ledger's convention (received = sent: an all-reduce; otherwise an all-gather). The R collectives of
+the ranks of one node run at the same time: RATE is what each rank has to itself (one NIC per GPU);
+where ``--ranks-per-link`` ranks share one link, each gets RATE / that number.
+
+A bad argument (unknown flavor or optimizer, a malformed or invalid ``--set``, a degree,
+``--ranks-per-link`` or ``--steps`` < 1, a malformed ``--link``) prints one line and exits with
+status 2.
 """
 
 import argparse
+import dataclasses
+import itertools
 import json
 import math
+import re
 import sys
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -47,20 +84,145 @@ def _itemsize(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
-def r_bytes(name: str, shapes, replicate: int, shard: int, overrides: dict, reduce_dtype: str = "float32"):
-    """Analytic R payload per rank per step of optimizer ``name`` on rank 0's shards."""
+def _r_bytes(name: str, shards, replicate: int, overrides: dict, reduce_dtype: str, horizon: int | None = None):
+    """(mean R payload per rank per step, R payload of the largest step within ``horizon`` updates
+    (None: ever), the update where that step first comes (1: every step sends alike; 0: nothing is
+    ever synced), whether that payload is exact (else an upper bound), the Resolved or None for
+    torchtitan's own optimizers)."""
     from titan_commopt.optim import owns_replicate_sync
     from titan_commopt.optim.traffic import adamw_hsdp_r_bytes
 
-    shards = _shards(shapes, shard)
     if not owns_replicate_sync(name):
-        return adamw_hsdp_r_bytes(shards, replicate, _itemsize(reduce_dtype))
+        mean = adamw_hsdp_r_bytes(shards, replicate, _itemsize(reduce_dtype))
+        return mean, mean, 1, True, None
     resolved = resolved_of(name, overrides)
-    return resolved.family.r_bytes(shards, resolved, replicate)
+    mean = resolved.family.r_bytes(shards, resolved, replicate)
+    burst, at, exact = largest_step(resolved, shards, replicate, horizon)
+    return mean, (mean if burst is None else burst), at, exact, resolved
+
+
+@dataclasses.dataclass(frozen=True)
+class Periodic:
+    """The R syncs of an optimizer that sends on a period: ``periods`` of each state synced on a
+    period > 0; ``due_alone(subset)`` the options of a run that syncs exactly the states in
+    ``subset`` (indices into ``periods``) on every step and nothing else (each period 1 or 0), so
+    the family's per-step byte formula asked of it is the payload of a step where exactly those
+    states are due; ``exact`` False where syncs are split further in time (``fragments`` > 1), so
+    that payload is only an upper bound of any real step."""
+
+    periods: list[int]
+    due_alone: Callable[[tuple[int, ...]], object]
+    exact: bool = True
+
+
+def periodic_states(resolved) -> Periodic | None:
+    """The optimizer's periodic R syncs; None for one that sends alike on every step. The one place
+    that knows which options are sync periods."""
+    from titan_commopt.compress.replicators import period_of
+    from titan_commopt.optim.local_adaptive import resolve_periods
+
+    options, key = resolved.options, resolved.family.key
+    if key == "local":
+        p = resolve_periods(options, resolved.hparams)  # "auto" made numbers; Kv = 0 without v
+        states = [(field, k) for field, k in [("Kx", p.Kx), ("Kv", p.Kv)] + [(("Ku", j), k) for j, k in enumerate(p.Ku)]
+                  if k > 0]
+
+        def due_alone(subset):
+            on = {states[i][0] for i in subset}
+            return dataclasses.replace(options, Kx=int("Kx" in on), Kv=int("Kv" in on), sync_delay=0,
+                                       Ku=[int(("Ku", j) in on) for j in range(len(p.Ku))])
+
+        return Periodic([k for _, k in states], due_alone, exact=options.fragments == 1)
+    if key == "demo" and options.replicator == "diloco" and period_of(options) > 1:  # the shard every period
+        return Periodic([period_of(options)], lambda subset: dataclasses.replace(options, compression_rate=1.0))
+    return None
+
+
+def largest_step(resolved, shards, replicate: int, horizon: int | None = None):
+    """(R payload of the largest step within the first ``horizon`` updates (None: ever), the first
+    update where it comes, whether that payload is exact (else an upper bound)); ``(None, 1, True)``
+    for an optimizer that sends alike on every step, ``(0 bytes, 0, True)`` where nothing periodic is
+    due within the horizon. The states due after update n are those whose period divides n, so
+    every step's set of due states is a subset first due together at the lcm of its periods: the
+    largest step is the largest such subset's payload (every state, at lcm(all periods), when
+    ``horizon`` is None)."""
+    from titan_commopt.optim import Bytes
+
+    periodic = periodic_states(resolved)
+    if periodic is None:
+        return None, 1, True
+    best, at = Bytes(), 0
+    for size in range(len(periodic.periods), 0, -1):
+        for subset in itertools.combinations(range(len(periodic.periods)), size):
+            first = math.lcm(*(periodic.periods[i] for i in subset))
+            if horizon is not None and first > horizon:
+                continue
+            alone = dataclasses.replace(resolved, options=periodic.due_alone(subset))
+            payload = resolved.family.r_bytes(shards, alone, replicate)
+            if payload.sent > best.sent or (payload.sent == best.sent and first < at):
+                best, at = payload, first
+    return best, at, periodic.exact or best.sent == 0
+
+
+def settings(resolved, reduce_dtype: str) -> dict:
+    """The resolved values behind a row's bytes (``"auto"`` periods as the numbers they resolve to).
+    A family not listed here shows every option."""
+    from titan_commopt.compress.replicators import period_of, rate_of
+    from titan_commopt.optim.local_adaptive import resolve_periods
+
+    if resolved is None:
+        return {"gradient_all_reduce": reduce_dtype}
+    o, key = resolved.options, resolved.family.key
+    if key == "local":
+        p = resolve_periods(o, resolved.hparams)
+        return {"Kx": p.Kx, "Ku": list(p.Ku), "Kv": p.Kv, "transfer_dtype": o.transfer_dtype,
+                **({"fragments": o.fragments} if o.fragments > 1 else {})}
+    if key == "demo":
+        what = {"replicator": o.replicator}
+        if o.replicator == "demo":
+            what |= {"chunk": o.chunk, "topk": o.topk}
+        elif o.replicator != "full":
+            what["rate"] = rate_of(o)
+            if o.replicator in ("striding", "diloco"):
+                what["period"] = period_of(o)
+        what["sign_before_sync"] = o.sign_before_sync
+        if not o.sign_before_sync:  # a ternary wire has no value dtype
+            what["transfer_dtype"] = o.transfer_dtype
+        return what | {"pack": o.pack}
+    if key == "dion":
+        return {**({"rank": o.rank} if o.rank else {"rank_fraction": o.rank_fraction}), "compress": o.compress}
+    return dataclasses.asdict(o)
+
+
+LINK_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+
+
+def parse_link(text: str) -> float:
+    """``"100gbit"`` → 1e11 bits per second (decimal units, as tc writes them). ValueError otherwise."""
+    match = re.fullmatch(r"(\d+(?:\.\d*)?)\s*([a-z]+)", text.strip().lower())
+    if not match or match.group(2) not in LINK_UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"--link {text!r}: allowed is a rate > 0 in bits per second such as 10mbit, 100mbit, "
+                         f"1gbit, 100gbit, 400gbit (units: {', '.join(LINK_UNITS)})")
+    return float(match.group(1)) * LINK_UNITS[match.group(2)]
+
+
+def wire_bytes(sent: float, recv: float, replicate: int) -> float:
+    """Bytes one rank moves each way under the ring algorithms, from the ledger's payload convention:
+    received = sent is an all-reduce of n = sent (2·(W − 1)/W · n each way; at W = 2 an all-gather
+    too, whose (W − 1)·n is the same n), otherwise an all-gather ((W − 1)·n = received)."""
+    if recv == sent:
+        return 2 * (replicate - 1) / replicate * sent
+    return recv
+
+
+def wire_seconds(sent: float, recv: float, replicate: int, link_bps: float, ranks_per_link: int = 1) -> float:
+    """Seconds on the wire: wire bytes × 8 × ranks sharing the link / the link's bits per second."""
+    return wire_bytes(sent, recv, replicate) * 8 * ranks_per_link / link_bps
 
 
 def report(flavor: str, replicate: int, shard: int, names=None, overrides=None,
-           param_dtype: str = "bfloat16", reduce_dtype: str = "float32") -> list[dict]:
+           param_dtype: str = "bfloat16", reduce_dtype: str = "float32",
+           link_bps: float | None = None, ranks_per_link: int = 1, horizon: int | None = None) -> list[dict]:
     """One row per optimizer. A bad option in ``overrides`` raises ConfigError (a user's mistake);
     a family that cannot price this shape is left out with a note on stderr."""
     from titan_commopt.optim import available_names
@@ -77,17 +239,25 @@ def report(flavor: str, replicate: int, shard: int, names=None, overrides=None,
     rows = []
     for name in names or available_names():
         try:
-            r = r_bytes(name, shapes, replicate, shard, overrides, reduce_dtype)
+            r, burst, burst_at, exact, resolved = _r_bytes(name, shards, replicate, overrides, reduce_dtype, horizon)
         except ConfigError:
             raise
         except Exception as error:  # a family that cannot price this shape: say so, keep the rest
             print(f"# {name}: {type(error).__name__}: {error}", file=sys.stderr)
             continue
-        rows.append({
-            "optimizer": name, "R_sent": r.sent, "R_recv": r.recv, "S_sent": s.sent, "S_recv": s.recv,
+        row = {
+            "optimizer": name, "settings": settings(resolved, reduce_dtype),
+            "R_sent": r.sent, "R_recv": r.recv, "R_sent_sync": burst.sent, "R_recv_sync": burst.recv,
+            "sync_at_update": burst_at,
+            "sync_is_upper_bound": not exact,
+            "S_sent": s.sent, "S_recv": s.recv,
             "vs_adamw_hsdp": hsdp / r.sent if r.sent else float("inf"),
             "vs_adamw_ddp": ddp / r.sent if r.sent else float("inf"),
-        })
+        }
+        if link_bps:
+            row["R_seconds_step"] = wire_seconds(r.sent, r.recv, replicate, link_bps, ranks_per_link)
+            row["R_seconds_sync"] = wire_seconds(burst.sent, burst.recv, replicate, link_bps, ranks_per_link)
+        rows.append(row)
     return rows
 
 
@@ -109,9 +279,16 @@ def check_args(a) -> list[str]:
     flavors = flavor_names()
     if a.flavor not in flavors:
         out.append(f"--flavor {a.flavor!r}: allowed is one of {', '.join(flavors)}")
-    for flag, value in (("--replicate", a.replicate), ("--shard", a.shard)):
+    for flag, value in (("--replicate", a.replicate), ("--shard", a.shard), ("--ranks-per-link", a.ranks_per_link)):
         if value < 1:
             out.append(f"{flag} {value}: allowed is an integer >= 1")
+    if a.steps is not None and a.steps < 1:
+        out.append(f"--steps {a.steps}: allowed is an integer >= 1 (or leave it out: the largest step ever)")
+    if a.link is not None:
+        try:
+            parse_link(a.link)
+        except ValueError as error:
+            out.append(str(error))
     names = available_names()
     for name in a.optimizers or []:
         if name not in names:
@@ -131,11 +308,61 @@ def check_args(a) -> list[str]:
     return out
 
 
+def _settings_text(values: dict) -> str:
+    return " ".join(f"{k}={str(v).replace(' ', '')}" for k, v in values.items())
+
+
+def _sync_text(row: dict) -> str:
+    return ("≤ " if row["sync_is_upper_bound"] else "") + human(row["R_sent_sync"])
+
+
+def _due_text(row: dict) -> str:
+    return {0: "never", 1: "every step"}.get(row["sync_at_update"], f"{row['sync_at_update']:,}")
+
+
 def format_rows(rows: list[dict]) -> str:
     return table(
-        ["optimizer", "R sent/step/rank", "R recv/step/rank", "S sent/step/rank (FSDP2)", "AdamW-HSDP ÷ this", "AdamW-DDP ÷ this"],
-        [[r["optimizer"], human(r["R_sent"]), human(r["R_recv"]), human(r["S_sent"]),
-          f"{r['vs_adamw_hsdp']:.1f}x", f"{r['vs_adamw_ddp']:.1f}x"] for r in rows],
+        ["optimizer", "settings behind the bytes", "R sent/step/rank (mean)", "R recv/step/rank",
+         "R sent/sync/rank (burst)", "largest after update", "S sent/step/rank (FSDP2)", "AdamW-HSDP ÷ this",
+         "AdamW-DDP ÷ this"],
+        [[r["optimizer"], _settings_text(r["settings"]), human(r["R_sent"]), human(r["R_recv"]), _sync_text(r),
+          _due_text(r), human(r["S_sent"]), f"{r['vs_adamw_hsdp']:.1f}x", f"{r['vs_adamw_ddp']:.1f}x"] for r in rows],
+    )
+
+
+def human_seconds(t: float) -> str:
+    if t == 0:
+        return "0 s"
+    if t < 1:
+        return f"{t * 1e3:.3g} ms"
+    if t < 120:
+        return f"{t:.3g} s"
+    return f"{t / 60:.3g} min"
+
+
+def format_link(rows: list[dict], replicate: int) -> str:
+    return table(
+        ["optimizer", "R wire bytes/step/rank (mean)", "R time/step (mean)", "R wire bytes/sync/rank (burst)",
+         "R time/sync (burst)"],
+        [[r["optimizer"], human(wire_bytes(r["R_sent"], r["R_recv"], replicate)), human_seconds(r["R_seconds_step"]),
+          ("≤ " if r["sync_is_upper_bound"] else "") + human(wire_bytes(r["R_sent_sync"], r["R_recv_sync"], replicate)),
+          ("≤ " if r["sync_is_upper_bound"] else "") + human_seconds(r["R_seconds_sync"])] for r in rows],
+    )
+
+
+def link_formula(link: str, replicate: int, ranks_per_link: int) -> str:
+    """The time model, as the output states it."""
+    from torchtitan.config.job_config import Comm
+
+    share = f" × {ranks_per_link} ranks per link" if ranks_per_link > 1 else ""
+    return (
+        f"R time on a {link} link (bandwidth term only: no latency, no overlap with compute, no protocol "
+        f"overhead), ring algorithms, W = |R| = {replicate}:\n"
+        f"  time = wire bytes per rank × 8{share} / {link}\n"
+        f"  all-reduce of n bytes (sent = received = n): wire = 2·(W−1)/W·n; "
+        f"all-gather (n sent, (W−1)·n received): wire = (W−1)·n\n"
+        f"  torchtitan's default [comm] train_timeout_seconds is {Comm().train_timeout_seconds} s: a sync "
+        f"that takes longer ends the run"
     )
 
 
@@ -174,6 +401,12 @@ def main(argv=None) -> int:
     p.add_argument("--reduce-dtype", default="float32", choices=_dtype_choices("mixed_precision_reduce"),
                    help="[training] mixed_precision_reduce: gradient reduce dtype (S column, AdamW-HSDP's R); "
                    "default torchtitan's, float32")
+    p.add_argument("--link", help="link rate per rank in bits per second, e.g. 10mbit, 1gbit, 100gbit, 400gbit: "
+                   "adds each optimizer's R time on the wire per step and per sync")
+    p.add_argument("--ranks-per-link", type=int, default=1,
+                   help="ranks whose R traffic shares one link of --link's rate (default 1: one NIC per GPU)")
+    p.add_argument("--steps", type=int, help="burst: the largest step within the first STEPS updates "
+                   "(default: ever, when every periodic state is due at once)")
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     p.add_argument("--png", help="write a bar chart of R bytes")
     a = p.parse_args(argv)
@@ -182,14 +415,20 @@ def main(argv=None) -> int:
         for line in problems:
             print(f"comm_report.py: {line}", file=sys.stderr)
         return 2
-    rows = report(a.flavor, a.replicate, a.shard, a.optimizers, parse_overrides(a.set), a.param_dtype, a.reduce_dtype)
+    link_bps = parse_link(a.link) if a.link else None
+    rows = report(a.flavor, a.replicate, a.shard, a.optimizers, parse_overrides(a.set), a.param_dtype, a.reduce_dtype,
+                  link_bps, a.ranks_per_link, a.steps)
     if a.json:
         print(json.dumps(rows, indent=1))
     else:
         n = sum(math.prod(s) for _, s in param_shapes(a.flavor))
         print(f"flavor {a.flavor} ({n / 1e6:.1f}M params), mesh |R|={a.replicate} x |S|={a.shard}, "
-              f"params all-gathered in {a.param_dtype}, gradients reduced in {a.reduce_dtype}, per rank per step\n")
+              f"params all-gathered in {a.param_dtype}, gradients reduced in {a.reduce_dtype}, per rank; "
+              f"burst = R payload of the largest step{f' within {a.steps} updates' if a.steps else ''}\n")
         print(format_rows(rows))
+        if link_bps:
+            print("\n" + link_formula(a.link, a.replicate, a.ranks_per_link) + "\n")
+            print(format_link(rows, a.replicate))
     if a.png:
         plot(rows, f"{a.flavor}, |R|={a.replicate} x |S|={a.shard}", a.png)
     return 0

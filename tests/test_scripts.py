@@ -63,6 +63,106 @@ def test_comm_report_cli_and_png(tmp_path):
     assert rows["AdamW"]["vs_adamw_ddp"] == pytest.approx(4.0, rel=0.02)  # shards hold ~1/4 of each tensor
 
 
+# Periods that all divide SYNC_STEPS: DES-LOC's x, u, v first coincide after update 8, DeMo's diloco
+# replicator sends the whole shard every 4 updates.
+BURST_OVERRIDES = {"local": {"Kx": 2, "Ku": [4], "Kv": 8}, "demo": {"replicator": "diloco", "compression_rate": 0.25}}
+SYNC_STEPS = 8
+
+
+def _ledger_per_step(rank, world):
+    """R bytes each step of DES-LOC and DeMo (diloco) record on 2 real replicas (cpu_tiny, |S| = 1)."""
+    import torch
+    import torch.distributed as dist
+
+    from titan_commopt import comm
+    from titan_commopt.optim import make
+    from titan_commopt.topology import Topology
+
+    from scripts._bench_common import param_shapes
+
+    out = {}
+    for name in ("DES-LOC", "DeMo"):
+        params = [(fqn, torch.zeros(shape, requires_grad=True)) for fqn, shape in param_shapes("cpu_tiny")]
+        ledger = comm.CommLedger()
+        family = "local" if name == "DES-LOC" else "demo"
+        opt = make(name, params, Topology(replicate=dist.group.WORLD), ledger=ledger, **BURST_OVERRIDES[family])
+        g = torch.Generator().manual_seed(rank)
+        steps = []
+        for _ in range(SYNC_STEPS):
+            for _, p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+            step = ledger.end_step()
+            steps.append((step.get("R_sent", 0.0), step.get("R_recv", 0.0)))
+        out[name] = steps
+    return out
+
+
+@pytest.fixture(scope="module")
+def ledger_per_step():
+    from tests.dist_utils import run_distributed
+
+    return run_distributed(_ledger_per_step, 2)[0]
+
+
+@pytest.mark.parametrize("name, horizon, sync_at", [
+    ("DES-LOC", None, 8),  # x, u and v after update 8
+    ("DES-LOC", 7, 4),  # x and u after update 4: the largest step within 7 updates
+    ("DeMo", None, 4),
+])
+def test_comm_report_burst_is_the_ledger_at_a_sync_step(ledger_per_step, name, horizon, sync_at):
+    (row,) = comm_report.report("cpu_tiny", 2, 1, [name], BURST_OVERRIDES, horizon=horizon)
+    steps = ledger_per_step[name]
+    assert row["sync_at_update"] == sync_at
+    assert (row["R_sent_sync"], row["R_recv_sync"]) == steps[sync_at - 1]
+    assert row["R_sent_sync"] == max(sent for sent, _ in steps[:horizon or SYNC_STEPS]) > row["R_sent"]
+    assert sum(sent for sent, _ in steps) / SYNC_STEPS == pytest.approx(row["R_sent"], rel=1e-9)
+
+
+def test_comm_report_burst_of_every_step_optimizers_is_the_mean():
+    for row in comm_report.report("cpu_tiny", 2, 2, ["AdamW", "DeMo", "FlexDeMo", "Dion"]):
+        assert row["sync_at_update"] == 1 and row["R_sent_sync"] == row["R_sent"], row
+    (never,) = comm_report.report("cpu_tiny", 2, 2, ["DiLoCo"], {"local": {"Kx": 0}})
+    assert never["sync_at_update"] == 0 and never["R_sent_sync"] == never["R_sent"] == 0
+    (streamed,) = comm_report.report("cpu_tiny", 2, 2, ["LocalAdam"], {"local": {"fragments": 4}})
+    assert streamed["sync_is_upper_bound"] and streamed["R_sent_sync"] == pytest.approx(32 * streamed["R_sent"])
+
+
+def test_comm_report_shows_the_resolved_settings_behind_each_row(capsys):
+    rows = {r["optimizer"]: r["settings"] for r in comm_report.report(
+        "cpu_tiny", 2, 2, ["AdamW", "DES-LOC", "FlexDeMo", "Dion"], {"local": {"Ku": ["auto"]}})}
+    assert rows["DES-LOC"] == {"Kx": 16, "Ku": [8], "Kv": 96, "transfer_dtype": "fp32"}  # auto: β1 0.9's half-life
+    assert rows["FlexDeMo"] == {"replicator": "demo", "chunk": 32, "topk": 16, "sign_before_sync": True, "pack": True}
+    assert rows["Dion"] == {"rank_fraction": 0.25, "compress": "auto"}
+    assert rows["AdamW"] == {"gradient_all_reduce": "float32"}
+    assert comm_report.main(["--flavor", "cpu_tiny", "--optimizers", "DES-LOC", "--set", "local.Ku=['auto']"]) == 0
+    assert "| DES-LOC | Kx=16 Ku=[8] Kv=96 transfer_dtype=fp32 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text, bps", [("10mbit", 1e7), ("100mbit", 1e8), ("1gbit", 1e9), ("100gbit", 1e11),
+                                       ("400gbit", 4e11), ("2.5Gbit", 2.5e9)])
+def test_parse_link(text, bps):
+    assert comm_report.parse_link(text) == bps
+
+
+def test_comm_report_link_time_per_step_and_per_sync(capsys):
+    two = {r["optimizer"]: r for r in comm_report.report("cpu_tiny", 2, 2, ["AdamW", "DiLoCo"], link_bps=1e9)}
+    for r in two.values():  # W = 2: an all-reduce of n moves n each way
+        assert r["R_seconds_step"] == pytest.approx(r["R_sent"] * 8 / 1e9)
+        assert r["R_seconds_sync"] == pytest.approx(r["R_sent_sync"] * 8 / 1e9)
+    assert two["DiLoCo"]["R_seconds_sync"] == pytest.approx(32 * two["DiLoCo"]["R_seconds_step"])
+    four = {r["optimizer"]: r for r in comm_report.report("cpu_tiny", 4, 1, ["AdamW", "DeMo"], link_bps=1e9,
+                                                          ranks_per_link=2)}
+    adamw, demo = four["AdamW"], four["DeMo"]
+    assert adamw["R_seconds_step"] == pytest.approx(2 * 3 / 4 * adamw["R_sent"] * 8 * 2 / 1e9)  # ring all-reduce
+    assert demo["R_recv"] == 3 * demo["R_sent"]
+    assert demo["R_seconds_step"] == pytest.approx(3 * demo["R_sent"] * 8 * 2 / 1e9)  # all-gather: (W-1)·n
+    assert comm_report.main(["--flavor", "cpu_tiny", "--optimizers", "DiLoCo", "--link", "1gbit"]) == 0
+    out = capsys.readouterr().out
+    assert "time = wire bytes per rank × 8 / 1gbit" in out and "wire = 2·(W−1)/W·n" in out
+    assert "| DiLoCo | 29.0 KiB | 0.238 ms | 929.2 KiB | 7.61 ms |" in out, out
+
+
 def test_step_overhead_runs():
     out = subprocess.run(
         [sys.executable, "scripts/step_overhead.py", "--flavors", "cpu_tiny", "--repeats", "1", "--optimizers", "AdamW", "DeMo"],
@@ -130,6 +230,11 @@ def proc_ok(proc) -> bool:
     (["--replicate", "0"], "--replicate 0: allowed is an integer >= 1"),
     (["--shard", "-1"], "--shard -1: allowed is an integer >= 1"),
     (["--param-dtype", "bf16"], "argument --param-dtype: invalid choice: 'bf16'"),
+    (["--link", "100gbps"], "--link '100gbps': allowed is a rate > 0 in bits per second such as 10mbit"),
+    (["--link", "fast"], "--link 'fast': allowed is a rate > 0"),
+    (["--link", "0gbit"], "--link '0gbit': allowed is a rate > 0"),
+    (["--ranks-per-link", "0"], "--ranks-per-link 0: allowed is an integer >= 1"),
+    (["--steps", "0"], "--steps 0: allowed is an integer >= 1"),
 ])
 def test_comm_report_bad_argument_is_one_line_exit_2(capsys, args, expected):
     try:
