@@ -98,8 +98,8 @@ def console_of_rank_zero(args) -> Optional["RankLogs"]:
     the user chose what the console shows (:data:`CONSOLE_OPTION_DEFAULTS`). Returns where every
     rank's files then are, or None. Either way a line torchrun copies to the console is prefixed
     with its global rank (``[rank8]:``; torchrun's own ``[default0]:`` is the local rank)."""
-    name, value = RANK_PREFIX
-    os.environ.setdefault(name, value)
+    prefix_variable, template = RANK_PREFIX
+    os.environ.setdefault(prefix_variable, template)
     if any(getattr(args, name) != default for name, default in CONSOLE_OPTION_DEFAULTS.items()):
         return None
     # --tee, not --redirects: rank 0's lines still reach the console; the others' only their files
