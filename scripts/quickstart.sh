@@ -5,8 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 OPTIMIZER="${OPTIMIZER:-FlexDeMo}"
-# python -m titan_commopt.run = torchrun that checks the config first (a bad value: one line, exit 2).
-OMP_NUM_THREADS=1 .venv/bin/python -m titan_commopt.run --nproc_per_node=2 --local-ranks-filter 0 --role rank --tee 3 \
+# python -m titan_commopt.run = torchrun that checks the config first (a bad value: one line, exit 2)
+# and shows rank 0's log alone (torchrun's --tee 3, before -m, shows every rank's).
+OMP_NUM_THREADS=1 .venv/bin/python -m titan_commopt.run --nproc_per_node=2 \
   -m titan_commopt.train --job.config_file train_configs/debug_cpu.toml \
   --parallelism.data_parallel_replicate_degree 2 --optimizer.name "$OPTIMIZER" \
   --job.dump_folder outputs/quickstart "$@"

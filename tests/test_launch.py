@@ -1,13 +1,16 @@
 """``python -m titan_commopt.run`` (torchrun that checks the config first): a bad config ends with
 our lines last on the console and exit status 2, whether the launcher finds the problem (before
 any worker starts) or the workers do (an elastic world size); a good config trains as torchrun would
-(the README's TOML, which names neither custom_config_module nor custom_import)."""
+(the README's TOML, which names neither custom_config_module nor custom_import); the console shows
+rank 0's lines alone unless torchrun's console options are given, and a failure of another rank
+still reaches it."""
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-from tests.titan_utils import CONFIG, LOSS_LINE, ROOT, readme_toml
+from tests.titan_utils import CONFIG, LOSS_LINE, ROOT, read_scalars, readme_toml
 
 PREFIX = "titan_commopt: bad config: "
 
@@ -51,16 +54,22 @@ def test_launcher_reports_a_problem_only_the_workers_see(tmp_path):
 
 
 def test_readme_toml_trains_as_written(tmp_path):
+    """The README's command as written: one copy of the log (rank 0's), and the last step logged
+    although it is not a multiple of log_freq (console and TensorBoard)."""
     config = tmp_path / "my.toml"
     config.write_text(readme_toml())
-    proc = _launch("--nproc_per_node=2", "--standalone", "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
+    proc = _launch("--nproc_per_node=2", "--standalone",
                    "-m", "titan_commopt.train", "--job.config_file", str(config), "--job.dump_folder", str(tmp_path / "out"),
-                   "--training.steps", "5", "--metrics.log_freq", "1", "--metrics.disable_color_printing")
+                   "--training.steps", "6", "--metrics.log_freq", "10", "--metrics.disable_color_printing")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert len(LOSS_LINE.findall(proc.stdout)) == 5
+    assert [int(step) for step, _ in LOSS_LINE.findall(proc.stdout)] == [1, 6]  # once each (the last step always): rank 0 alone
+    assert all(line.startswith("[rank0]:") for line in proc.stdout.splitlines() if LOSS_LINE.search(line))
     assert "FlexDeMo" in proc.stdout and "R vs AdamW-HSDP" in proc.stdout
-    assert list((tmp_path / "out" / "tb").iterdir())  # TensorBoard on, as the README says
-    # a quiet console: no Python warning, no torchtitan WARNING (5 steps: the example's whole warm-up)
+    scalars = read_scalars(tmp_path / "out")  # TensorBoard on, as the README says
+    assert [step for step, _ in scalars["loss_metrics/global_avg_loss"]] == [1, 6]
+    totals = dict(scalars["comm/R_sent_bytes_total"])
+    assert totals[6] > totals[1] > 0
+    # a quiet console: no Python warning, no torchtitan WARNING (6 steps: the example's whole warm-up)
     import re
 
     noisy = [line for line in (proc.stdout + proc.stderr).splitlines()
@@ -208,3 +217,88 @@ def test_a_finished_run_exits_zero_with_its_output_flushed(tmp_path):
     assert log.read_text().splitlines() == ["logged last"]
     assert proc.stdout.splitlines() == ["printed, not flushed"]
     assert proc.stderr.splitlines() == ["to stderr"]
+
+
+WORKER = """
+import os, sys
+rank = os.environ["RANK"]
+print(f"line from rank {rank}", flush=True)
+if rank == "1" and "fail" in sys.argv:
+    raise RuntimeError("boom on rank 1")
+"""
+
+
+def test_console_shows_rank_zero_and_a_failure_of_another_rank(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    proc = _launch("--nproc_per_node=2", "--standalone", str(script), "fail", timeout=120)
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines() == ["[rank0]:line from rank 0"]
+    # rank 1's stdout stays in its file; its failure, with the end of its stderr, reaches the console
+    assert "line from rank 1" not in proc.stdout + proc.stderr
+    named = [line for line in proc.stderr.splitlines() if line.startswith("titan_commopt: rank 1 failed (exit code 1)")]
+    assert len(named) == 1 and named[0].split(": ")[-1].startswith("/")
+    assert proc.stderr.count("RuntimeError: boom on rank 1") == 1
+    assert proc.stderr.index(named[0]) < proc.stderr.index("Root Cause")  # torchrun's summary stays last
+
+    # The documented opt-out: torchrun's own --tee 3 shows every rank, each line prefixed with its rank.
+    proc = _launch("--nproc_per_node=2", "--standalone", "--tee", "3", str(script), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(proc.stdout.splitlines()) == ["[rank0]:line from rank 0", "[rank1]:line from rank 1"]
+
+
+def test_console_options_of_the_user_are_kept(tmp_path, monkeypatch):
+    """Any spelling of torchrun's console options, or its PET_* variable, leaves the console as set."""
+    from torch.distributed.run import parse_args
+
+    from titan_commopt.run import RANK_PREFIX, console_of_rank_zero
+
+    monkeypatch.setenv(RANK_PREFIX[0], "")
+    monkeypatch.delenv(RANK_PREFIX[0])  # torchrun reads it: set by the launcher, undone after the test
+    for given in (["--local-ranks-filter", "1"], ["--local_ranks_filter=0,1"], ["--tee", "3"], ["-t", "1"],
+                  ["--redirects", "3"], ["-r", "2"]):
+        args = parse_args(["--nproc_per_node=2", *given, "x.py"])
+        before = vars(args).copy()
+        assert console_of_rank_zero(args) is None and vars(args) == before, given
+    monkeypatch.setenv("PET_TEE", "1")
+    assert console_of_rank_zero(parse_args(["--nproc_per_node=2", "x.py"])) is None
+    monkeypatch.delenv("PET_TEE")
+
+    args = parse_args(["--nproc_per_node=2", "--log_dir", str(tmp_path), "x.py"])  # only where the files go
+    logs = console_of_rank_zero(args)
+    assert (args.local_ranks_filter, args.tee, args.log_dir) == ("0", "3", str(tmp_path)) and logs.root == tmp_path
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the launcher makes torchrun's log directory
+    args = parse_args(["--nproc_per_node=2", "x.py"])
+    assert console_of_rank_zero(args) is not None and Path(args.log_dir).parent == tmp_path
+    assert os.environ[RANK_PREFIX[0]] == "[rank${rank}]:"
+
+
+def test_a_hidden_failure_names_its_file_and_shows_its_end_once(tmp_path):
+    """The tail of the failed rank's stderr of the latest attempt, unless torchrun's summary shows its traceback."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from titan_commopt.run import STDERR_LINES_SHOWN, RankLogs, hidden_failures
+
+    (tmp_path / "earlier_run" / "attempt_0" / "1").mkdir(parents=True)  # another launch's, same --log-dir
+    (tmp_path / "earlier_run" / "attempt_0" / "1" / "stderr.log").write_text("not this launch\n")
+    logs = RankLogs(tmp_path)
+    for attempt in (0, 1):
+        folder = tmp_path / "run_x" / f"attempt_{attempt}"
+        for local_rank in (0, 1):
+            (folder / str(local_rank)).mkdir(parents=True)
+            lines = [f"attempt {attempt} line {i}" for i in range(STDERR_LINES_SHOWN + 5)]
+            (folder / str(local_rank) / "stderr.log").write_text("\n".join(lines) + "\n")
+    error_file = tmp_path / "run_x" / "attempt_1" / "1" / "error.json"
+    rank0 = ProcessFailure(local_rank=0, pid=1, exitcode=-15, error_file=str(tmp_path / "none.json"))
+    rank1 = ProcessFailure(local_rank=1, pid=2, exitcode=1, error_file=str(error_file))
+    text = hidden_failures(ChildFailedError("x", {0: rank0, 1: rank1}), logs)
+    lines = text.splitlines()
+    assert lines[0] == (f"titan_commopt: rank 1 failed (exit code 1); its stderr, not on the console: "
+                        f"{error_file.with_name('stderr.log')} (last {STDERR_LINES_SHOWN} lines):")
+    assert lines[1:] == [f"attempt 1 line {i}" for i in range(5, STDERR_LINES_SHOWN + 5)]  # rank 0 is on the console
+    error_file.write_text('{"message": {"message": "RuntimeError: boom", "extraInfo": {"timestamp": "1", '
+                          '"py_callstack": "Traceback ..."}}}')
+    rank1 = ProcessFailure(local_rank=1, pid=2, exitcode=1, error_file=str(error_file))
+    assert hidden_failures(ChildFailedError("x", {1: rank1}), logs) == lines[0].split(" (last")[0]

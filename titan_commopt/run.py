@@ -11,23 +11,45 @@ The arguments are exactly torchrun's (``torch.distributed.run``). When the train
 lines, last on the console, and the exit status is 2. The same holds for the lines with which the
 workers stop a run on purpose (``titan/platform/stop.py``: a refused resume, status 2; a safeguard that stops
 training, status 1). Every other failure is reported by torchrun as usual.
-``TITAN_COMMOPT_TRACEBACK=1`` adds the traceback of a pre-flight error.
+``TITAN_COMMOPT_TRACEBACK=1`` adds the traceback of a pre-flight error. A config that is valid but
+probably not meant (a ``[commopt.<family>]`` table the optimizer does not read, MT-DAO's switch in a
+short run) gets one warning line each, printed here once, before any worker starts.
 
 With ``--max-restarts`` > 0 it also sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless set), which
 torchrun's restarts need (``titan/platform/elastic.py``).
 
-On a multi-node job each node's launcher checks the config on that node (same files as its workers).
+The console shows one copy of the log: unless the command line says what the console shows (any of
+torchrun's ``--local-ranks-filter``, ``--tee``, ``--redirects``, in either spelling, or their
+``PET_*`` variables), the launcher adds ``--local-ranks-filter 0 --tee 3``: local rank 0's lines on
+the console, each prefixed with its global rank (``[rank0]:``; ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``
+if set), and every rank's stdout and stderr in files under
+torchrun's log directory (``--log-dir``, else a new ``/tmp/torchelastic_*``). A worker of another
+local rank that fails is named on the console with its stderr file and, when torchrun's summary has
+no traceback of it, the last lines of that file. To see every rank's lines, pass torchrun's own
+``--tee 3`` (each line prefixed ``[rank<N>]:``), or ``--local-ranks-filter 0,1 --tee 3`` for some.
+
+On a multi-node job each node's launcher checks the config on that node (same files as its workers),
+and each node's console shows its own local rank 0.
 """
 
 import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Optional
 
-__all__ = ["main", "world_size_of"]
+__all__ = ["main", "world_size_of", "console_of_rank_zero", "hidden_failures", "RankLogs"]
 
 from .launch_env import FRESH_STORE, LAUNCHER_ENV
 
 TRAIN_MODULE = "titan_commopt.train"
+
+# torchrun's options that decide what its console shows, with their defaults: a value other than
+# the default was set by the command line or by torchrun's PET_* variable of that option.
+# (--log-dir is not one of them: it only says where torchrun's files go.)
+CONSOLE_OPTION_DEFAULTS = {"local_ranks_filter": "", "tee": "0", "redirects": "0"}
+RANK_PREFIX = ("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]:")  # torchrun's header of a tee'd line
+STDERR_LINES_SHOWN = 30  # of a failed worker whose stderr was off the console
 
 
 def world_size_of(args) -> Optional[int]:
@@ -54,13 +76,14 @@ def _pre_flight(args) -> None:
     from titan_commopt.options import ConfigError
 
     from .titan.platform.console import quiet_known_noise
-    from .train import check_config, report_config_error
+    from .train import check_config, report_config_error, report_warnings
 
     quiet_known_noise()
     try:
-        check_config(list(args.training_script_args), world_size_of(args))
+        run = check_config(list(args.training_script_args), world_size_of(args))
     except ConfigError as error:
         report_config_error(error, launcher=True)
+    report_warnings(run, launcher=True)
 
 
 def recorded_stop(error) -> Optional[tuple[str, int]]:
@@ -73,7 +96,57 @@ def recorded_stop(error) -> Optional[tuple[str, int]]:
     return min(ours)[2] if ours else None
 
 
-def _launch(args) -> None:
+def console_of_rank_zero(args) -> Optional["RankLogs"]:
+    """Show local rank 0's output alone on the console (``--local-ranks-filter 0 --tee 3``), unless
+    the user chose what the console shows (:data:`CONSOLE_OPTION_DEFAULTS`). Returns where every
+    rank's files then are, or None. Either way a line torchrun copies to the console is prefixed
+    with its global rank (``[rank8]:``; torchrun's own ``[default0]:`` is the local rank)."""
+    prefix_variable, template = RANK_PREFIX
+    os.environ.setdefault(prefix_variable, template)
+    if any(getattr(args, name) != default for name, default in CONSOLE_OPTION_DEFAULTS.items()):
+        return None
+    # --tee, not --redirects: rank 0's lines still reach the console; the others' only their files
+    args.local_ranks_filter, args.tee = "0", "3"
+    if args.log_dir is None:  # torchrun would make the same; made here to know where it is
+        args.log_dir = tempfile.mkdtemp(prefix="torchelastic_")
+    return RankLogs(Path(args.log_dir))
+
+
+class RankLogs:
+    """The workers' files of this launch under torchrun's ``--log-dir`` (which runs may share):
+    ``<log dir>/<run id>_<random>/attempt_<restart>/<local rank>/stderr.log``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._before = set(os.listdir(root)) if root.is_dir() else set()  # other launches' runs
+
+    def stderr_of(self, local_rank: int) -> Optional[Path]:
+        """The worker's stderr file of the latest attempt (restart) of this launch, if any."""
+        found = [path for run in self.root.glob("*") if run.name not in self._before
+                 for path in run.glob(f"attempt_*/{local_rank}/stderr.log")]
+        return max(found, key=lambda path: int(path.parent.parent.name.split("_")[1]), default=None)
+
+
+def hidden_failures(error, logs: RankLogs) -> str:
+    """For each failed worker but local rank 0 (whose lines are on the console): its rank, its stderr
+    file and, unless torchrun's summary shows the worker's traceback (from its error file), the last
+    :data:`STDERR_LINES_SHOWN` lines of that file. Empty if there is none."""
+    out = []
+    for rank, failure in sorted(error.failures.items()):
+        log = logs.stderr_of(failure.local_rank) if failure.local_rank != 0 else None
+        if log is None:
+            continue
+        how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else failure.signal_name()
+        head = f"titan_commopt: rank {rank} failed ({how}); its stderr, not on the console: {log}"
+        if isinstance(failure.message, dict):  # its error file: torchrun's summary shows the traceback
+            out.append(head)
+        else:
+            tail = log.read_text(errors="replace").splitlines()[-STDERR_LINES_SHOWN:]
+            out.append("\n".join([head + f" (last {len(tail)} lines):", *tail]))
+    return "\n".join(out)
+
+
+def _launch(args, logs: Optional[RankLogs] = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
@@ -83,6 +156,10 @@ def _launch(args) -> None:
     except ChildFailedError as error:
         found = recorded_stop(error)
         if found is None:
+            hidden = hidden_failures(error, logs) if logs else ""
+            if hidden:  # before torchrun's summary, which the exception prints
+                sys.stdout.flush()
+                print(hidden, file=sys.stderr, flush=True)
             raise
         text, status = found
         sys.stdout.flush()
@@ -110,7 +187,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if _is_ours(args):
         _pre_flight(args)
     fresh_store_per_restart(args)
-    record(_launch)(args)  # as torchrun's own main: a worker's error file reaches the scheduler
+    logs = console_of_rank_zero(args)
+    record(_launch)(args, logs)  # as torchrun's own main: a worker's error file reaches the scheduler
 
 
 if __name__ == "__main__":

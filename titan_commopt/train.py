@@ -28,10 +28,11 @@ import sys
 import traceback
 from typing import Any, Optional
 
+from .launch_env import WARNED_ENV
+
 PREFIX = "titan_commopt: bad config: "  # every pre-flight line starts with it
 TRACEBACK_ENV = "TITAN_COMMOPT_TRACEBACK"  # =1: print the traceback of a pre-flight error too
 WARNING_PREFIX = "titan_commopt: warning: "  # every line of report_warnings starts with it
-WARNED_ENV = "TITAN_COMMOPT_WARNED"  # =1 (set by the launcher for its workers): the warnings are printed
 
 
 def check_config(argv: list[str], world_size: Optional[int] = None) -> Any:

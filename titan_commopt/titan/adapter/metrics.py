@@ -21,6 +21,9 @@ step that follows a skip, so a run the skips then stop keeps them); ``commopt/<n
 optimizer's own scalars (``CommOptimizer.metrics``). The run's resolved optimizer options are
 written once as the text entry ``commopt/resolved_options``.
 
+The last step of a run (``[training] steps``) is always a log step, whatever ``[metrics] log_freq``:
+a run shorter than ``log_freq`` still shows its final loss and totals.
+
 The console line ends with ``next R sync at step N`` for optimizers that sync R only every K steps
 (``CommOptimizer.steps_to_next_sync``), so that the ``0B`` of the steps in between is expected.
 """
@@ -55,6 +58,10 @@ def build_metrics_processor(job_config: Any, parallel_dims: Any, model_args: Any
             super().__init__(*args, **kwargs)
             self._skips_at_last_log = 0.0
             self._options_written = False
+
+        def should_log(self, step: int) -> bool:
+            # Every rank decides alike (the loss is all-reduced on a log step): the same config everywhere.
+            return super().should_log(step) or step == self.job_config.training.steps
 
         def _write_options(self, step: int, container: CommOptimizersContainer) -> None:
             """The run's resolved optimizer options, once, as a TensorBoard text entry."""
