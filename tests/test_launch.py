@@ -302,3 +302,16 @@ def test_a_hidden_failure_names_its_file_and_shows_its_end_once(tmp_path):
                           '"py_callstack": "Traceback ..."}}}')
     rank1 = ProcessFailure(local_rank=1, pid=2, exitcode=1, error_file=str(error_file))
     assert hidden_failures(ChildFailedError("x", {1: rank1}), logs) == lines[0].split(" (last")[0]
+
+
+def test_a_config_warning_is_printed_once_by_the_launcher(tmp_path):
+    # [commopt.demo] with torchtitan's AdamW: a table the optimizer does not read (valid, probably not meant)
+    proc = _launch("--nproc_per_node=2", "--standalone", "--tee", "3", "-m", "titan_commopt.train",
+                   "--job.config_file", str(CONFIG), "--job.dump_folder", str(tmp_path),
+                   "--parallelism.data_parallel_replicate_degree", "2", "--commopt.demo.chunk", "32",
+                   "--training.steps", "1", "--metrics.disable_color_printing")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    warnings = [line for line in out.splitlines() if "titan_commopt: warning: [commopt.demo]" in line]
+    assert len(warnings) == 1, warnings  # every rank on the console (--tee 3): still one copy
+    assert "chunk" in warnings[0] and "AdamW" in warnings[0]
