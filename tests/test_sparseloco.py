@@ -118,14 +118,25 @@ def r2():
     return run_distributed(_worker, 2, (2,), ("dp_replicate",), list(CASES))
 
 
-@pytest.fixture(scope="module")
-def rs():
-    return run_distributed(_worker, 4, (2, 2), ("dp_replicate", "fsdp"), MESH_CASES)
+def _meshes(rank, world):
+    """R×S and R×T in one spawn of 4 processes (a mesh each)."""
+    return {names[1]: _worker(rank, world, (2, 2), names, MESH_CASES)
+            for names in (("dp_replicate", "fsdp"), ("dp_replicate", "tp"))}
 
 
 @pytest.fixture(scope="module")
-def rt():
-    return run_distributed(_worker, 4, (2, 2), ("dp_replicate", "tp"), MESH_CASES)
+def meshes():
+    return run_distributed(_meshes, 4)
+
+
+@pytest.fixture(scope="module")
+def rs(meshes):
+    return [res["fsdp"] for res in meshes]
+
+
+@pytest.fixture(scope="module")
+def rt(meshes):
+    return [res["tp"] for res in meshes]
 
 
 # ---- the simulation (the paper's Algorithm 1, plainly) ---------------------------------------------
