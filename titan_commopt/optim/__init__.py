@@ -14,7 +14,7 @@ from titan_commopt import comm
 from titan_commopt.options import ConfigError, check_keys, problems
 from titan_commopt.topology import R, Topology
 
-from . import demo, dion, local_adaptive
+from . import demo, dion, local_adaptive, sparseloco
 from .base import CommOptimizer
 from .common import BaseHParams, NamedParams, local
 from .family import Bytes, Family, Resolved, ShardShape
@@ -25,7 +25,7 @@ __all__ = [
     "BaseHParams",
 ]
 
-FAMILIES: dict[str, Family] = {f.key: f for f in (demo.FAMILY, local_adaptive.FAMILY, dion.FAMILY)}
+FAMILIES: dict[str, Family] = {f.key: f for f in (demo.FAMILY, local_adaptive.FAMILY, dion.FAMILY, sparseloco.FAMILY)}
 
 NATIVE_NAMES = ("AdamW", "Adam")  # torchtitan's own optimizers: HSDP syncs R for them
 

@@ -1,0 +1,318 @@
+"""SparseLoCo against a single-process simulation of the paper's Algorithm 1, on R = 2 (2 gloo
+processes), R×S (2×2, FSDP2 over S) and R×T (2×2, torchtitan's llama3 TP plan); the ledger against
+``sparseloco_r_bytes``; resume; bad values.
+
+The simulation is written from the paper's box, per parameter *piece* (the local shard a rank
+holds, read from the distributed run): each replica runs torch's fused AdamW on its own copy of the
+whole model (the replica's mean gradient), then every H steps, per piece and replica,
+Δ = anchor − x, e ← β·e + Δ, the k largest |e| of every chunk, the reference quantizer (mean shift,
+unbiased σ, scale = range·σ/bins, round, clamp, bin means), e ← e − Δ̂; then
+anchor ← anchor − α·mean_r Δ̂ and x ← anchor (``sync_delay``: x ← anchor + (x − x at issue), τ steps
+later).
+"""
+
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from titan_commopt import comm
+from titan_commopt.compress.dct import chunk_size, dct_basis
+from titan_commopt.optim import ShardShape, build_optimizer, resolve
+from titan_commopt.optim.common import BaseHParams
+from titan_commopt.options import ConfigError
+from titan_commopt.topology import Topology
+from tests.dist_utils import run_distributed
+from tests.test_tp import HP, L, N, W, _index, _parallelize, _replica_grads, _slices, batch, make_net, sq_error
+
+H, STEPS = 2, 6  # three syncs
+BASE = dict(H=H, chunk=4, topk=3)
+CASES = {
+    "2bit": {},
+    "2bit/beta0.5_alpha0.7": dict(error_decay=0.5, outer_lr=0.7),
+    "fp32": dict(quantization="none"),
+    "dct": dict(transform="dct"),
+    "sync_delay1": dict(sync_delay=1),
+}
+MESH_CASES = ["2bit", "dct"]
+
+
+def _resolved(case, **changes):
+    return resolve("SparseLoCo", {**BASE, **CASES[case], **changes}, HP)
+
+
+# ---- the distributed runs -------------------------------------------------------------------------
+def _train(model, opt, replica, steps, rows, cols, ledger, start=1):
+    for step in range(start, start + steps):
+        tokens, y = batch(replica, step)
+        sq_error(model(tokens[rows]), y[rows, cols]).backward()
+        opt.step()
+        opt.zero_grad()
+        ledger.end_step()
+
+
+def _worker(rank, world, dims, names, cases):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
+    topo = Topology.from_mesh(mesh, grad_scale=float(W))
+    replica = mesh.get_local_rank("dp_replicate")
+    s, n_s = (mesh.get_local_rank("fsdp"), mesh["fsdp"].size()) if "fsdp" in names else (0, 1)
+    t, n_t = (mesh.get_local_rank("tp"), 2) if "tp" in names else (0, 1)
+    rows, cols = slice(s * N // n_s, (s + 1) * N // n_s), slice(t * L // n_t, (t + 1) * L // n_t)
+
+    def build(case):
+        model = make_net()
+        if "tp" in names:
+            _parallelize(model, mesh)
+        elif "fsdp" in names:
+            fully_shard(model, mesh=mesh["fsdp"])
+            model.set_force_sum_reduction_for_comms(True)
+            model.set_gradient_divide_factor(1.0)
+        named = list(model.named_parameters())
+        ledger = comm.CommLedger()
+        resolved = _resolved(case)
+        return model, named, build_optimizer(named, topo, resolved, ledger=ledger), ledger, resolved
+
+    out = {}
+    for case in cases:
+        model, named, opt, ledger, resolved = build(case)
+        _train(model, opt, replica, STEPS, rows, cols, ledger)
+        in_sync = opt.replicas_in_sync()
+        opt.flush()  # a sync still in flight (sync_delay) lands
+        out[case] = dict(
+            local={n: comm_local(p) for n, p in named}, slices={n: _slices(p) if isinstance(p, DTensor) else
+                                                              tuple((0, d) for d in p.shape) for n, p in named},
+            in_sync=in_sync, R_sent=ledger.totals.get("R_sent", 0.0),
+            formula=resolved.family.r_bytes([ShardShape.of(n, p) for n, p in named], resolved, W).sent,
+            states_ok=all(isinstance(v, DTensor) and v.placements == p.placements for p in opt.state
+                          for k, v in opt.state[p].items() if k != "step") if "tp" in names or "fsdp" in names else True,
+        )
+    if len(dims) == 1:  # resume: state_dict → new optimizer → load → the same next steps
+        for case in ("2bit", "sync_delay1"):
+            model, named, opt, ledger, _ = build(case)
+            _train(model, opt, replica, 2 * H + 1, rows, cols, ledger)
+            saved = copy.deepcopy(opt.state_dict())
+            saved_params = {n: p.detach().clone() for n, p in named}
+            _train(model, opt, replica, 3, rows, cols, ledger, start=2 * H + 2)
+            model2, named2, opt2, ledger2, _ = build(case)
+            with torch.no_grad():
+                for n, p in named2:
+                    p.copy_(saved_params[n])
+            opt2.load_state_dict(saved)
+            _train(model2, opt2, replica, 3, rows, cols, ledger2, start=2 * H + 2)
+            out[f"resume/{case}"] = all(torch.equal(p.detach(), q.detach()) for (_, p), (_, q) in zip(named, named2))
+    return dict(replica=replica, out=out)
+
+
+def comm_local(p):
+    return (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+
+
+@pytest.fixture(scope="module")
+def r2():
+    return run_distributed(_worker, 2, (2,), ("dp_replicate",), list(CASES))
+
+
+def _meshes(rank, world):
+    """R×S and R×T in one spawn of 4 processes (a mesh each)."""
+    return {names[1]: _worker(rank, world, (2, 2), names, MESH_CASES)
+            for names in (("dp_replicate", "fsdp"), ("dp_replicate", "tp"))}
+
+
+@pytest.fixture(scope="module")
+def meshes():
+    return run_distributed(_meshes, 4)
+
+
+@pytest.fixture(scope="module")
+def rs(meshes):
+    return [res["fsdp"] for res in meshes]
+
+
+@pytest.fixture(scope="module")
+def rt(meshes):
+    return [res["tp"] for res in meshes]
+
+
+# ---- the simulation (the paper's Algorithm 1, plainly) ---------------------------------------------
+def _chunks_of(shape, s):
+    """(c0, c1) of a matrix piece (rows, rest), (c,) of a vector: the largest divisors <= s."""
+    dims = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (math.prod(shape),)
+    return dims, tuple(chunk_size(d, s) for d in dims)
+
+
+def _to_chunks(x, s, dct):
+    dims, cs = _chunks_of(x.shape, s)
+    if len(dims) == 1:
+        c = x.reshape(-1, cs[0])
+        return c @ dct_basis(cs[0], dtype=x.dtype).T if dct else c.clone()
+    (d0, d1), (c0, c1) = dims, cs
+    blocks = x.reshape(d0 // c0, c0, d1 // c1, c1).permute(0, 2, 1, 3)  # (n0, n1, c0, c1)
+    if dct:
+        b0, b1 = dct_basis(c0, dtype=x.dtype), dct_basis(c1, dtype=x.dtype)
+        blocks = b0 @ blocks @ b1.T
+    return blocks.reshape(-1, c0 * c1)
+
+
+def _from_chunks(c, shape, s, dct):
+    dims, cs = _chunks_of(shape, s)
+    if len(dims) == 1:
+        return (c @ dct_basis(cs[0], dtype=c.dtype) if dct else c).reshape(shape)
+    (d0, d1), (c0, c1) = dims, cs
+    blocks = c.reshape(d0 // c0, d1 // c1, c0, c1)
+    if dct:
+        b0, b1 = dct_basis(c0, dtype=c.dtype), dct_basis(c1, dtype=c.dtype)
+        blocks = b0.T @ blocks @ b1
+    return blocks.permute(0, 2, 1, 3).reshape(shape)
+
+
+def _quantize(v, bins=4, rng=6.0):
+    """The reference code's statistical quantizer on the flat selected values: the dequantized values."""
+    v = v.float()
+    shift = v.mean()
+    c = v - shift
+    std = c.norm() / math.sqrt(c.numel() - 1)
+    scale = rng * std / bins
+    if scale == 0 or not torch.isfinite(scale):
+        scale = torch.tensor(1.0)
+    q = (c / scale + bins // 2).round().clamp(0, bins - 1).long()
+    sums = torch.zeros(bins).scatter_add_(0, q, c)
+    counts = torch.zeros(bins).scatter_add_(0, q, torch.ones_like(c))
+    lookup = torch.where(counts > 0, sums / counts, 0.0)
+    return lookup[q] + shift
+
+
+def simulate(case, pieces):
+    cfg = _resolved(case).options
+    hp = _resolved(case).hparams
+    models = [make_net() for _ in range(W)]
+    inner = [torch.optim.AdamW(m.parameters(), lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
+                               weight_decay=hp.weight_decay, fused=True) for m in models]
+    params = [dict(m.named_parameters()) for m in models]
+    anchor = {n: p.detach().clone() for n, p in params[0].items()}
+    err = {(n, sl, r): torch.zeros_like(anchor[n][_index(sl)]) for n in anchor for sl in pieces[n] for r in range(W)}
+    pending = []  # (lands after step, {(n, sl): mean}, snapshots)
+    dct = cfg.transform == "dct"
+
+    def land(means, snaps):
+        with torch.no_grad():
+            for (n, sl), mean in means.items():
+                a = anchor[n][_index(sl)]
+                a.sub_(mean, alpha=cfg.outer_lr)
+                for r in range(W):
+                    x = params[r][n][_index(sl)]
+                    if snaps is None:
+                        x.copy_(a)
+                    else:
+                        x.sub_(snaps[(n, sl, r)]).add_(a)
+
+    for t in range(1, STEPS + 1):
+        for r in range(W):
+            grads = _replica_grads(models[r], r, t)
+            for n, p in params[r].items():
+                p.grad = grads[n]
+            inner[r].step()
+        if t % cfg.H == 0:
+            means, snaps = {}, ({} if cfg.sync_delay else None)
+            with torch.no_grad():
+                for n in anchor:
+                    for sl in pieces[n]:
+                        a = anchor[n][_index(sl)]
+                        mean = torch.zeros_like(_to_chunks(a, cfg.chunk, False), dtype=torch.float32)
+                        for r in range(W):
+                            x = params[r][n][_index(sl)]
+                            e = err[(n, sl, r)]
+                            e.mul_(cfg.error_decay).add_(a - x)  # e ← β e + Δ
+                            ec = _to_chunks(e, cfg.chunk, dct)
+                            idx = ec.abs().topk(min(cfg.topk, ec.shape[1]), dim=-1).indices
+                            vals = ec.gather(-1, idx)
+                            deq = (_quantize(vals.reshape(-1), rng=cfg.quant_range) if cfg.quantization == "2bit"
+                                   else vals.reshape(-1).float()).view(vals.shape)
+                            sent = torch.zeros(ec.shape).scatter_(-1, idx, deq)
+                            e.sub_(_from_chunks(sent.to(e.dtype), e.shape, cfg.chunk, dct))  # e ← e − Δ̂
+                            mean.scatter_add_(-1, idx, deq / W)
+                            if snaps is not None:
+                                snaps[(n, sl, r)] = x.clone()
+                        means[(n, sl)] = _from_chunks(mean.to(a.dtype), a.shape, cfg.chunk, dct)
+            pending.append((t + cfg.sync_delay, means, snaps))
+        while pending and pending[0][0] <= t:
+            land(*pending.pop(0)[1:])
+    for _, means, snaps in pending:  # flush()
+        land(means, snaps)
+    return [{n: p.detach() for n, p in ps.items()} for ps in params]
+
+
+def _check(results, case):
+    pieces = {n: sorted({res["out"][case]["slices"][n] for res in results}) for n in results[0]["out"][case]["slices"]}
+    ref = simulate(case, pieces)
+    start = dict(make_net().named_parameters())
+    moved = 0.0
+    for rank, res in enumerate(results):
+        o = res["out"][case]
+        assert o["states_ok"], (case, rank)
+        assert o["in_sync"] == (CASES[case].get("sync_delay", 0) == 0), (case, rank)
+        for n, shard in o["local"].items():
+            idx = _index(o["slices"][n])
+            torch.testing.assert_close(shard, ref[res["replica"]][n][idx], atol=5e-8, rtol=1e-6,  # float32 values: round-off only
+                                       msg=lambda m: f"{case} rank {rank} {n}: {m}")
+            moved = max(moved, float((shard - start[n].detach()[idx]).abs().max()))
+        assert o["R_sent"] > 0 and o["R_sent"] == o["formula"] * STEPS, (case, o["R_sent"], o["formula"])
+    assert moved > 1e-3, case
+    half = len(results) // W  # the same shard on the two replicas: bit-identical after a sync
+    for k in range(half):
+        for n, shard in results[k]["out"][case]["local"].items():
+            assert torch.equal(shard, results[half + k]["out"][case]["local"][n]), (case, k, n)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_replicas_equal_the_papers_algorithm_and_the_byte_formula(r2, case):
+    _check(r2, case)
+
+
+@pytest.mark.parametrize("case", MESH_CASES)
+def test_replicate_x_fsdp_equals_the_papers_algorithm(rs, case):
+    _check(rs, case)
+
+
+@pytest.mark.parametrize("case", MESH_CASES)
+def test_replicate_x_tp_equals_the_papers_algorithm(rt, case):
+    _check(rt, case)
+
+
+@pytest.mark.parametrize("case", ["2bit", "sync_delay1"])
+def test_resume_continues_identically(r2, case):
+    assert all(res["out"][f"resume/{case}"] for res in r2)
+
+
+def test_byte_formula_counts_codes_indices_and_levels():
+    resolved = resolve("SparseLoCo", {"H": 4, "chunk": 4, "topk": 3})
+    # an 8×12 matrix: 6 chunks of 4×4 (L = 16), 18 values: 5 bytes of 2-bit codes, 9 of 4-bit indices,
+    # 16 of levels; a 6-vector: 2 chunks of 3 (k = 3 of 3), 6 values: 2 + 2 (2-bit indices) + 16; an
+    # empty shard sends nothing. Per step: one sync's bytes / H.
+    shards = [ShardShape("w", (8, 12), (8, 12)), ShardShape("b", (6,), (6,)), ShardShape("z", (0, 3), (4, 3))]
+    got = resolved.family.r_bytes(shards, resolved, 3)
+    assert got.sent == ((5 + 9 + 16) + (2 + 2 + 16)) / 4
+    assert got.recv == 2 * got.sent
+    assert resolved.family.r_bytes(shards, resolved, 1).sent == 0
+
+
+def test_preset_and_bad_values_are_one_line_config_errors():
+    cfg = resolve("SparseLoCo").options
+    assert (cfg.H, cfg.chunk, cfg.topk, cfg.transform, cfg.quantization, cfg.error_decay, cfg.outer_lr) == (
+        15, 64, 64, "none", "2bit", 0.95, 1.0)
+    for given, message in [
+        ({"topk": 20, "chunk": 4}, r"^\[commopt.sparseloco\] topk = 20: allowed is at most chunk\^2 = 16 \(chunk = 4\)$"),
+        ({"sync_delay": 2, "H": 2}, r"^\[commopt.sparseloco\] sync_delay = 2: allowed is an integer >= 0 below H = 2"),
+        ({"quantization": "3bit"}, r"^\[commopt.sparseloco\] quantization = '3bit'"),
+        ({"error_decay": 1.5}, r"^\[commopt.sparseloco\] error_decay = 1.5"),
+    ]:
+        with pytest.raises(ConfigError, match=message) as e:
+            resolve("SparseLoCo", given)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="did you mean 'SparseLoCo'"):
+        resolve("sparseloco2")
