@@ -133,6 +133,8 @@ def periodic_states(resolved) -> Periodic | None:
                                        Ku=[int(("Ku", j) in on) for j in range(len(p.Ku))])
 
         return Periodic([k for _, k in states], due_alone, exact=options.fragments == 1)
+    if key == "sparseloco" and options.H > 1:  # one all-gather every H steps
+        return Periodic([options.H], lambda subset: dataclasses.replace(options, H=1, sync_delay=0))
     if key == "demo" and options.replicator == "diloco" and period_of(options) > 1:  # the shard every period
         return Periodic([period_of(options)], lambda subset: dataclasses.replace(options, compression_rate=1.0))
     return None
@@ -177,6 +179,9 @@ def settings(resolved, reduce_dtype: str) -> dict:
         p = resolve_periods(o, resolved.hparams)
         return {"Kx": p.Kx, "Ku": list(p.Ku), "Kv": p.Kv, "transfer_dtype": o.transfer_dtype,
                 **({"fragments": o.fragments} if o.fragments > 1 else {})}
+    if key == "sparseloco":
+        return {"H": o.H, "chunk": o.chunk, "topk": o.topk, "transform": o.transform, "quantization": o.quantization,
+                **({"sync_delay": o.sync_delay} if o.sync_delay else {})}
     if key == "demo":
         what = {"replicator": o.replicator}
         if o.replicator == "demo":

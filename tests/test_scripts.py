@@ -20,7 +20,7 @@ from scripts._bench_common import ROOT, cli_overrides, read_scalars, run_train
 
 STEPS = 4
 # Short sync periods so the local-adaptive families' period average is reached within STEPS.
-OVERRIDES = {"local": {"Kx": 2, "Ku": [2], "Kv": 4}}
+OVERRIDES = {"local": {"Kx": 2, "Ku": [2], "Kv": 4}, "sparseloco": {"H": 2}}
 
 
 def _one_per_family() -> list[str]:

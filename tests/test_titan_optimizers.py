@@ -10,7 +10,7 @@ import pytest
 from titan_commopt.optim import available_names, family_of, resolve
 from tests.titan_utils import losses, read_texts, run_train
 
-NAMES = ["DeMo", "FlexDeMo", "DES-LOC", "MT-DAO", "LocalAdam", "DiLoCo", "Dion"]
+NAMES = ["DeMo", "FlexDeMo", "DES-LOC", "MT-DAO", "LocalAdam", "DiLoCo", "Dion", "SparseLoCo"]
 LR = {"Dion": "0.02", "DeMo": "0.003", "FlexDeMo": "0.003"}
 # Short runs: sync periods short enough that every kind of sync happens within 8 steps.
 EXTRA = {
@@ -18,6 +18,7 @@ EXTRA = {
     "MT-DAO": ["--commopt.local.Kx", "4", "--commopt.local.Ku", "4", "--commopt.local.Kv", "4"],
     "LocalAdam": ["--commopt.local.Kx", "4", "--commopt.local.Ku", "4", "--commopt.local.Kv", "4"],
     "DiLoCo": ["--commopt.local.Kx", "4"],
+    "SparseLoCo": ["--commopt.sparseloco.H", "4"],
 }
 
 
@@ -64,6 +65,7 @@ EXTRA_TP = {
     "MT-DAO": ["--commopt.local.Kx", "4", "--commopt.local.Ku", "4", "--commopt.local.Kv", "4"],
     "LocalAdam": ["--commopt.local.Kx", "4", "--commopt.local.Ku", "4", "--commopt.local.Kv", "4"],
     "DiLoCo": ["--commopt.local.Kx", "3"],
+    "SparseLoCo": ["--commopt.sparseloco.H", "3"],
 }
 EXTRA_TP["DES-LOC-ADOPT"] = EXTRA_TP["DES-LOC"]
 EXTRA_TP["MT-DAO-halflife"] = EXTRA_TP["MT-DAO"]
