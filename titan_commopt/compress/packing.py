@@ -1,20 +1,24 @@
-"""Wire packing: indices in ``ceil(log2(L))`` bits, ternary {−1, 0, +1} in 2 bits, floats as raw bytes.
+"""Wire packing: indices in ``ceil(log2(L))`` bits, ternary {−1, 0, +1} in 2 bits, floats as raw bytes
+(the ``packed`` wire), or a DeMo selection in the ``compact`` wire: Elias–Fano positions and 1-bit signs.
 
 Everything becomes ``uint8`` so one all-gather carries every parameter's payload; sizes are a
 function of shapes and options only, so the receiver knows where each segment starts.
-:class:`ValueCodec` and :class:`IndexCodec` are the two wire formats the replicators use, built on
-the bit-level functions below.
+:class:`ValueCodec` and :class:`IndexCodec` are the ``packed`` wire formats the replicators use,
+:class:`CompactCodec` the ``compact`` one of DeMo's replicator, all built on the bit-level functions
+below.
 """
 
 import functools
 import math
+from typing import Optional
 
 import torch
 
 from titan_commopt.comm import ceil_log2
 
 __all__ = ["bits_bytes", "pack_bits", "unpack_bits", "pack_ternary", "unpack_ternary", "float_bytes",
-           "to_bytes", "from_bytes", "WIRE_DTYPES", "ValueCodec", "IndexCodec"]
+           "to_bytes", "from_bytes", "WIRE_DTYPES", "ValueCodec", "IndexCodec",
+           "ef_low_bits", "EliasFano", "subset_bits", "pack_bit_rows", "unpack_bit_rows", "CompactCodec"]
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -199,3 +203,150 @@ class IndexCodec:
 
     def decode(self, data: torch.Tensor, n: int) -> torch.Tensor:
         return unpack_bits(data, n, self.bits) if self.pack else from_bytes(data, torch.int64)
+
+
+# ---- the compact wire: Elias–Fano positions, 1-bit signs ---------------------------------------------
+def ef_low_bits(L: int, k: int) -> int:
+    """Low bits per position of :class:`EliasFano` for ``k`` of ``range(L)``: the ``l`` minimizing
+    ``k·l + k + ((L − 1) >> l)`` (Elias 1974, Fano 1971 take ``l = floor(log2(L/k))``, which ties
+    with it on the chunk sizes measured); ties go to the larger ``l`` (a shorter bitmap)."""
+    return min(range(ceil_log2(L) + 1), key=lambda l: (k * l + k + ((L - 1) >> l), -l))
+
+
+class EliasFano:
+    """``k`` non-decreasing positions in ``range(L)`` per row in a fixed ``bits`` bits: ``l`` low bits
+    of each (``k·l`` bits), then the high parts ``h_i = s_i >> l`` as a unary bitmap of ``k + H`` bits
+    (``H = (L − 1) >> l``) with bit ``h_i + i`` set for every ``i`` — strictly increasing even where
+    positions repeat, so exactly ``k`` bits are set. About ``2 + log2(L/k)`` bits per position, against
+    ``log2 C(L, k) / k`` for the best exact code of a ``k``-subset (:func:`subset_bits`).
+
+    Rows are bit matrices (``uint8`` 0/1, ``(rows, bits)``): a caller concatenates them with other
+    fields and packs a whole shard's rows back to back (:func:`pack_bit_rows`), so no row is padded."""
+
+    def __init__(self, L: int, k: int):
+        self.L, self.k = L, k
+        self.l = ef_low_bits(L, k)
+        self.H = (L - 1) >> self.l
+        self.bits = k * self.l + k + self.H
+
+    def encode(self, positions: torch.Tensor) -> torch.Tensor:
+        """``(rows, k)`` non-decreasing positions → ``(rows, bits)`` ``uint8`` bits."""
+        rows, k, l = positions.shape[0], self.k, self.l
+        low = (positions.unsqueeze(-1) >> torch.arange(l, device=positions.device)) & 1  # (rows, k, l)
+        unary = (positions >> l) + torch.arange(k, device=positions.device)  # h_i + i, strictly increasing
+        bitmap = torch.zeros(rows, k + self.H, dtype=torch.uint8, device=positions.device)
+        bitmap.scatter_(1, unary, 1)
+        return torch.cat([low.view(rows, k * l).to(torch.uint8), bitmap], 1)
+
+    def decode(self, bits: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`encode`: ``(rows, bits)`` 0/1 → ``(rows, k)`` int64 positions."""
+        rows, k, l = bits.shape[0], self.k, self.l
+        low = bits[:, : k * l].view(rows, k, l).to(torch.int64)
+        low = (low << torch.arange(l, device=bits.device)).sum(-1)
+        # the i-th set bit is where the running count of set bits first reaches i + 1: exactly k per
+        # row, so a batched search gives them as a (rows, k) tensor, with no host read of a count
+        count = bits[:, k * l:].to(torch.int32).cumsum(1, dtype=torch.int32)
+        want = torch.arange(1, k + 1, device=bits.device, dtype=torch.int32).expand(rows, k).contiguous()
+        unary = torch.searchsorted(count, want)
+        return ((unary - torch.arange(k, device=bits.device)) << l) | low
+
+
+def subset_bits(L: int, k: int) -> float:
+    """``log2 C(L, k)``: the fewest bits that tell one ``k``-subset of ``range(L)`` from the others."""
+    return math.log2(math.comb(L, k))
+
+
+def pack_bit_rows(bits: torch.Tensor) -> torch.Tensor:
+    """``(G, n)`` 0/1 → ``(G, bits_bytes(n, 1))`` ``uint8``: each row's bits back to back (:func:`pack_bits`)."""
+    return pack_bits(bits, 1)
+
+
+def unpack_bit_rows(data: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bit_rows` for ``(..., bytes)`` rows: ``(..., n)`` ``uint8`` 0/1."""
+    *lead, size = data.shape
+    m = -(-n // 8)
+    bits = (data.reshape(-1, size)[:, :m].unsqueeze(-1) >> _BIT_SHIFTS.to(data.device)) & 1
+    return bits.view(-1, m * 8)[:, :n].reshape(*lead, n)
+
+
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+class CompactCodec:
+    """The ``compact`` wire of a DeMo selection: ``k`` of the ``L`` coefficients of every chunk, as
+    Elias–Fano coded positions (:class:`EliasFano`) and, with ``sign``, one bit per value; without
+    ``sign`` the values in ``wire_dtype``. A shard of ``chunks`` chunks takes ``value_bytes(chunks)``
+    + ``index_bytes(chunks)`` bytes, a function of ``(L, k, chunks)`` only (headerless all-gather),
+    with the chunks' bits back to back.
+
+    Pairs are sent in position order (EF needs sorted positions); a replica's pairs of one chunk are
+    distinct positions, so the receiver's sum over replicas is unchanged by the order.
+
+    With ``sign``, 1 bit cannot say 0, and top-k selects a zero coefficient when a chunk has fewer
+    than ``k`` non-zeros. A zero is sent as a repeat of the position before it (the non-zeros come
+    first, in position order, then ``k − c`` copies of the last one); EF codes repeats as they are. A
+    chunk with no non-zero at all (``c = 0``): every position 0 and, for ``k ≥ 2``, the sign bit of
+    the (repeated) second pair set — a combination no chunk with ``c ≥ 1`` writes, since a repeat's
+    sign bit is otherwise 0; for ``k = 1`` one more bit per chunk says whether the value is non-zero.
+    So zeros decode as 0, and the size stays fixed; what is lost is only where a zero was selected,
+    which matters to ``mean_selected`` alone (a selected zero counts for no replica there)."""
+
+    def __init__(self, L: int, k: int, sign: bool, wire_dtype: torch.dtype):
+        self.L, self.k, self.sign, self.wire_dtype = L, k, sign, wire_dtype
+        self.positions = EliasFano(L, k)
+        self.value_bits = k + (k == 1) if sign else 0  # per chunk, with sign: signs (+ the k = 1 flag)
+        self.floats = ValueCodec(False, wire_dtype, True)
+
+    def value_bytes(self, chunks: int) -> int:
+        return bits_bytes(chunks, self.value_bits) if self.sign else float_bytes(chunks * self.k, self.wire_dtype)
+
+    def index_bytes(self, chunks: int) -> int:
+        return bits_bytes(chunks, self.positions.bits)
+
+    def encode_into(self, values: torch.Tensor, idx: torch.Tensor, value_out: torch.Tensor,
+                    index_out: torch.Tensor) -> None:
+        """``G`` shards' selections (``(G·chunks, k)`` values and distinct positions, any order) into
+        ``value_out`` ``(G, value_bytes(chunks))`` and ``index_out`` ``(G, index_bytes(chunks))``."""
+        G, (rows, k) = value_out.shape[0], idx.shape
+        if not self.sign:
+            positions, order = idx.sort(-1)
+            values = values.gather(-1, order)
+            self.floats.encode_into(values.view(G, -1), value_out)
+        else:
+            nonzero = values != 0
+            # non-zeros first, in position order, then the zeros
+            positions, order = (idx + self.L * (~nonzero)).sort(-1)
+            positions = positions.clamp_max_(self.L - 1)  # zeros' keys; replaced just below
+            nonzero = nonzero.gather(-1, order)
+            count = nonzero.sum(-1, keepdim=True)
+            last = positions.gather(-1, (count - 1).clamp_min(0)) * (count > 0)  # 0 when no non-zero
+            positions = torch.where(nonzero, positions, last)
+            signs = (values.gather(-1, order) < 0) & nonzero
+            if k >= 2:
+                signs[:, 1] |= count[:, 0] == 0  # the all-zero chunk's mark
+            else:
+                signs = torch.cat([signs, nonzero], 1)  # k = 1: (sign, non-zero)
+            value_out.copy_(pack_bit_rows(signs.to(torch.uint8).view(G, -1)))
+        index_out.copy_(pack_bit_rows(self.positions.encode(positions).view(G, -1)))
+
+    def decode(self, value_data: torch.Tensor, index_data: torch.Tensor,
+               chunks: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """``(..., value_bytes)`` and ``(..., index_bytes)`` rows → ``(values float32, positions int64,
+        sent)``, each ``(..., chunks, k)``; ``sent``: which pairs are selections (``None``: all are;
+        with ``sign`` the non-zeros, see the class docstring)."""
+        lead, k = value_data.shape[:-1], self.k
+        bits = unpack_bit_rows(index_data, chunks * self.positions.bits).reshape(-1, self.positions.bits)
+        positions = self.positions.decode(bits).view(*lead, chunks, k)
+        if not self.sign:
+            values = from_bytes(value_data, self.wire_dtype).float().view(*lead, chunks, k)
+            return values, positions, None
+        flags = unpack_bit_rows(value_data, chunks * self.value_bits).view(*lead, chunks, self.value_bits).bool()
+        negative = flags[..., :k]
+        if k >= 2:
+            repeat = positions[..., 1:] == positions[..., :-1]
+            first_zero = repeat[..., :1] & negative[..., 1:2]
+            sent = ~torch.cat([first_zero, repeat], -1)
+        else:
+            sent = flags[..., 1:]
+        values = torch.where(negative, -1.0, 1.0) * sent
+        return values, positions, sent

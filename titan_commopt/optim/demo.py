@@ -58,7 +58,7 @@ import torch
 
 from titan_commopt import comm
 from titan_commopt.compress.dct import Chunker
-from titan_commopt.compress.replicators import KINDS, Replicator, make_replicator, period_of
+from titan_commopt.compress.replicators import KINDS, WIRES, Replicator, make_replicator, period_of
 from titan_commopt.options import option
 from titan_commopt.overlap import Task
 from titan_commopt.topology import R, Topology
@@ -95,6 +95,10 @@ class Config:
     sign_before_sync: bool = option(False, "Send sign(values) (ternary wire) instead of the values.")
     transfer_dtype: Literal["fp32", "bf16", "fp16"] = option("bf16", "Wire dtype of non-ternary values.")
     pack: bool = option(True, "Packed wire: indices in ceil(log2(L)) bits, ternary in 2 bits (off: int64 indices).")
+    wire: Literal[WIRES] = option(
+        "packed", "DeMo replicator's encoding with pack = true: packed (values as above, indices in ceil(log2(L)) "
+        "bits) or compact (each chunk's indices Elias-Fano coded, ~2 + log2(L/k) bits each; with "
+        "sign_before_sync 1 bit per value). The same update (mean_selected aside: a selected zero is not sent).")
     aggregate: Literal["mean", "mean_selected"] = option(
         "mean", "Average over all replicas (paper) or over those that selected (reference).")
     ns_steps: int = option(5, "Newton-Schulz iterations of rule = muon.", ge=1)
