@@ -8,7 +8,7 @@ import torch
 
 from titan_commopt.compress.dct import (Chunker, accumulate_chunks_, chunk_size, dct_basis, scatter_chunks,
                                         topk_per_chunk)
-from titan_commopt.compress.packing import (CompactCodec, EliasFano, IndexCodec, ValueCodec, bits_bytes, from_bytes,
+from titan_commopt.compress.packing import (CompactCodec, EliasFano, IndexCodec, ef_low_bits, ValueCodec, bits_bytes, from_bytes,
                                             pack_bits, pack_ternary, subset_bits, to_bytes, unpack_bits,
                                             unpack_ternary)
 from titan_commopt.compress.replicators import KINDS, make_replicator
@@ -315,7 +315,8 @@ def _index_sets(L, k, rows, g):
     return idx
 
 
-@pytest.mark.parametrize("L, k", [(1024, 16), (4096, 32), (1, 1), (8, 8), (512, 1), (30, 7), (64, 6), (2, 1)])
+@pytest.mark.parametrize("L, k", [(1024, 16), (4096, 32), (1, 1), (8, 8), (512, 1), (30, 7), (64, 6), (2, 1),
+                                  (1024, 64), (64, 64)])  # the last two: too many subsets for a rank, a bitmap
 @pytest.mark.parametrize("sign", [True, False])
 def test_compact_round_trip(L, k, sign):
     """Every chunk's (value, index) pairs come back exactly; with ``sign``, zeros (an all-zero chunk, a
@@ -333,7 +334,9 @@ def test_compact_round_trip(L, k, sign):
     index_out = torch.empty(G, codec.index_bytes(chunks), dtype=torch.uint8)
     codec.encode_into(vals, idx, value_out, index_out)
     ef = EliasFano(L, k)
-    assert codec.index_bytes(chunks) == bits_bytes(chunks, ef.bits) == math.ceil(chunks * (k * ef.l + k + ef.H) / 8)
+    high = (math.comb(k + ef.H, k) - 1).bit_length() if ef.ranked else k + ef.H
+    assert ef.ranked == (k <= 32)
+    assert codec.index_bytes(chunks) == bits_bytes(chunks, ef.bits) == math.ceil(chunks * (k * ef.l + high) / 8)
     assert codec.value_bytes(chunks) == (bits_bytes(chunks, k + (k == 1)) if sign else 4 * chunks * k)
     got_vals, got_idx, sent = codec.decode(value_out.unsqueeze(0), index_out.unsqueeze(0), chunks)
     got_vals, got_idx = got_vals.view(-1, k), got_idx.view(-1, k)
@@ -351,12 +354,13 @@ def test_compact_round_trip(L, k, sign):
 
 def test_compact_sizes_against_the_subset_bound():
     """Elias–Fano bits per index vs log2 C(L, k) / k (the exact bound) and ceil(log2 L) (the packed wire)."""
-    for L, k, ef_bits, packed_bits in [(1024, 16, 127, 10), (4096, 32, 287, 12)]:
+    for L, k, ef_bits, bitmap_bits, packed_bits in [(1024, 16, 119, 127, 10), (4096, 32, 284, 287, 12)]:
         ef = EliasFano(L, k)
         assert ef.bits == ef_bits and ef.bits / k < packed_bits
-        assert subset_bits(L, k) <= ef.bits <= subset_bits(L, k) + 2 * k  # within 2 bits per index
-    codec = CompactCodec(1024, 16, True, torch.float32)  # FlexDeMo: 16 sign bits + 127 per 32x32 chunk
-    assert codec.value_bytes(8) + codec.index_bytes(8) == math.ceil(8 * 16 / 8) + math.ceil(8 * 127 / 8)
+        assert bitmap_bits == k * ef_low_bits(L, k) + k + ((L - 1) >> ef_low_bits(L, k))  # Elias–Fano's own form
+        assert subset_bits(L, k) <= ef.bits <= subset_bits(L, k) + k  # within 1 bit per index
+    codec = CompactCodec(1024, 16, True, torch.float32)  # FlexDeMo: 16 sign bits + 119 per 32x32 chunk
+    assert codec.value_bytes(8) + codec.index_bytes(8) == math.ceil(8 * 16 / 8) + math.ceil(8 * 119 / 8)
 
 
 CHUNKER_SHAPES = [(96, 40), (64, 64), (8, 6, 5), (50,), (67, 8), (1,), (3, 1), (128, 96)]

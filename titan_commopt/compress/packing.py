@@ -215,40 +215,76 @@ def ef_low_bits(L: int, k: int) -> int:
 
 class EliasFano:
     """``k`` non-decreasing positions in ``range(L)`` per row in a fixed ``bits`` bits: ``l`` low bits
-    of each (``k·l`` bits), then the high parts ``h_i = s_i >> l`` as a unary bitmap of ``k + H`` bits
-    (``H = (L − 1) >> l``) with bit ``h_i + i`` set for every ``i`` — strictly increasing even where
-    positions repeat, so exactly ``k`` bits are set. About ``2 + log2(L/k)`` bits per position, against
-    ``log2 C(L, k) / k`` for the best exact code of a ``k``-subset (:func:`subset_bits`).
+    of each (``k·l`` bits), then the high parts ``h_i = s_i >> l``, ``0 ≤ h_i ≤ H = (L − 1) >> l``,
+    through ``u_i = h_i + i`` — strictly increasing even where positions repeat, so ``{u_i}`` is a
+    ``k``-subset of ``range(k + H)``. That subset is written either as Elias–Fano's unary bitmap
+    (``k + H`` bits, bit ``u_i`` set) or, where it is shorter, as its rank in the combinatorial number
+    system, ``Σ_i C(u_i, i + 1) < C(k + H, k)``, in ``ceil(log2 C(k + H, k))`` bits (at most 62: one
+    int64; ``l`` is then chosen smaller, down to what fits). For ``k = 16`` of 1024: ``l = 4``, 119 bits
+    (7.44 per position; the bitmap form 127, the exact bound ``log2 C(1024, 16)`` 115.6); 32 of 4096:
+    ``l = 7``, 284 bits (8.88; bound 266.2) — see :func:`subset_bits`.
 
     Rows are bit matrices (``uint8`` 0/1, ``(rows, bits)``): a caller concatenates them with other
     fields and packs a whole shard's rows back to back (:func:`pack_bit_rows`), so no row is padded."""
 
+    RANK_BITS = 62  # a rank and every partial sum of it fit an int64
+
     def __init__(self, L: int, k: int):
         self.L, self.k = L, k
-        self.l = ef_low_bits(L, k)
+        l = ef_low_bits(L, k)
+        best = (k * l + k + ((L - 1) >> l), l, False)  # (bits, l, ranked)
+        for l in range(ceil_log2(L) + 1):
+            rank_bits = (math.comb(k + ((L - 1) >> l), k) - 1).bit_length()
+            if rank_bits <= self.RANK_BITS and k * l + rank_bits < best[0]:
+                best = (k * l + rank_bits, l, True)
+        self.bits, self.l, self.ranked = best
         self.H = (L - 1) >> self.l
-        self.bits = k * self.l + k + self.H
+        self.high_bits = self.bits - k * self.l
+
+    def _binomials(self, device) -> torch.Tensor:
+        """``(k + 1, k + H)`` int64: row ``j`` holds ``C(u, j)`` for every ``u`` (non-decreasing in ``u``),
+        capped at ``2**62`` (above every rank, so the cap changes no search)."""
+        n, k, cap = self.k + self.H, self.k, 2**self.RANK_BITS
+        table = [[min(math.comb(u, j), cap) for u in range(n)] for j in range(k + 1)]
+        return torch.tensor(table, dtype=torch.int64, device=device)
 
     def encode(self, positions: torch.Tensor) -> torch.Tensor:
         """``(rows, k)`` non-decreasing positions → ``(rows, bits)`` ``uint8`` bits."""
-        rows, k, l = positions.shape[0], self.k, self.l
-        low = (positions.unsqueeze(-1) >> torch.arange(l, device=positions.device)) & 1  # (rows, k, l)
-        unary = (positions >> l) + torch.arange(k, device=positions.device)  # h_i + i, strictly increasing
-        bitmap = torch.zeros(rows, k + self.H, dtype=torch.uint8, device=positions.device)
-        bitmap.scatter_(1, unary, 1)
-        return torch.cat([low.view(rows, k * l).to(torch.uint8), bitmap], 1)
+        rows, k, l, device = positions.shape[0], self.k, self.l, positions.device
+        low = (positions.unsqueeze(-1) >> torch.arange(l, device=device)) & 1  # (rows, k, l)
+        unary = (positions >> l) + torch.arange(k, device=device)  # u_i = h_i + i, strictly increasing
+        if self.ranked:
+            table = self._binomials(device)
+            rank = table[torch.arange(1, k + 1, device=device), unary].sum(-1, keepdim=True)  # Σ C(u_i, i + 1)
+            high = ((rank >> torch.arange(self.high_bits, device=device)) & 1).to(torch.uint8)
+        else:
+            high = torch.zeros(rows, k + self.H, dtype=torch.uint8, device=device)
+            high.scatter_(1, unary, 1)
+        return torch.cat([low.view(rows, k * l).to(torch.uint8), high], 1)
 
     def decode(self, bits: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`encode`: ``(rows, bits)`` 0/1 → ``(rows, k)`` int64 positions."""
-        rows, k, l = bits.shape[0], self.k, self.l
+        rows, k, l, device = bits.shape[0], self.k, self.l, bits.device
         low = bits[:, : k * l].view(rows, k, l).to(torch.int64)
-        low = (low << torch.arange(l, device=bits.device)).sum(-1)
-        # the i-th set bit is where the running count of set bits first reaches i + 1: exactly k per
-        # row, so a batched search gives them as a (rows, k) tensor, with no host read of a count
-        count = bits[:, k * l:].to(torch.int32).cumsum(1, dtype=torch.int32)
-        want = torch.arange(1, k + 1, device=bits.device, dtype=torch.int32).expand(rows, k).contiguous()
-        unary = torch.searchsorted(count, want)
-        return ((unary - torch.arange(k, device=bits.device)) << l) | low
+        low = (low << torch.arange(l, device=device)).sum(-1)
+        high = bits[:, k * l:]
+        if self.ranked:
+            # unranking, largest first: u_i is the largest u with C(u, i + 1) ≤ what is left of the
+            # rank (a batched search over every row; k steps, none of them per row or per bit)
+            table = self._binomials(device)
+            rank = (high.to(torch.int64) << torch.arange(self.high_bits, device=device)).sum(-1)
+            unary = torch.empty(rows, k, dtype=torch.int64, device=device)
+            for i in range(k - 1, -1, -1):
+                u = torch.searchsorted(table[i + 1], rank, right=True) - 1
+                unary[:, i] = u
+                rank = rank - table[i + 1][u]
+        else:
+            # the i-th set bit is where the running count of set bits first reaches i + 1: exactly k
+            # per row, so a batched search gives them as a (rows, k) tensor, with no host read of a count
+            count = high.to(torch.int32).cumsum(1, dtype=torch.int32)
+            want = torch.arange(1, k + 1, device=device, dtype=torch.int32).expand(rows, k).contiguous()
+            unary = torch.searchsorted(count, want)
+        return ((unary - torch.arange(k, device=device)) << l) | low
 
 
 def subset_bits(L: int, k: int) -> float:
@@ -258,6 +294,8 @@ def subset_bits(L: int, k: int) -> float:
 
 def pack_bit_rows(bits: torch.Tensor) -> torch.Tensor:
     """``(G, n)`` 0/1 → ``(G, bits_bytes(n, 1))`` ``uint8``: each row's bits back to back (:func:`pack_bits`)."""
+    if bits.shape[-1] == 0:
+        return bits.new_zeros(*bits.shape[:-1], 0, dtype=torch.uint8)
     return pack_bits(bits, 1)
 
 
@@ -265,6 +303,8 @@ def unpack_bit_rows(data: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_bit_rows` for ``(..., bytes)`` rows: ``(..., n)`` ``uint8`` 0/1."""
     *lead, size = data.shape
     m = -(-n // 8)
+    if n == 0:
+        return data.new_zeros(*lead, 0)
     bits = (data.reshape(-1, size)[:, :m].unsqueeze(-1) >> _BIT_SHIFTS.to(data.device)) & 1
     return bits.view(-1, m * 8)[:, :n].reshape(*lead, n)
 
@@ -335,7 +375,8 @@ class CompactCodec:
         sent)``, each ``(..., chunks, k)``; ``sent``: which pairs are selections (``None``: all are;
         with ``sign`` the non-zeros, see the class docstring)."""
         lead, k = value_data.shape[:-1], self.k
-        bits = unpack_bit_rows(index_data, chunks * self.positions.bits).reshape(-1, self.positions.bits)
+        rows = math.prod(lead) * chunks
+        bits = unpack_bit_rows(index_data, chunks * self.positions.bits).reshape(rows, self.positions.bits)
         positions = self.positions.decode(bits).view(*lead, chunks, k)
         if not self.sign:
             values = from_bytes(value_data, self.wire_dtype).float().view(*lead, chunks, k)
