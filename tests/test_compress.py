@@ -8,9 +8,9 @@ import torch
 
 from titan_commopt.compress.dct import (Chunker, accumulate_chunks_, chunk_size, dct_basis, scatter_chunks,
                                         topk_per_chunk)
-from titan_commopt.compress.packing import (CompactCodec, EliasFano, IndexCodec, ef_low_bits, ValueCodec, bits_bytes, from_bytes,
-                                            pack_bits, pack_ternary, subset_bits, to_bytes, unpack_bits,
-                                            unpack_ternary)
+from titan_commopt.compress.packing import (CompactCodec, EliasFano, IndexCodec, ValueCodec, bits_bytes, ef_low_bits,
+                                            from_bytes, pack_bits, pack_ternary, subset_bits, to_bytes,
+                                            unpack_bits, unpack_ternary)
 from titan_commopt.compress.replicators import KINDS, make_replicator
 from titan_commopt.optim.demo import Config
 

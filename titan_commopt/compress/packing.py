@@ -18,7 +18,7 @@ from titan_commopt.comm import ceil_log2
 
 __all__ = ["bits_bytes", "pack_bits", "unpack_bits", "pack_ternary", "unpack_ternary", "float_bytes",
            "to_bytes", "from_bytes", "WIRE_DTYPES", "ValueCodec", "IndexCodec",
-           "ef_low_bits", "EliasFano", "subset_bits", "pack_bit_rows", "unpack_bit_rows", "CompactCodec"]
+           "ef_low_bits", "EliasFano", "subset_bits", "CompactCodec"]
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -224,8 +224,9 @@ class EliasFano:
     (7.44 per position; the bitmap form 127, the exact bound ``log2 C(1024, 16)`` 115.6); 32 of 4096:
     ``l = 7``, 284 bits (8.88; bound 266.2) — see :func:`subset_bits`.
 
-    Rows are bit matrices (``uint8`` 0/1, ``(rows, bits)``): a caller concatenates them with other
-    fields and packs a whole shard's rows back to back (:func:`pack_bit_rows`), so no row is padded."""
+    :meth:`encode` gives the fields — ``low`` ``(rows, k)`` and ``high``: the rank ``(rows,)`` or the
+    bitmap ``(rows, k + H)`` — that a caller packs, each kind back to back over many rows
+    (:func:`pack_bits` with ``l``, ``high_field_bits`` bits per field)."""
 
     RANK_BITS = 62  # a rank and every partial sum of it fit an int64
 
@@ -240,51 +241,54 @@ class EliasFano:
         self.bits, self.l, self.ranked = best
         self.H = (L - 1) >> self.l
         self.high_bits = self.bits - k * self.l
+        # the high part as fields: one rank of high_bits bits, or k + H one-bit fields
+        self.high_fields, self.high_field_bits = (1, self.high_bits) if self.ranked else (k + self.H, 1)
 
-    def _binomials(self, device) -> torch.Tensor:
-        """``(k + 1, k + H)`` int64: row ``j`` holds ``C(u, j)`` for every ``u`` (non-decreasing in ``u``),
-        capped at ``2**62`` (above every rank, so the cap changes no search)."""
-        n, k, cap = self.k + self.H, self.k, 2**self.RANK_BITS
-        table = [[min(math.comb(u, j), cap) for u in range(n)] for j in range(k + 1)]
-        return torch.tensor(table, dtype=torch.int64, device=device)
+    def _binomials(self, device: torch.device) -> torch.Tensor:
+        return _binomial_table(self.k + self.H, self.k, self.RANK_BITS, torch.device(device))
 
-    def encode(self, positions: torch.Tensor) -> torch.Tensor:
-        """``(rows, k)`` non-decreasing positions → ``(rows, bits)`` ``uint8`` bits."""
+    def encode(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, k)`` non-decreasing positions → ``(low, high)`` (int64 ``(rows, k)``, and int64
+        ``(rows, 1)`` rank or ``uint8`` ``(rows, k + H)`` bitmap)."""
         rows, k, l, device = positions.shape[0], self.k, self.l, positions.device
-        low = (positions.unsqueeze(-1) >> torch.arange(l, device=device)) & 1  # (rows, k, l)
+        low = positions & ((1 << l) - 1)
         unary = (positions >> l) + torch.arange(k, device=device)  # u_i = h_i + i, strictly increasing
         if self.ranked:
             table = self._binomials(device)
-            rank = table[torch.arange(1, k + 1, device=device), unary].sum(-1, keepdim=True)  # Σ C(u_i, i + 1)
-            high = ((rank >> torch.arange(self.high_bits, device=device)) & 1).to(torch.uint8)
+            high = table[torch.arange(1, k + 1, device=device), unary].sum(-1, keepdim=True)  # Σ C(u_i, i + 1)
         else:
             high = torch.zeros(rows, k + self.H, dtype=torch.uint8, device=device)
             high.scatter_(1, unary, 1)
-        return torch.cat([low.view(rows, k * l).to(torch.uint8), high], 1)
+        return low, high
 
-    def decode(self, bits: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`encode`: ``(rows, bits)`` 0/1 → ``(rows, k)`` int64 positions."""
-        rows, k, l, device = bits.shape[0], self.k, self.l, bits.device
-        low = bits[:, : k * l].view(rows, k, l).to(torch.int64)
-        low = (low << torch.arange(l, device=device)).sum(-1)
-        high = bits[:, k * l:]
+    def decode(self, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`encode` (``high`` as int64 fields): ``(rows, k)`` int64 positions."""
+        rows, k, device = low.shape[0], self.k, low.device
         if self.ranked:
             # unranking, largest first: u_i is the largest u with C(u, i + 1) ≤ what is left of the
             # rank (a batched search over every row; k steps, none of them per row or per bit)
             table = self._binomials(device)
-            rank = (high.to(torch.int64) << torch.arange(self.high_bits, device=device)).sum(-1)
+            rank = high.reshape(rows).clone()
             unary = torch.empty(rows, k, dtype=torch.int64, device=device)
             for i in range(k - 1, -1, -1):
                 u = torch.searchsorted(table[i + 1], rank, right=True) - 1
                 unary[:, i] = u
-                rank = rank - table[i + 1][u]
+                rank -= table[i + 1][u]
         else:
             # the i-th set bit is where the running count of set bits first reaches i + 1: exactly k
             # per row, so a batched search gives them as a (rows, k) tensor, with no host read of a count
             count = high.to(torch.int32).cumsum(1, dtype=torch.int32)
             want = torch.arange(1, k + 1, device=device, dtype=torch.int32).expand(rows, k).contiguous()
             unary = torch.searchsorted(count, want)
-        return ((unary - torch.arange(k, device=device)) << l) | low
+        return ((unary - torch.arange(k, device=device)) << self.l) | low
+
+
+@functools.lru_cache(maxsize=16)
+def _binomial_table(n: int, k: int, cap_bits: int, device: torch.device) -> torch.Tensor:
+    """``(k + 1, n)`` int64: row ``j`` holds ``C(u, j)`` for every ``u < n`` (non-decreasing in ``u``),
+    capped at ``2**cap_bits`` (above every rank, so the cap changes no search)."""
+    table = [[min(math.comb(u, j), 2**cap_bits) for u in range(n)] for j in range(k + 1)]
+    return torch.tensor(table, dtype=torch.int64, device=device)
 
 
 def subset_bits(L: int, k: int) -> float:
@@ -292,44 +296,38 @@ def subset_bits(L: int, k: int) -> float:
     return math.log2(math.comb(L, k))
 
 
-def pack_bit_rows(bits: torch.Tensor) -> torch.Tensor:
-    """``(G, n)`` 0/1 → ``(G, bits_bytes(n, 1))`` ``uint8``: each row's bits back to back (:func:`pack_bits`)."""
-    if bits.shape[-1] == 0:
-        return bits.new_zeros(*bits.shape[:-1], 0, dtype=torch.uint8)
-    return pack_bits(bits, 1)
+def _pack_fields(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`pack_bits` that also takes 0-bit fields (no bytes)."""
+    if bits == 0 or values.shape[-1] == 0:
+        return torch.zeros(*values.shape[:-1], 0, dtype=torch.uint8, device=values.device)
+    return pack_bits(values, bits)
 
 
-def unpack_bit_rows(data: torch.Tensor, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bit_rows` for ``(..., bytes)`` rows: ``(..., n)`` ``uint8`` 0/1."""
-    *lead, size = data.shape
-    m = -(-n // 8)
-    if n == 0:
-        return data.new_zeros(*lead, 0)
-    bits = (data.reshape(-1, size)[:, :m].unsqueeze(-1) >> _BIT_SHIFTS.to(data.device)) & 1
-    return bits.view(-1, m * 8)[:, :n].reshape(*lead, n)
-
-
-_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+def _unpack_fields(data: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    if bits == 0 or n == 0:
+        return torch.zeros(*data.shape[:-1], n, dtype=torch.int64, device=data.device)
+    return unpack_bits(data, n, bits)
 
 
 class CompactCodec:
     """The ``compact`` wire of a DeMo selection: ``k`` of the ``L`` coefficients of every chunk, as
-    Elias–Fano coded positions (:class:`EliasFano`) and, with ``sign``, one bit per value; without
-    ``sign`` the values in ``wire_dtype``. A shard of ``chunks`` chunks takes ``value_bytes(chunks)``
-    + ``index_bytes(chunks)`` bytes, a function of ``(L, k, chunks)`` only (headerless all-gather),
-    with the chunks' bits back to back.
+    :class:`EliasFano` coded positions and, with ``sign``, one bit per value; without ``sign`` the
+    values in ``wire_dtype``. A shard of ``chunks`` chunks takes ``value_bytes(chunks)`` +
+    ``index_bytes(chunks)`` bytes, a function of ``(L, k, chunks)`` only (headerless all-gather). The
+    index bytes are the shard's low bits (``l`` each, back to back), then its high parts (a rank or
+    a bitmap per chunk, back to back), each run padded once to whole bytes.
 
-    Pairs are sent in position order (EF needs sorted positions); a replica's pairs of one chunk are
-    distinct positions, so the receiver's sum over replicas is unchanged by the order.
+    Pairs are sent in position order (Elias–Fano needs sorted positions); a replica's pairs of one
+    chunk are distinct positions, so the receiver's sum over replicas is unchanged by the order.
 
     With ``sign``, 1 bit cannot say 0, and top-k selects a zero coefficient when a chunk has fewer
     than ``k`` non-zeros. A zero is sent as a repeat of the position before it (the non-zeros come
-    first, in position order, then ``k − c`` copies of the last one); EF codes repeats as they are. A
-    chunk with no non-zero at all (``c = 0``): every position 0 and, for ``k ≥ 2``, the sign bit of
-    the (repeated) second pair set — a combination no chunk with ``c ≥ 1`` writes, since a repeat's
-    sign bit is otherwise 0; for ``k = 1`` one more bit per chunk says whether the value is non-zero.
-    So zeros decode as 0, and the size stays fixed; what is lost is only where a zero was selected,
-    which matters to ``mean_selected`` alone (a selected zero counts for no replica there)."""
+    first, in position order, then ``k − c`` copies of the last one); Elias–Fano codes repeats as
+    they are. A chunk with no non-zero at all (``c = 0``): every position 0 and, for ``k ≥ 2``, the
+    sign bit of the (repeated) second pair set — a combination no chunk with ``c ≥ 1`` writes, since
+    a repeat's sign bit is otherwise 0; for ``k = 1`` one more bit per chunk says whether the value
+    is non-zero. So zeros decode as 0 and the size stays fixed; what is lost is only where a zero
+    was selected, which matters to ``mean_selected`` alone (a selected zero counts for no replica)."""
 
     def __init__(self, L: int, k: int, sign: bool, wire_dtype: torch.dtype):
         self.L, self.k, self.sign, self.wire_dtype = L, k, sign, wire_dtype
@@ -340,8 +338,12 @@ class CompactCodec:
     def value_bytes(self, chunks: int) -> int:
         return bits_bytes(chunks, self.value_bits) if self.sign else float_bytes(chunks * self.k, self.wire_dtype)
 
+    def _low_bytes(self, chunks: int) -> int:
+        return bits_bytes(chunks * self.k, self.positions.l)
+
     def index_bytes(self, chunks: int) -> int:
-        return bits_bytes(chunks, self.positions.bits)
+        ef = self.positions
+        return self._low_bytes(chunks) + bits_bytes(chunks * ef.high_fields, ef.high_field_bits)
 
     def encode_into(self, values: torch.Tensor, idx: torch.Tensor, value_out: torch.Tensor,
                     index_out: torch.Tensor) -> None:
@@ -350,13 +352,12 @@ class CompactCodec:
         G, (rows, k) = value_out.shape[0], idx.shape
         if not self.sign:
             positions, order = idx.sort(-1)
-            values = values.gather(-1, order)
-            self.floats.encode_into(values.view(G, -1), value_out)
+            self.floats.encode_into(values.gather(-1, order).view(G, -1), value_out)
         else:
             nonzero = values != 0
             # non-zeros first, in position order, then the zeros
             positions, order = (idx + self.L * (~nonzero)).sort(-1)
-            positions = positions.clamp_max_(self.L - 1)  # zeros' keys; replaced just below
+            positions = positions.clamp_max_(self.L - 1)  # the zeros' sort keys; replaced just below
             nonzero = nonzero.gather(-1, order)
             count = nonzero.sum(-1, keepdim=True)
             last = positions.gather(-1, (count - 1).clamp_min(0)) * (count > 0)  # 0 when no non-zero
@@ -366,22 +367,26 @@ class CompactCodec:
                 signs[:, 1] |= count[:, 0] == 0  # the all-zero chunk's mark
             else:
                 signs = torch.cat([signs, nonzero], 1)  # k = 1: (sign, non-zero)
-            value_out.copy_(pack_bit_rows(signs.to(torch.uint8).view(G, -1)))
-        index_out.copy_(pack_bit_rows(self.positions.encode(positions).view(G, -1)))
+            value_out.copy_(_pack_fields(signs.view(G, -1), 1))
+        ef, split = self.positions, self._low_bytes(rows // G)
+        low, high = ef.encode(positions)
+        index_out[:, :split].copy_(_pack_fields(low.view(G, -1), ef.l))
+        index_out[:, split:].copy_(_pack_fields(high.view(G, -1), ef.high_field_bits))
 
     def decode(self, value_data: torch.Tensor, index_data: torch.Tensor,
                chunks: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """``(..., value_bytes)`` and ``(..., index_bytes)`` rows → ``(values float32, positions int64,
         sent)``, each ``(..., chunks, k)``; ``sent``: which pairs are selections (``None``: all are;
         with ``sign`` the non-zeros, see the class docstring)."""
-        lead, k = value_data.shape[:-1], self.k
-        rows = math.prod(lead) * chunks
-        bits = unpack_bit_rows(index_data, chunks * self.positions.bits).reshape(rows, self.positions.bits)
-        positions = self.positions.decode(bits).view(*lead, chunks, k)
+        lead, k, ef = value_data.shape[:-1], self.k, self.positions
+        rows, split = math.prod(lead) * chunks, self._low_bytes(chunks)
+        low = _unpack_fields(index_data[..., :split], chunks * k, ef.l).reshape(rows, k)
+        high = _unpack_fields(index_data[..., split:], chunks * ef.high_fields, ef.high_field_bits)
+        positions = ef.decode(low, high.reshape(rows, ef.high_fields)).view(*lead, chunks, k)
         if not self.sign:
             values = from_bytes(value_data, self.wire_dtype).float().view(*lead, chunks, k)
             return values, positions, None
-        flags = unpack_bit_rows(value_data, chunks * self.value_bits).view(*lead, chunks, self.value_bits).bool()
+        flags = _unpack_fields(value_data, chunks * self.value_bits, 1).view(*lead, chunks, self.value_bits).bool()
         negative = flags[..., :k]
         if k >= 2:
             repeat = positions[..., 1:] == positions[..., :-1]
@@ -389,5 +394,5 @@ class CompactCodec:
             sent = ~torch.cat([first_zero, repeat], -1)
         else:
             sent = flags[..., 1:]
-        values = torch.where(negative, -1.0, 1.0) * sent
+        values = (1.0 - 2.0 * negative.float()) * sent
         return values, positions, sent
