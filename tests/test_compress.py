@@ -118,6 +118,8 @@ def _received(rep, cfg, x, q):
 
 CASES = [dict(replicator=k, pack=p, sign_before_sync=s, transfer_dtype=d)
          for k in KINDS for p in (True, False) for s in (True, False) for d in ("fp32", "bf16")]
+CASES += [dict(replicator="demo", pack=True, sign_before_sync=s, transfer_dtype=d, wire="packed")
+          for s in (True, False) for d in ("fp32", "bf16")]  # the default wire is compact
 
 
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: "-".join(str(v) for v in kw.values()))
@@ -142,10 +144,12 @@ def test_replicator_payload_size_and_self_aggregate(kw):
 
 
 def test_demo_replicator_sizes():
-    cfg = Config()  # s = 64, k = 32, bf16, packed
+    cfg = dataclasses.replace(Config(), wire="packed")  # s = 64, k = 32, bf16, packed
     rep = make_replicator(cfg, (4096, 4096), "w")
     assert rep.index_codec.bits == 12 and rep.n_values == 4096 * 32
     assert rep.payload_bytes(1) == 4096 * 32 * 2 + 4096 * 32 * 12 // 8
+    compact = make_replicator(Config(), (4096, 4096), "w")  # the default wire: 284 bits per chunk's 32 indices
+    assert Config().wire == "compact" and compact.payload_bytes(1) == 4096 * 32 * 2 + 4096 * 284 // 8
     unpacked = make_replicator(dataclasses.replace(cfg, pack=False, transfer_dtype="fp32"), (4096, 4096), "w")
     assert unpacked.payload_bytes(1) == 4096 * 32 * (4 + 8)
 

@@ -25,7 +25,7 @@ from tests.dist_utils import run_distributed
 
 STEPS = 4
 LR, WD = 0.05, 0.1
-BASE = dict(chunk=8, topk=6, beta=0.9, rule="identity", transfer_dtype="fp32", compression_rate=0.25)
+BASE = dict(chunk=8, topk=6, beta=0.9, rule="identity", transfer_dtype="fp32", compression_rate=0.25, wire="packed")
 CONFIGS = {
     "demo": dict(),
     "demo_sign_after": dict(rule="sign"),
