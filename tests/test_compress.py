@@ -8,8 +8,9 @@ import torch
 
 from titan_commopt.compress.dct import (Chunker, accumulate_chunks_, chunk_size, dct_basis, scatter_chunks,
                                         topk_per_chunk)
-from titan_commopt.compress.packing import (IndexCodec, ValueCodec, bits_bytes, from_bytes, pack_bits,
-                                            pack_ternary, to_bytes, unpack_bits, unpack_ternary)
+from titan_commopt.compress.packing import (CompactCodec, EliasFano, IndexCodec, ValueCodec, bits_bytes, ef_low_bits,
+                                            from_bytes, pack_bits, pack_ternary, subset_bits, to_bytes,
+                                            unpack_bits, unpack_ternary)
 from titan_commopt.compress.replicators import KINDS, make_replicator
 from titan_commopt.optim.demo import Config
 
@@ -117,6 +118,8 @@ def _received(rep, cfg, x, q):
 
 CASES = [dict(replicator=k, pack=p, sign_before_sync=s, transfer_dtype=d)
          for k in KINDS for p in (True, False) for s in (True, False) for d in ("fp32", "bf16")]
+CASES += [dict(replicator="demo", pack=True, sign_before_sync=s, transfer_dtype=d, wire="packed")
+          for s in (True, False) for d in ("fp32", "bf16")]  # the default wire is compact
 
 
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: "-".join(str(v) for v in kw.values()))
@@ -141,10 +144,12 @@ def test_replicator_payload_size_and_self_aggregate(kw):
 
 
 def test_demo_replicator_sizes():
-    cfg = Config()  # s = 64, k = 32, bf16, packed
+    cfg = dataclasses.replace(Config(), wire="packed")  # s = 64, k = 32, bf16, packed
     rep = make_replicator(cfg, (4096, 4096), "w")
     assert rep.index_codec.bits == 12 and rep.n_values == 4096 * 32
     assert rep.payload_bytes(1) == 4096 * 32 * 2 + 4096 * 32 * 12 // 8
+    compact = make_replicator(Config(), (4096, 4096), "w")  # the default wire: 284 bits per chunk's 32 indices
+    assert Config().wire == "compact" and compact.payload_bytes(1) == 4096 * 32 * 2 + 4096 * 284 // 8
     unpacked = make_replicator(dataclasses.replace(cfg, pack=False, transfer_dtype="fp32"), (4096, 4096), "w")
     assert unpacked.payload_bytes(1) == 4096 * 32 * (4 + 8)
 
@@ -299,3 +304,110 @@ def test_random_indices_exact_count_one_per_stratum():
         assert ((idx >= strata) & (idx < torch.arange(1, n + 1) * N // n)).all()  # one in each stratum
     seen = torch.cat([rep.indices(t, "cpu") for t in range(1, 200)]).bincount(minlength=N)
     assert (seen > 0).all()  # every entry gets its turn
+
+
+# ---- the compact wire ------------------------------------------------------------------------------------
+def _index_sets(L, k, rows, g):
+    """Random k-subsets of range(L) and adversarial ones: the first k, the last k, 0 and L−1 with a run."""
+    idx = torch.rand(rows, L, generator=g).argsort(-1)[:, :k]
+    idx[0] = torch.arange(k)
+    idx[1] = torch.arange(L - k, L)
+    if k >= 2:
+        start = 1 + (L - k) // 2  # a run of k − 2 consecutive positions inside (0, L − 1)
+        run = torch.arange(start, start + k - 2)
+        idx[2] = torch.cat([torch.tensor([L - 1]), run, torch.tensor([0])])  # unsorted on purpose
+    return idx
+
+
+@pytest.mark.parametrize("L, k", [(1024, 16), (4096, 32), (1, 1), (8, 8), (512, 1), (30, 7), (64, 6), (2, 1),
+                                  (1024, 64), (64, 64)])  # the last two: too many subsets for a rank, a bitmap
+@pytest.mark.parametrize("sign", [True, False])
+def test_compact_round_trip(L, k, sign):
+    """Every chunk's (value, index) pairs come back exactly; with ``sign``, zeros (an all-zero chunk, a
+    chunk with 3 non-zeros) come back as 0 and not as selections; sizes are a function of (L, k, chunks)."""
+    g = torch.Generator().manual_seed(L * 31 + k)
+    G, chunks = 3, 4
+    codec = CompactCodec(L, k, sign, torch.float32)
+    idx = _index_sets(L, k, G * chunks, g)
+    vals = torch.randn(G * chunks, k, generator=g)
+    if sign:
+        vals = vals.sign()
+    vals[3] = 0.0  # an all-zero chunk (fewer non-zeros than k: top-k then selects zeros)
+    vals[4, 3:] = 0.0  # three non-zeros (all of them when k <= 3)
+    value_out = torch.empty(G, codec.value_bytes(chunks), dtype=torch.uint8)
+    index_out = torch.empty(G, codec.index_bytes(chunks), dtype=torch.uint8)
+    codec.encode_into(vals, idx, value_out, index_out)
+    ef = EliasFano(L, k)
+    high = (math.comb(k + ef.H, k) - 1).bit_length() if ef.ranked else k + ef.H
+    assert ef.ranked == (k <= 32)
+    assert codec.index_bytes(chunks) == bits_bytes(chunks, ef.bits) == math.ceil(chunks * (k * ef.l + high) / 8)
+    assert codec.value_bytes(chunks) == (bits_bytes(chunks, k + (k == 1)) if sign else 4 * chunks * k)
+    got_vals, got_idx, sent = codec.decode(value_out.unsqueeze(0), index_out.unsqueeze(0), chunks)
+    got_vals, got_idx = got_vals.view(-1, k), got_idx.view(-1, k)
+    assert got_idx.min() >= 0 and got_idx.max() < L
+    for r in range(G * chunks):
+        expect = sorted((i, v) for i, v in zip(idx[r].tolist(), vals[r].tolist()) if v != 0 or not sign)
+        if sign:
+            keep = sent.view(-1, k)[r]
+            got = sorted(zip(got_idx[r][keep].tolist(), got_vals[r][keep].tolist()))
+            assert (got_vals[r][~keep] == 0).all()
+        else:
+            got = sorted(zip(got_idx[r].tolist(), got_vals[r].tolist()))
+        assert got == expect, (r, got, expect)
+
+
+def test_compact_sizes_against_the_subset_bound():
+    """Elias–Fano bits per index vs log2 C(L, k) / k (the exact bound) and ceil(log2 L) (the packed wire)."""
+    for L, k, ef_bits, bitmap_bits, packed_bits in [(1024, 16, 119, 127, 10), (4096, 32, 284, 287, 12)]:
+        ef = EliasFano(L, k)
+        assert ef.bits == ef_bits and ef.bits / k < packed_bits
+        assert bitmap_bits == k * ef_low_bits(L, k) + k + ((L - 1) >> ef_low_bits(L, k))  # Elias–Fano's own form
+        assert subset_bits(L, k) <= ef.bits <= subset_bits(L, k) + k  # within 1 bit per index
+    codec = CompactCodec(1024, 16, True, torch.float32)  # FlexDeMo: 16 sign bits + 119 per 32x32 chunk
+    assert codec.value_bytes(8) + codec.index_bytes(8) == math.ceil(8 * 16 / 8) + math.ceil(8 * 119 / 8)
+
+
+CHUNKER_SHAPES = [(96, 40), (64, 64), (8, 6, 5), (50,), (67, 8), (1,), (3, 1), (128, 96)]
+
+
+@pytest.mark.parametrize("shape", CHUNKER_SHAPES)
+@pytest.mark.parametrize("sign, aggregate", [(True, "mean"), (False, "mean"), (False, "mean_selected")])
+def test_compact_wire_same_mean_as_packed(shape, sign, aggregate):
+    """Three replicas' payloads: the compact wire's aggregate is bit-identical to the packed wire's, on
+    every shape the chunker produces (ragged chunks, vectors, chunk 1, k = L), and smaller."""
+    kw = dict(chunk=32, topk=16, sign_before_sync=sign, transfer_dtype="fp32", aggregate=aggregate)
+    packed = make_replicator(_cfg(**kw, wire="packed"), shape, "w")
+    compact = make_replicator(_cfg(**kw, wire="compact"), shape, "w")
+    g = torch.Generator().manual_seed(sum(shape))
+    xs = [torch.randn(shape, generator=g) for _ in range(3)]
+    a = [packed.extract(x, 1) for x in xs]
+    b = [compact.extract(x, 1) for x in xs]
+    for (qa, pa), (qb, pb) in zip(a, b):
+        assert torch.equal(qa, qb) and pb.numel() == compact.payload_bytes(1)
+    Qa = packed.aggregate(torch.stack([p for _, p in a]), 1)
+    Qb = compact.aggregate(torch.stack([p for _, p in b]), 1)
+    assert torch.equal(Qa, Qb)
+    assert compact.payload_bytes(1) <= packed.payload_bytes(1)
+    if compact.chunker.L >= 32:
+        assert compact.payload_bytes(1) < packed.payload_bytes(1)
+
+
+def test_compact_zero_chunks_decode_as_zero():
+    """Sign before sync, chunks with no and with 3 non-zero coefficients (top-k then selects zeros): the
+    compact wire sends those zeros as zeros (not ±1), the same mean as the packed wire, in the
+    coefficient domain the optimizer works in (select, write, mean_coefficients)."""
+    kw = dict(chunk=8, topk=6, sign_before_sync=True, transfer_dtype="fp32")
+    reps = [make_replicator(_cfg(**kw, wire=w), (16, 8), "w") for w in ("packed", "compact")]
+    c = reps[0].chunker
+    coeffs = torch.zeros(c.n_chunks, c.L)  # chunk 0: all zero; chunk 1: 3 non-zeros
+    coeffs[1, [0, 9, 63]] = torch.tensor([2.0, -1.0, 0.5])
+    means = []
+    for rep in reps:
+        vals, idx = rep.select(coeffs)
+        value_out = torch.empty(1, rep.value_bytes, dtype=torch.uint8)
+        index_out = torch.empty(1, rep.index_bytes, dtype=torch.uint8)
+        rep.write(vals, idx, value_out, index_out)
+        means.append(rep.mean_coefficients(torch.stack([value_out] * 2), torch.stack([index_out] * 2)))
+    expect = torch.zeros(c.n_chunks, c.L)
+    expect[1, [0, 9, 63]] = torch.tensor([1.0, -1.0, 1.0])
+    assert torch.equal(means[0], expect) and torch.equal(means[1], expect)

@@ -25,7 +25,7 @@ from tests.dist_utils import run_distributed
 
 STEPS = 4
 LR, WD = 0.05, 0.1
-BASE = dict(chunk=8, topk=6, beta=0.9, rule="identity", transfer_dtype="fp32", compression_rate=0.25)
+BASE = dict(chunk=8, topk=6, beta=0.9, rule="identity", transfer_dtype="fp32", compression_rate=0.25, wire="packed")
 CONFIGS = {
     "demo": dict(),
     "demo_sign_after": dict(rule="sign"),
@@ -39,6 +39,9 @@ CONFIGS = {
     "demo_overlap": dict(overlap=True),
     "demo_sign_before_sync_overlap": dict(sign_before_sync=True, chunk=4, topk=3, rule="sign", overlap=True),
     "adamw_demo": dict(base="adamw"),
+    # the compact wire (Elias–Fano indices, 1-bit signs): the same selection, so bit-identical parameters
+    "demo_compact": dict(wire="compact"),
+    "demo_sign_before_sync_compact": dict(sign_before_sync=True, chunk=4, topk=3, wire="compact"),
     # degenerate cases with torch.optim.SGD as the reference (no weight decay: SGD's is not decoupled)
     "sgd_all_kept_lambda1": dict(topk=64, momentum_subtraction=1.0, wd=0.0),
     "sgdm_all_kept_lambda0": dict(topk=64, momentum_subtraction=0.0, wd=0.0),
@@ -265,6 +268,17 @@ def test_measured_r_bytes_equal_formula(hsdp_results, name):
 def test_overlap_reports_the_update_in_flight(hsdp_results, name):
     expect = [1.0, 0.0] if CONFIGS[name].get("overlap") else [None, None]  # before and after flush()
     assert all(res[name]["in_flight"] == expect for res in hsdp_results)
+
+
+@pytest.mark.parametrize("packed, compact", [("demo", "demo_compact"),
+                                             ("demo_sign_before_sync", "demo_sign_before_sync_compact")])
+def test_compact_wire_same_update_fewer_bytes(hsdp_results, packed, compact):
+    """DeMo/FlexDeMo with the compact wire: the same aggregated update Q (bit-identical parameters on
+    every rank) as the packed wire, for fewer R bytes."""
+    for res in hsdp_results:
+        for n in res[packed]["params"]:
+            assert torch.equal(res[packed]["params"][n], res[compact]["params"][n]), (packed, n)
+        assert 0 < sum(res[compact]["sent"]) < sum(res[packed]["sent"])
 
 
 def test_momenta_are_per_replica(hsdp_results):

@@ -21,7 +21,8 @@ never sent), ``striding`` (every
 work on the flat local shard.
 
 What is selected is the replicator's; how it is written is the codecs' (``packing.ValueCodec`` for
-values — ternary or floats —, ``packing.IndexCodec`` for DeMo's indices).
+values — ternary or floats —, ``packing.IndexCodec`` for DeMo's indices; DeMo's ``compact`` wire:
+``packing.CompactCodec``, Elias–Fano positions and 1-bit signs).
 """
 
 import math
@@ -31,12 +32,13 @@ from typing import Optional
 import torch
 
 from .dct import Chunker, accumulate_chunks_, scatter_chunks, topk_per_chunk
-from .packing import WIRE_DTYPES, IndexCodec, ValueCodec
+from .packing import WIRE_DTYPES, CompactCodec, IndexCodec, ValueCodec
 
-__all__ = ["KINDS", "period_of", "Replicator", "DeMoReplicator", "RandomReplicator", "StridingReplicator",
+__all__ = ["KINDS", "WIRES", "period_of", "Replicator", "DeMoReplicator", "RandomReplicator", "StridingReplicator",
            "DiLoCoReplicator", "FullReplicator", "make_replicator", "rate_of"]
 
 KINDS = ("demo", "random", "striding", "diloco", "full")
+WIRES = ("packed", "compact")  # how DeMo's selection is written (``packing``); the others always ``packed``
 
 Payload = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
 
@@ -84,18 +86,29 @@ class DeMoReplicator(Replicator):
     :meth:`select` (top-k of chunk-major coefficients ``(G·n_chunks, L)``), :meth:`write` (values and
     indices into two ``uint8`` regions of the send buffer, ``(G, value_bytes)`` and ``(G, index_bytes)``:
     each shard's bytes are exactly what ``extract`` sends) and :meth:`mean_coefficients` (every
-    replica's bytes → the dense mean, chunk-major, no loop over replicas)."""
+    replica's bytes → the dense mean, chunk-major, no loop over replicas).
+
+    ``wire``: ``packed`` writes values with ``value_codec`` and indices with ``packing.IndexCodec``;
+    ``compact`` (only with ``pack``) writes each chunk's selection with ``packing.CompactCodec`` —
+    the same pairs, so the same mean, except under ``mean_selected`` with ``sign_before_sync`` where a
+    selected zero coefficient counts for no replica (see ``CompactCodec``)."""
 
     def __init__(self, shape, value_codec: ValueCodec, chunk: int, topk: int, pack: bool,
-                 mean_selected: bool = False, device=None):
+                 mean_selected: bool = False, device=None, wire: str = "packed"):
         super().__init__(shape, value_codec)
         self.chunker = Chunker(self.shape, chunk, device=device)
         self.k = min(topk, self.chunker.L)
         self.n_values = self.chunker.n_chunks * self.k
         self.index_codec = IndexCodec(self.chunker.L, pack)
         self.mean_selected = mean_selected
-        self.value_bytes = self.value_codec.nbytes(self.n_values)
-        self.index_bytes = self.index_codec.nbytes(self.n_values)
+        self.compact = (CompactCodec(self.chunker.L, self.k, value_codec.sign, value_codec.wire_dtype)
+                        if wire == "compact" and pack else None)
+        if self.compact is None:
+            self.value_bytes = self.value_codec.nbytes(self.n_values)
+            self.index_bytes = self.index_codec.nbytes(self.n_values)
+        else:
+            self.value_bytes = self.compact.value_bytes(self.chunker.n_chunks)
+            self.index_bytes = self.compact.index_bytes(self.chunker.n_chunks)
 
     def payload_bytes(self, step: int) -> int:
         return self.value_bytes + self.index_bytes
@@ -111,6 +124,9 @@ class DeMoReplicator(Replicator):
         """Encode ``G`` shards' selections (``(G·n_chunks, k)`` each) into ``value_out`` ``(G, value_bytes)``
         and ``index_out`` ``(G, index_bytes)``."""
         G = value_out.shape[0]
+        if self.compact is not None:
+            self.compact.encode_into(values, idx, value_out, index_out)
+            return
         self.value_codec.encode_into(values.view(G, self.n_values), value_out)
         index_out.copy_(self.index_codec.encode(idx.view(G, self.n_values)))
 
@@ -123,8 +139,13 @@ class DeMoReplicator(Replicator):
         W, G = value_data.shape[:2]
         n, k, L = self.n_values, self.k, self.chunker.L
         rows = G * self.chunker.n_chunks
-        vals = self.value_codec.decode(value_data, n).view(W, rows, k)
-        idx = self.index_codec.decode(index_data, n).view(W, rows, k)
+        sent = None  # which decoded pairs are selections (None: all)
+        if self.compact is None:
+            vals = self.value_codec.decode(value_data, n).view(W, rows, k)
+            idx = self.index_codec.decode(index_data, n).view(W, rows, k)
+        else:
+            vals, idx, sent = self.compact.decode(value_data, index_data, self.chunker.n_chunks)
+            vals, idx = vals.view(W, rows, k), idx.view(W, rows, k)
         if out is None:
             dense = torch.zeros(rows, L, device=value_data.device)
         else:
@@ -132,7 +153,8 @@ class DeMoReplicator(Replicator):
         if not self.mean_selected:
             return accumulate_chunks_(dense, idx, vals / W)
         accumulate_chunks_(dense, idx, vals)
-        count = accumulate_chunks_(torch.zeros_like(dense), idx, torch.ones_like(vals))
+        ones = torch.ones_like(vals) if sent is None else sent.view(W, rows, k).to(vals.dtype)
+        count = accumulate_chunks_(torch.zeros_like(dense), idx, ones)
         return dense.div_(count.clamp_min_(1))
 
     # ---- one shard ----------------------------------------------------------------------------------
@@ -289,7 +311,8 @@ def make_replicator(cfg, shape, name: str, device=None) -> Replicator:
     kind = cfg.replicator
     if kind == "demo":
         return DeMoReplicator(shape, codec, cfg.chunk, cfg.topk, cfg.pack,
-                              mean_selected=cfg.aggregate == "mean_selected", device=device)
+                              mean_selected=cfg.aggregate == "mean_selected", device=device,
+                              wire=getattr(cfg, "wire", "packed"))  # a config of another family may lack it
     if kind == "random":
         return RandomReplicator(shape, codec, rate_of(cfg), cfg.seed, name)
     if kind == "striding":
