@@ -193,7 +193,7 @@ def settings(resolved, reduce_dtype: str) -> dict:
         what["sign_before_sync"] = o.sign_before_sync
         if not o.sign_before_sync:  # a ternary wire has no value dtype
             what["transfer_dtype"] = o.transfer_dtype
-        return what | {"pack": o.pack}
+        return what | {"pack": o.pack, **({"wire": o.wire} if o.pack and o.replicator == "demo" else {})}
     if key == "dion":
         return {**({"rank": o.rank} if o.rank else {"rank_fraction": o.rank_fraction}), "compress": o.compress}
     return dataclasses.asdict(o)

@@ -25,9 +25,11 @@ def _shapes(flavor):
 
 
 VARIANTS = {
-    "DeMo packed (bf16 values, 12-bit idx)": ("DeMo", {}),
+    "DeMo compact (bf16 values, Elias-Fano idx)": ("DeMo", {}),
+    "DeMo packed (bf16 values, 12-bit idx)": ("DeMo", {"wire": "packed"}),
     "DeMo unpacked (fp32 values, int64 idx)": ("DeMo", {"pack": False, "transfer_dtype": "fp32"}),
-    "FlexDeMo packed (ternary, 10-bit idx)": ("FlexDeMo", {}),
+    "FlexDeMo compact (1-bit signs, Elias-Fano idx)": ("FlexDeMo", {}),
+    "FlexDeMo packed (ternary, 10-bit idx)": ("FlexDeMo", {"wire": "packed"}),
     "FlexDeMo unpacked (fp32 signs, int64 idx)": ("FlexDeMo", {"pack": False}),
     "Random c=1/64 sign packed": ("FlexDeMo", {"replicator": "random", "compression_rate": 1 / 64}),
 }
@@ -46,4 +48,7 @@ def test_r_bytes_vs_adamw_hsdp(flavor):
         print(f"  {label:45s} {sent / 2**20:8.3f} MiB/step  {adamw / sent:7.1f}x less")
     assert ratios["DeMo packed (bf16 values, 12-bit idx)"] > 3 * ratios["DeMo unpacked (fp32 values, int64 idx)"]
     assert ratios["FlexDeMo packed (ternary, 10-bit idx)"] > 5 * ratios["FlexDeMo unpacked (fp32 signs, int64 idx)"]
+    # the compact wire: 1-bit signs and near-log2 C(L, k) indices (≥ 240x FlexDeMo at every flavor here)
+    assert ratios["FlexDeMo compact (1-bit signs, Elias-Fano idx)"] > 1.4 * ratios["FlexDeMo packed (ternary, 10-bit idx)"]
+    assert ratios["DeMo compact (bf16 values, Elias-Fano idx)"] > ratios["DeMo packed (bf16 values, 12-bit idx)"]
     assert ratios["DeMo unpacked (fp32 values, int64 idx)"] > 40  # ~ the paper's 85x at s=64, k=32 / (4+8 B)
