@@ -454,7 +454,8 @@ def demo_reference(cfg, flags, row_parts, replicas=2):
                     e.sub_(ch.decode(scatter_chunks(v, i, ch.L)).to(e.dtype))
                     vals.append(v.to(wire).float())
                     idx.append(i)
-                dense = accumulate_chunks_(torch.zeros(ch.n_chunks, ch.L), torch.stack(idx), torch.stack(vals) / replicas)
+                dense = accumulate_chunks_(torch.zeros(ch.n_chunks, ch.L), torch.stack(idx),
+                                           torch.stack(vals) / replicas)
                 mean[a:a + rows] = ch.decode(dense)
             p.grad = mean
         opt.step()
@@ -492,7 +493,8 @@ def _demo_run(topo, shard_mesh, dp_index, dp_count, cfg_kwargs):
         diff=compare(model, demo_reference(cfg, flags, parts)),
         dense_diff=compare(model, reference(dataclasses.replace(cfg, scalar_sync="dense"), flags, HP_DEMO)),
         sent=sent, recv=recv, expected=(expected.sent, expected.recv), errors=errors,
-        shards={n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()},
+        shards={n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+                for n, p in model.named_parameters()},
     )
 
 

@@ -90,8 +90,8 @@ matrices' gradients, then each batch's P mean as soon as its P exists (a task pe
 while it is in flight, so the next batches compute theirs meanwhile), each batch's R mean as soon as
 its Bᵀ P exists (likewise), and last the scalar gradients' mean (a task parked while the matrices
 are updated, completed at the end of the step; with ``scalar_sync = "demo"`` that task issues the
-dense parameters' all-reduce and then the DeMo all-gather, and waits for both). The cross-batch steps (S/T sums, the stacked
-orthonormalization) run between these phases. Overlap changes no value: every result is waited for
+dense parameters' all-reduce and then the DeMo all-gather, and waits for both). The cross-batch
+steps (S/T sums, the stacked orthonormalization) run between these phases. Overlap changes no value: every result is waited for
 before it is read.
 
 A Dion column whose R is exactly zero after every sum moves nothing (its P column is masked, its
@@ -423,7 +423,8 @@ class Dion(CommOptimizer):
             for fqn, p in pairs:
                 how = algo
                 if p in self._demo_synced:
-                    how += f" demo R-sync (chunk {self.options.options.scalar_chunk}, top-{self.options.options.scalar_topk})"
+                    cfg = self.options.options
+                    how += f" demo R-sync (chunk {cfg.scalar_chunk}, top-{cfg.scalar_topk})"
                 if kind == "dion":
                     lay = self._layouts[p]
                     how = f"r={lay.r} {'P,R' if lay.compressed else 'full-grad'} R-sync"
