@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_commopt import comm
+from titan_commopt.compress.dct import Chunker, accumulate_chunks_, scatter_chunks, topk_per_chunk
 from titan_commopt.optim import ShardShape, dion, dion_reduce, make, resolve, shard_groups
 from titan_commopt.optim.orthogonalize import cholesky_qr2, orthogonalize
 from titan_commopt.optim.common import BaseHParams
@@ -29,9 +30,9 @@ D, V, N, L, STEPS = 16, 24, 8, 6, 3
 HP = BaseHParams(lr=0.02, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 
-def build(named_params, topology, cfg):
+def build(named_params, topology, cfg, hp=HP):
     """Dion with every option of ``cfg`` set by the user (no preset in the way)."""
-    return make("Dion", named_params, topology, HP, **dataclasses.asdict(cfg))
+    return make("Dion", named_params, topology, hp, **dataclasses.asdict(cfg))
 
 
 def direct(named_params, *, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, **options):
@@ -270,11 +271,11 @@ def orientations(opt):
     return {fqn: lay.transposed for fqn, lay in opt.layouts.items()}
 
 
-def reference(cfg, flags=None):
+def reference(cfg, flags=None, hp=HP):
     """The single-process run; ``flags``: the sharded run's orientations (``dion.orient_``), so both
     run the same form of every matrix."""
     model = make_toy()
-    opt = build(model.named_parameters(), Topology.single(), cfg)
+    opt = build(model.named_parameters(), Topology.single(), cfg, hp)
     dion.orient_(opt, flags or {})
     train(model, opt)
     return {k: v.detach() for k, v in model.named_parameters()}
@@ -348,6 +349,18 @@ def test_rank_compression_rule_and_bytes_formula():
         [4 * (6 + 3) * 4] * 3 + [4 * 6 * 4]
     # only compressed matrices are split: the full-rank path still sends the local gradient
     assert r_sent([(*wq, (1, 2))], dion.Config(rank_fraction=1.0), 2) == 4 * 128 * 256
+    # scalar_sync = demo: the embedding (1024 x 256 local) goes as DeMo payloads: 64 x 64 chunks, 64 of
+    # them, 32 bf16 values (2 B) and 32 twelve-bit indices each; an all-gather (recv = (W - 1) x sent).
+    demo = dion.Config(rank_fraction=0.25, scalar_sync="demo")
+    payload = 64 * 32 * 2 + 64 * 32 * 12 // 8
+    dense_rest = 4 * ((128 + 256) * 64 + 256 + (256 + 768) * 64)
+    shards = [ShardShape(e[0], e[1], e[2] if len(e) > 2 else e[1]) for e in shapes]
+    for w in (2, 3):
+        got = dion.dion_r_bytes(shards, resolve("Dion", dataclasses.asdict(demo)), w)
+        assert (got.sent, got.recv) == (dense_rest + payload, dense_rest + (w - 1) * payload)
+    fp32_all = dion.Config(scalar_sync="demo", scalar_transfer_dtype="fp32", scalar_chunk=16, scalar_topk=256)
+    assert r_sent([shapes[2]], fp32_all, 2) == 1024 * 256 * (4 + 1)  # every coefficient: 4 B + 8-bit index
+    assert r_sent(shapes, demo, 1) == 0
 
 
 def test_config_validation():
@@ -355,6 +368,14 @@ def test_config_validation():
     with pytest.raises(ConfigError) as e:
         validate(dion.Config(rank_fraction=1.5, orthogonalize="svd", mu=1.0), "commopt.dion")
     assert "rank_fraction" in str(e.value) and "orthogonalize" in str(e.value) and "mu" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        validate(dion.Config(scalar_sync="sign"), "commopt.dion")
+    assert "scalar_sync" in str(e.value) and "'dense'" in str(e.value) and "\n" not in str(e.value).strip()
+    with pytest.raises(ConfigError, match="scalar_topk"):
+        validate(dion.Config(scalar_topk=0), "commopt.dion")
+    # the error-feedback buffers exist only under demo: a resume that changes it is refused
+    assert dion.state_shape(resolve("Dion", {"scalar_sync": "demo"}))["scalar_sync"] == "demo"
+    assert dion.state_shape(resolve("Dion", {}))["scalar_sync"] == "dense"
 
 
 # ---- distributed: Theorem 2.1 on real meshes ---------------------------------------------------------
@@ -380,6 +401,101 @@ DP_TP_MATRICES = {
     "dp_tp/cols_full": (1, (12, 10), dict(rank_fraction=1.0)),
 }
 FOUR_RANK_CASES = [f"hsdp/{name}" for name in CONFIGS] + [*HSDP_MATRICES, *FSDP_TP_MATRICES, *DP_TP_MATRICES]
+
+
+# scalar_sync = demo: the embedding and head through DeMo's wire. "demo": 4 of 64 coefficients per chunk;
+# "demo_all": every coefficient (must equal the dense scalar sync up to round-off); fp32 on the wire,
+# bf16 in the HSDP case. AdamW's eps is large here so that a gradient of round-off size (the DCT's, in
+# float32, where the dense gradient is exactly zero: rows of tokens not in the batch) moves nothing.
+DEMO_CONFIGS = {
+    "demo": dict(rank_fraction=0.25, scalar_sync="demo", scalar_chunk=8, scalar_topk=4, scalar_transfer_dtype="fp32"),
+    "demo_all": dict(rank_fraction=0.25, scalar_sync="demo", scalar_chunk=8, scalar_topk=64,
+                     scalar_transfer_dtype="fp32"),
+}
+HSDP_DEMO = dict(rank_fraction=0.25, scalar_sync="demo", scalar_chunk=8, scalar_topk=4, scalar_transfer_dtype="bf16")
+HP_DEMO = dataclasses.replace(HP, eps=1e-3)
+
+
+def demo_reference(cfg, flags, row_parts, replicas=2):
+    """Single-process simulation of Dion with ``scalar_sync = "demo"`` over ``replicas`` replicas, from
+    the equations: each replica's gradient of its half of the batch; Dion's matrices, norms and biases
+    step on the replicas' mean; per embedding/head and replica an error buffer e ← e + g, q = top-k of
+    the DCT of each chunk, e ← e − q; the scalar AdamW steps on the mean of the replicas' q (values
+    rounded to the wire dtype). ``row_parts``: the row blocks a rank holds (FSDP shards), each
+    chunked on its own."""
+    wire = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.scalar_transfer_dtype]
+    model = make_toy()
+    opt = build(model.named_parameters(), Topology.single(), dataclasses.replace(cfg, scalar_sync="dense"), HP_DEMO)
+    dion.orient_(opt, flags)
+    demo_names = {n for n, p in model.named_parameters() if dion.route(n, p.ndim, cfg) in ("embed", "head")}
+    errors = [{n: torch.zeros_like(p) for n, p in model.named_parameters() if n in demo_names}
+              for _ in range(replicas)]
+    for step in range(STEPS):
+        tokens, targets = batch(step)
+        k = N // replicas
+        grads = []
+        for r in range(replicas):
+            model.zero_grad()
+            loss_of(model, tokens[r * k:(r + 1) * k], targets[r * k:(r + 1) * k]).backward()
+            grads.append({n: p.grad * replicas for n, p in model.named_parameters()})  # the replica's mean
+        for n, p in model.named_parameters():
+            if n not in demo_names:
+                p.grad = sum(g[n] for g in grads) / replicas
+                continue
+            mean = torch.empty_like(p)
+            rows = -(-p.shape[0] // row_parts)
+            for a in range(0, p.shape[0], rows):
+                ch, vals, idx = None, [], []
+                for r in range(replicas):
+                    e = errors[r][n][a:a + rows]
+                    e.add_(grads[r][n][a:a + rows])
+                    ch = Chunker(e.shape, cfg.scalar_chunk)
+                    v, i = topk_per_chunk(ch.encode(e), cfg.scalar_topk)
+                    e.sub_(ch.decode(scatter_chunks(v, i, ch.L)).to(e.dtype))
+                    vals.append(v.to(wire).float())
+                    idx.append(i)
+                dense = accumulate_chunks_(torch.zeros(ch.n_chunks, ch.L), torch.stack(idx),
+                                           torch.stack(vals) / replicas)
+                mean[a:a + rows] = ch.decode(dense)
+            p.grad = mean
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def _demo_run(topo, shard_mesh, dp_index, dp_count, cfg_kwargs):
+    """A toy run with ``scalar_sync = "demo"``: its distance to :func:`demo_reference`, to the dense
+    scalar sync (single process), its R bytes (sent and received) and the byte formula's."""
+    cfg = dion.Config(**cfg_kwargs)
+    model = make_toy()
+    if shard_mesh is not None:
+        _fsdp(model, shard_mesh)
+    opt = build(model.named_parameters(), topo, cfg, HP_DEMO)
+    ledger = comm.get_ledger()
+    ledger.reset()
+    sent, recv = [], []
+    for step in range(STEPS):
+        tokens, targets = batch(step)
+        k = N // dp_count
+        loss_of(model, tokens[dp_index * k:(dp_index + 1) * k], targets[dp_index * k:(dp_index + 1) * k]).backward()
+        opt.step()
+        opt.zero_grad()
+        summary = ledger.end_step()
+        sent.append(summary.get("R_sent", 0.0))
+        recv.append(summary.get("R_recv", 0.0))
+    split = (shard_mesh.get_local_rank(), shard_mesh.size()) if shard_mesh is not None else (0, 1)
+    shards = [ShardShape(n, loc, glob, rs, 8) for n, loc, glob, rs in local_shapes(model, split)]
+    expected = dion.dion_r_bytes(shards, resolve("Dion", dataclasses.asdict(cfg)), topo.replicate_size)
+    flags = orientations(opt)
+    parts = shard_mesh.size() if shard_mesh is not None else 1
+    errors = {n for n, p in model.named_parameters() if "scalar_error" in opt.state[p]}
+    return dict(
+        diff=compare(model, demo_reference(cfg, flags, parts)),
+        dense_diff=compare(model, reference(dataclasses.replace(cfg, scalar_sync="dense"), flags, HP_DEMO)),
+        sent=sent, recv=recv, expected=(expected.sent, expected.recv), errors=errors,
+        shards={n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+                for n, p in model.named_parameters()},
+    )
 
 
 def _fsdp(model, mesh):
@@ -420,6 +536,8 @@ def _two_ranks(rank, world):
     topo = Topology.from_mesh(dp, grad_scale=2.0)
     for name, kw in CONFIGS.items():
         out[f"dp/{name}"] = _toy_run(dp, topo, None, rank, 2, kw)
+    for name, kw in DEMO_CONFIGS.items():
+        out[f"dp/{name}"] = _demo_run(topo, None, rank, 2, kw)
     fs = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
     topo = Topology.from_mesh(fs, grad_scale=1.0)
     for name, kw in FSDP_CONFIGS.items():
@@ -467,6 +585,7 @@ def _four_ranks(rank, world):
     topo = Topology.from_mesh(hsdp, grad_scale=2.0)
     for name, kw in CONFIGS.items():
         out[f"hsdp/{name}"] = _toy_run(hsdp, topo, hsdp["fsdp"], rank, 4, kw)
+    out["hsdp/demo"] = _demo_run(topo, hsdp["fsdp"], rank, 4, HSDP_DEMO)
 
     def grads(replica, count):
         def of(step):
@@ -545,6 +664,27 @@ def test_distributed_dp_and_fsdp_orientation_and_traffic(two_rank_results):
     assert r["dp/low"]["expected"] < r["dp/full_qr"]["expected"]
 
 
+@pytest.mark.parametrize("case", [f"dp/{name}" for name in DEMO_CONFIGS])
+def test_distributed_demo_scalar_sync_equals_simulation_and_ledger(two_rank_results, case):
+    for rank, r in enumerate(two_rank_results):
+        assert r[case]["diff"] < 1e-12, (rank, r[case]["diff"])  # the simulation, op for op
+        assert r[case]["sent"] == [r[case]["expected"][0]] * STEPS, (rank, r[case]["sent"], r[case]["expected"])
+        assert r[case]["recv"] == [r[case]["expected"][1]] * STEPS
+        assert r[case]["errors"] == {"tok_embeddings.weight", "output.weight"}  # one error buffer each
+    a, b = two_rank_results[0][case]["shards"], two_rank_results[1][case]["shards"]
+    assert all(torch.equal(a[k], b[k]) for k in a)  # every replica applies the same update
+
+
+def test_distributed_demo_scalar_sync_everything_kept_equals_dense(two_rank_results):
+    r = two_rank_results[0]
+    # every coefficient sent: the dense scalar sync up to float32 round-off (the DCT runs in float32)
+    assert r["dp/demo_all"]["dense_diff"] < 1e-6, r["dp/demo_all"]["dense_diff"]
+    # 4 of 64: a different algorithm, visibly (the check above could fail)
+    assert r["dp/demo"]["dense_diff"] > 1e-4, r["dp/demo"]["dense_diff"]
+    # fewer bytes than the dense scalar sync of the same run (dp/low: the same matrices, fp64 scalars)
+    assert r["dp/demo"]["expected"][0] < r["dp/low"]["expected"]
+
+
 @pytest.fixture(scope="module")
 def four_rank_results():
     return run_distributed(_four_ranks, 4)
@@ -585,6 +725,15 @@ def test_distributed_hsdp_and_tp_replicas_layouts_and_payload(four_rank_results)
             grad_shard = 8 * m_loc * 9
             assert res["expected"] < grad_shard < 8 * (m_loc + 9) * 4, (rank, res["expected"], grad_shard)
     assert [results[k]["hsdp/(5, 1)/"]["expected"] for k in range(4)] == [8 * (3 + 1), 8 * 2] * 2
+    # scalar_sync = demo on HSDP (bf16 wire, each FSDP shard chunked on its own): the simulation, the
+    # ledger equal to the formula, replicas identical
+    for rank, res in enumerate(results):
+        demo = res["hsdp/demo"]
+        assert demo["diff"] < 1e-12, (rank, demo["diff"])
+        assert demo["sent"] == [demo["expected"][0]] * STEPS and demo["recv"] == [demo["expected"][1]] * STEPS
+    for a, b in ((0, 2), (1, 3)):
+        sa, sb = results[a]["hsdp/demo"]["shards"], results[b]["hsdp/demo"]["shards"]
+        assert all(torch.equal(sa[k], sb[k]) for k in sa), (a, b)
 
 
 # ---- real tensor parallelism: torchtitan's layouts (colwise → rows over tp, FSDP on top) ----------------

@@ -45,7 +45,39 @@ Everything that is not a matrix of a transformer block goes to a scalar optimize
 as the paper and microsoft/dion do: embeddings (``tok_embeddings``) and the output head (``output``)
 with weight decay 0 (the head with a smaller lr for Lion: ``1/sqrt(d_in)``), norms, biases and any
 non-2-D tensor with the base weight decay. Their gradients are averaged over R (FSDP2 does not, the
-adapter hides R from it) in one fused collective.
+adapter hides R from it) in one fused collective (``scalar_sync = "dense"``, the default: what
+microsoft/dion does).
+
+Compressed scalar sync (``scalar_sync = "demo"``). At 8B the embedding and head gradients are
+2 × 128256 × 4096 values: the dense fp32 mean of their shards is about a third of Dion's R bytes
+at rank d/4 (``scripts/comm_report.py``). With ``"demo"`` they go through DeMo's wire (Peng, Quesnelle,
+Kingma 2024, "Decoupled Momentum Optimization", Algorithm 1, equations numbered as in ``optim/demo.py``;
+``compress.replicators.DeMoReplicator``),
+with the gradient and an error-feedback buffer in place of DeMo's momentum. Per embedding/head shard,
+on every replica r, with ``e_r`` its own buffer (zero at the start):
+
+    e_r ← e_r + g_r                   # g_r: this replica's gradient (DeMo eq. 2 with β = 1)
+    q_r = IDCT(topk(DCT(e_r)))        # per chunk of scalar_chunk², the scalar_topk largest (eq. 3–4)
+    e_r ← e_r − q_r                   # eq. 8 (λ = 1): what was sent leaves the buffer
+    G = (1/W) Σ_r q_r                 # eq. 5–6: one all-gather of every replica's packed selections
+    x ← AdamW/Lion(x, G)              # the scalar optimizer, as with the dense mean
+
+Why this form. (1) Every replica decodes the same bytes in the same order, so G, the scalar
+optimizer's moments and the parameters stay bit-identical across replicas (``params_replica_local``
+stays False); only ``e_r`` differs, and with β = 1 nothing a replica computed is dropped, only
+delayed (error feedback: Σ_t q_r,t + e_r,T = Σ_t g_r,t). Compressing the AdamW direction instead
+(DeMo's decoupled-AdamW base) would make the moments per replica; a sign-compressed Lion would work
+for Lion alone and turn its update into a vote. (2) Values travel as numbers (``scalar_transfer_dtype``,
+bf16 by default as DeMo's ``transfer_dtype``), never as signs only: G is a mean gradient that Adam
+normalizes itself; indices are bit-packed (``packing.IndexCodec``), the mean is over all W replicas
+(eq. 6, not DeMo's reference ``mean_selected``). (3) Only the embedding and head: they are all but
+~0.03 % of the scalar part's bytes at 8B; norms and biases are small vectors that every token
+moves, where top-k would drop coordinates for no measurable saving, so they stay on the dense
+all-reduce (exact). Chunking is of each rank's local shard (FSDP rows), as DeMo's. With one replica
+nothing crosses R and the dense path runs (exact, no buffer). Cost: one extra parameter-sized
+buffer per embedding/head shard (in the parameter dtype even under ``mixed_precision``: a residual
+below bf16's resolution would vanish), a DCT each way per step. The byte formula asks the same
+replicator's ``payload_bytes`` (``dion_layout.scalar_replicator``).
 
 GPU fitness and overlap. Matrices of the same param group, shape, rank and layout form a shape
 batch, computed stacked: everything r-sized (Grams, Cholesky factors, triangular solves, column
@@ -57,8 +89,9 @@ are needed, by tasks on the optimizer's ``runtime`` (``titan_commopt.overlap``):
 matrices' gradients, then each batch's P mean as soon as its P exists (a task per batch, yielding
 while it is in flight, so the next batches compute theirs meanwhile), each batch's R mean as soon as
 its Bᵀ P exists (likewise), and last the scalar gradients' mean (a task parked while the matrices
-are updated, completed at the end of the step). The cross-batch steps (S/T sums, the stacked
-orthonormalization) run between these phases. Overlap changes no value: every result is waited for
+are updated, completed at the end of the step; with ``scalar_sync = "demo"`` that task issues the
+dense parameters' all-reduce and then the DeMo all-gather, and waits for both). The cross-batch
+steps (S/T sums, the stacked orthonormalization) run between these phases. Overlap changes no value: every result is waited for
 before it is read.
 
 A Dion column whose R is exactly zero after every sum moves nothing (its P column is masked, its
@@ -89,8 +122,9 @@ storage dtype (converting, with a warning, a state saved under the other setting
 shape the checkpointed state (``state_shape``): a resume that changes them is refused.
 
 Momenta (M, and the scalar optimizer's moments on the compressed path's siblings) differ across
-replicas on the compressed path — by design (decoupled momentum); checkpoints must keep them per
-replica. Gradient scale: ``topology.replica_grad`` (see topology.py).
+replicas on the compressed path — by design (decoupled momentum) —, as do the error-feedback buffers
+of ``scalar_sync = "demo"`` (state key ``scalar_error``); checkpoints must keep them per replica.
+Gradient scale: ``topology.replica_grad`` (see topology.py).
 
 Where things live: routing, ranks, orientation, shard-group layouts and the byte formula in
 ``dion_layout``; the hierarchical R reduction (a task) in ``dion_reduce``; the orthonormalization
@@ -117,7 +151,8 @@ from .base import CommOptimizer
 from .base import named_params as params_with_names
 from .common import LR_SCALE_HELP, BaseHParams, local, replica_grad
 from .dion_layout import (
-    KINDS, Layout, compressed, dion_r_bytes, dion_rank, initial_q, layout_of, r_slice, route, transposed,
+    KINDS, Layout, compressed, demo_synced, dion_r_bytes, dion_rank, initial_q, layout_of, r_slice, route,
+    scalar_replicator, transposed,
 )
 from .dion_reduce import reduce_r
 from .family import Family, Resolved
@@ -180,6 +215,23 @@ class Config:
         "its rows or TP its columns, not when FSDP shards its columns or TP its rows); paper = the "
         "paper's form for every matrix (Q n×r). Results differ by ~1e-2 relative after a few steps; "
         "sqrt(m/n), r and the R-sync bytes do not change.",
+    )
+    scalar_sync: Literal["dense", "demo"] = option(
+        "dense",
+        "Replicate (R) sync of the embedding and output-head gradients: dense = one fp32 all-reduce of the "
+        "gradient shard (microsoft/dion); demo = DCT-chunked top-k of the gradient plus a per-replica "
+        "error-feedback buffer, the replicas' selections all-gathered and averaged (DeMo's wire), then "
+        "the scalar optimizer steps on that mean. Norms and biases stay dense either way. No effect "
+        "with one replica.",
+    )
+    scalar_chunk: int = option(
+        64, "scalar_sync = demo: DCT chunk size s per dim (largest divisor of the dim <= s).", ge=1
+    )
+    scalar_topk: int = option(
+        32, "scalar_sync = demo: coefficients sent per chunk (of s*s); >= s*s keeps everything.", ge=1
+    )
+    scalar_transfer_dtype: Literal["fp32", "bf16", "fp16"] = option(
+        "bf16", "scalar_sync = demo: wire dtype of the selected values (indices are bit-packed)."
     )
     mixed_precision: bool = option(
         False,
@@ -355,6 +407,13 @@ class Dion(CommOptimizer):
             p: layout_of(name, p, self.topology, cfg)
             for group, name, p in params_with_names(self.param_groups) if group["algorithm"] == "dion"
         }
+        # scalar_sync = "demo": the embedding and head, by identity, and their replicators (lazily, per
+        # local shape and device). One replica: nothing crosses R, the dense path is exact and free.
+        self._demo_synced = (
+            {p for kind, pairs in routed.items() if demo_synced(kind, cfg) for _, p in pairs}
+            if self.topology.replicate_size > 1 else set()
+        )
+        self._replicators: dict[tuple, Any] = {}
         self._log_routing(routed)
 
     def _log_routing(self, routed: dict[str, list[tuple[str, nn.Parameter]]]) -> None:
@@ -363,6 +422,9 @@ class Dion(CommOptimizer):
         for kind, pairs in routed.items():
             for fqn, p in pairs:
                 how = algo
+                if p in self._demo_synced:
+                    cfg = self.options.options
+                    how += f" demo R-sync (chunk {cfg.scalar_chunk}, top-{cfg.scalar_topk})"
                 if kind == "dion":
                     lay = self._layouts[p]
                     how = f"r={lay.r} {'P,R' if lay.compressed else 'full-grad'} R-sync"
@@ -571,11 +633,58 @@ class Dion(CommOptimizer):
             x.addmm_(P[j], Q[j].T, alpha=-lr * scale)  # X −= η sqrt(m/n) P Qᵀ
 
     def _scalar_task(self, scalars: list) -> Task:
-        """The scalar parameters' gradient mean over R, then their AdamW/Lion steps."""
-        yield comm.all_reduce_fused([g for _, _, g in scalars], R, self.topology.replicate, op="mean",
-                                    ledger=self.ledger, async_op=True)
-        for p, group, g in scalars:
+        """The scalar parameters' gradient mean over R, then their AdamW/Lion steps. Two R collectives
+        at most, issued in this order on every rank: the dense parameters' fused all-reduce, then (with
+        ``scalar_sync = "demo"``) one all-gather of every replica's DeMo payload for the embedding and
+        head (:meth:`_pack_demo`), the mean decoded by :meth:`_apply_demo`."""
+        dense = [(p, group, g) for p, group, g in scalars if p not in self._demo_synced]
+        demo = [(p, group, g) for p, group, g in scalars if p in self._demo_synced]
+        pending = [comm.all_reduce_fused([g for _, _, g in dense], R, self.topology.replicate, op="mean",
+                                         ledger=self.ledger, async_op=True)]
+        send, segments = self._pack_demo(demo)
+        if send is not None:
+            pending.append(comm.all_gather(send, R, self.topology.replicate, ledger=self.ledger, async_op=True))
+        results = yield pending
+        if send is not None:
+            self._apply_demo(results[-1], segments)
+        for p, group, g in dense:
             self._scalar_update(p, group, g)
+
+    def _replicator(self, x: torch.Tensor) -> Any:
+        key = (tuple(x.shape), x.device)
+        if key not in self._replicators:
+            self._replicators[key] = scalar_replicator(x.shape, self.options.options, device=x.device)
+        return self._replicators[key]
+
+    def _pack_demo(self, demo: list) -> tuple[Optional[torch.Tensor], list]:
+        """Error feedback and extraction of every ``scalar_sync = "demo"`` shard (DeMo Algorithm 1 with
+        its momentum replaced by the error buffer: e ← e + g, q = top-k of DCT(e), e ← e − q, eq. 8) and
+        the fused send buffer (each shard's payload, parameter order; sizes from shapes only, so the
+        receivers split it without a header). ``None`` when nothing is sent."""
+        payloads, segments, offset = [], [], 0
+        for p, group, g in demo:
+            state = self.state[p] or self._init_scalar_state(p)
+            if "scalar_error" not in state:  # first step, or a state saved without it (one replica)
+                state["scalar_error"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            e = local(state["scalar_error"])
+            if not e.numel():
+                continue
+            rep = self._replicator(e)
+            e.add_(g)  # e ← e + g: this replica's gradient joins what it has not sent yet
+            q, payload = rep.extract(e, 1)  # the top-k of every chunk's DCT-II (DeMo eq. 3–4)
+            e.sub_(q.to(e.dtype))  # e ← e − q (DeMo eq. 8): what was sent leaves the buffer
+            payloads.append(payload)
+            segments.append((p, group, rep, offset, payload.numel()))
+            offset += payload.numel()
+        return (torch.cat(payloads) if payloads else None), segments
+
+    def _apply_demo(self, gathered: torch.Tensor, segments: list) -> None:
+        """Every replica's payloads (``[W, bytes]``, replica order) → each shard's mean of the replicas'
+        decoded selections (DeMo eq. 6, the same bits on every replica) → the scalar optimizer's step
+        with it as the gradient."""
+        for p, group, rep, offset, n in segments:
+            mean = rep.aggregate(gathered[:, offset: offset + n], 1)
+            self._scalar_update(p, group, mean.to(local(p).dtype))
 
     def _scalar_update(self, p: torch.Tensor, group: dict, g: torch.Tensor) -> None:
         state = self.state[p] or self._init_scalar_state(p)
@@ -592,8 +701,9 @@ class Dion(CommOptimizer):
 # ---- the family ----------------------------------------------------------------------------------
 def state_shape(resolved: Resolved) -> dict[str, Any]:
     """What shapes the checkpointed state: the rank (Q is n×r), the orientation (Q is m×r where a
-    matrix runs transposed), the storage dtype (mixed precision), the scalar optimizer (its moments)
-    and the routing (which parameters hold Dion state and which the scalar optimizer's)."""
+    matrix runs transposed), the storage dtype (mixed precision), the scalar optimizer (its moments),
+    the routing (which parameters hold Dion state and which the scalar optimizer's) and the scalar sync
+    (``demo``: an error-feedback buffer per embedding and head shard, different on every replica)."""
     cfg = resolved.options
     return {
         "rank": cfg.rank,
@@ -603,6 +713,7 @@ def state_shape(resolved: Resolved) -> dict[str, Any]:
         "head_names": cfg.head_names,
         "orientation": cfg.orientation,
         "mixed_precision": cfg.mixed_precision,
+        "scalar_sync": cfg.scalar_sync,
     }
 
 

@@ -1,5 +1,6 @@
 """Dion's routing and shapes: which parameters Dion runs, at which rank, on which side (transposed
-or not), with which shard groups (:class:`Layout`), and the R payload that follows from it
+or not), with which shard groups (:class:`Layout`), which scalar-optimizer parameters go over R
+compressed (:func:`demo_synced`, :func:`scalar_replicator`), and the R payload that follows from it
 (:func:`dion_r_bytes`, the family's byte formula). Everything here reads only shapes, placements and
 the options, so the optimizer (``dion.py``) and the byte formula share one source of truth.
 """
@@ -13,6 +14,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from titan_commopt import comm
+from titan_commopt.compress.packing import WIRE_DTYPES, ValueCodec
+from titan_commopt.compress.replicators import DeMoReplicator
 from titan_commopt.topology import T, Topology
 
 from .common import mesh_dim_role
@@ -29,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KINDS", "route", "dion_rank", "compressed", "transposed", "initial_q", "r_slice", "Layout", "layout_of",
-    "dion_r_bytes",
+    "demo_synced", "scalar_replicator", "dion_r_bytes",
 ]
 
 KINDS = ("dion", "embed", "head", "scalar")  # what route() returns, in the order param groups are made
@@ -53,6 +56,21 @@ def route(fqn: str, ndim: int, cfg: "Config") -> str:
     if _names(cfg.embed_names).intersection(parts):
         return "embed"
     return "dion" if ndim == 2 else "scalar"
+
+
+def demo_synced(kind: str, cfg: "Config") -> bool:
+    """Whether a parameter of routing ``kind`` goes over R through DeMo's wire (``scalar_sync = "demo"``):
+    the embedding and the output head only (``dion.py``'s docstring says why)."""
+    return cfg.scalar_sync == "demo" and kind in ("embed", "head")
+
+
+def scalar_replicator(shape: Sequence[int], cfg: "Config", device: Any = None) -> DeMoReplicator:
+    """DeMo's replicator for a local shard of ``shape`` of a :func:`demo_synced` parameter: DCT chunks of
+    ``scalar_chunk``, the ``scalar_topk`` largest coefficients of each, values in
+    ``scalar_transfer_dtype`` (never only their signs: a gradient mean, not a sign vote), indices
+    bit-packed, averaged over all replicas (DeMo eq. 6). The optimizer and the byte formula both ask it."""
+    codec = ValueCodec(False, WIRE_DTYPES[cfg.scalar_transfer_dtype], pack=True)
+    return DeMoReplicator(tuple(shape), codec, cfg.scalar_chunk, cfg.scalar_topk, pack=True, device=device)
 
 
 def dion_rank(m: int, n: int, cfg: "Config") -> int:
@@ -203,14 +221,22 @@ def dion_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_siz
     scalar-optimizer parameter its local shard. A matrix that runs transposed (:func:`transposed`)
     costs its slice of P (X's ``n_loc`` columns split over X's row shards) plus its slice of R (X's
     ``m_loc`` rows split over X's column shards): the same number as the paper's form wherever
-    X's columns are not sharded."""
+    X's columns are not sharded.
+
+    ``scalar_sync = "demo"``: the embedding's and head's shards go in one all-gather of DeMo payloads
+    (the replicator's ``payload_bytes``: values + packed indices), ``recv = (W − 1)·sent`` by the ledger's
+    all-gather convention; everything else is an all-reduce (recv = sent)."""
     if replicate_size <= 1:
         return Bytes()
     cfg = resolved.options
-    total = 0
+    total = gathered = 0
     for s in shards:
         elements = s.numel
-        if route(s.fqn, len(s.shape), cfg) == "dion":
+        kind = route(s.fqn, len(s.shape), cfg)
+        if demo_synced(kind, cfg):
+            gathered += scalar_replicator(s.local, cfg).payload_bytes(1) if s.numel else 0
+            continue
+        if kind == "dion":
             m, n = s.shape
             r = dion_rank(m, n, cfg)
             if compressed(m, n, r, cfg):
@@ -219,5 +245,5 @@ def dion_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_siz
                 else:
                     elements = (s.local[0] + r_slice(s.local[1], s.row_split)[1]) * r
         total += elements * s.itemsize
-    return Bytes(total, total)
+    return Bytes(total + gathered, total + (replicate_size - 1) * gathered)
 
