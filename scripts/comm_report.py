@@ -195,7 +195,12 @@ def settings(resolved, reduce_dtype: str) -> dict:
             what["transfer_dtype"] = o.transfer_dtype
         return what | {"pack": o.pack, **({"wire": o.wire} if o.pack and o.replicator == "demo" else {})}
     if key == "dion":
-        return {**({"rank": o.rank} if o.rank else {"rank_fraction": o.rank_fraction}), "compress": o.compress}
+        what = {**({"rank": o.rank} if o.rank else {"rank_fraction": o.rank_fraction}), "compress": o.compress,
+                "scalar_sync": o.scalar_sync}
+        if o.scalar_sync == "demo":
+            what |= {"scalar_chunk": o.scalar_chunk, "scalar_topk": o.scalar_topk,
+                     "scalar_transfer_dtype": o.scalar_transfer_dtype}
+        return what
     return dataclasses.asdict(o)
 
 
