@@ -371,7 +371,8 @@ CHUNKER_SHAPES = [(96, 40), (64, 64), (8, 6, 5), (50,), (67, 8), (1,), (3, 1), (
 
 
 @pytest.mark.parametrize("shape", CHUNKER_SHAPES)
-@pytest.mark.parametrize("sign, aggregate", [(True, "mean"), (False, "mean"), (False, "mean_selected")])
+@pytest.mark.parametrize("sign, aggregate", [(True, "mean"), (False, "mean"), (False, "mean_selected"),
+                                             (True, "mean_selected")])
 def test_compact_wire_same_mean_as_packed(shape, sign, aggregate):
     """Three replicas' payloads: the compact wire's aggregate is bit-identical to the packed wire's, on
     every shape the chunker produces (ragged chunks, vectors, chunk 1, k = L), and smaller."""
@@ -388,7 +389,7 @@ def test_compact_wire_same_mean_as_packed(shape, sign, aggregate):
     Qb = compact.aggregate(torch.stack([p for _, p in b]), 1)
     assert torch.equal(Qa, Qb)
     assert compact.payload_bytes(1) <= packed.payload_bytes(1)
-    if compact.chunker.L >= 32:
+    if compact.chunker.L >= 32 and not (sign and aggregate == "mean_selected"):
         assert compact.payload_bytes(1) < packed.payload_bytes(1)
 
 

@@ -327,7 +327,8 @@ class CompactCodec:
     sign bit of the (repeated) second pair set — a combination no chunk with ``c ≥ 1`` writes, since
     a repeat's sign bit is otherwise 0; for ``k = 1`` one more bit per chunk says whether the value
     is non-zero. So zeros decode as 0 and the size stays fixed; what is lost is only where a zero
-    was selected, which matters to ``mean_selected`` alone (a selected zero counts for no replica)."""
+    was selected, which matters to ``mean_selected`` alone: the DeMo replicator keeps the packed
+    encoding there (``replicators.DeMoReplicator``)."""
 
     def __init__(self, L: int, k: int, sign: bool, wire_dtype: torch.dtype):
         self.L, self.k, self.sign, self.wire_dtype = L, k, sign, wire_dtype

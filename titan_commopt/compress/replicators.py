@@ -90,8 +90,9 @@ class DeMoReplicator(Replicator):
 
     ``wire``: ``packed`` writes values with ``value_codec`` and indices with ``packing.IndexCodec``;
     ``compact`` (only with ``pack``) writes each chunk's selection with ``packing.CompactCodec`` —
-    the same pairs, so the same mean, except under ``mean_selected`` with ``sign_before_sync`` where a
-    selected zero coefficient counts for no replica (see ``CompactCodec``)."""
+    the same pairs, so the same mean. One combination keeps the packed encoding: ``mean_selected``
+    with ``sign_before_sync``, where a selected zero coefficient must count as a selection and the
+    compact code's 1-bit sign cannot say where a zero was selected (see ``CompactCodec``)."""
 
     def __init__(self, shape, value_codec: ValueCodec, chunk: int, topk: int, pack: bool,
                  mean_selected: bool = False, device=None, wire: str = "packed"):
@@ -102,7 +103,7 @@ class DeMoReplicator(Replicator):
         self.index_codec = IndexCodec(self.chunker.L, pack)
         self.mean_selected = mean_selected
         self.compact = (CompactCodec(self.chunker.L, self.k, value_codec.sign, value_codec.wire_dtype)
-                        if wire == "compact" and pack else None)
+                        if wire == "compact" and pack and not (mean_selected and value_codec.sign) else None)
         if self.compact is None:
             self.value_bytes = self.value_codec.nbytes(self.n_values)
             self.index_bytes = self.index_codec.nbytes(self.n_values)

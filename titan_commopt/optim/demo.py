@@ -98,8 +98,8 @@ class Config:
     wire: Literal[WIRES] = option(
         "compact", "DeMo replicator's encoding with pack = true: compact (each chunk's k indices Elias-Fano coded, "
         "7.4 bits each for 16 of 32x32, 8.9 for 32 of 64x64; with sign_before_sync 1 bit per value) or packed "
-        "(indices in ceil(log2(L)) bits, ternary in 2 bits). The same update either way (mean_selected with "
-        "sign_before_sync aside: a selected zero coefficient is not sent as a selection).")
+        "(indices in ceil(log2(L)) bits, ternary in 2 bits). The same update either way (with aggregate = "
+        "mean_selected and sign_before_sync, which must send where a zero was selected, packed is used).")
     aggregate: Literal["mean", "mean_selected"] = option(
         "mean", "Average over all replicas (paper) or over those that selected (reference).")
     ns_steps: int = option(5, "Newton-Schulz iterations of rule = muon.", ge=1)
