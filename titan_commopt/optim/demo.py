@@ -308,12 +308,6 @@ class DeMo(CommOptimizer):
             self._plan = Plan(active, self.state, self.replicator, self.coefficient_domain, self._demo)
         return self._plan
 
-    @torch.no_grad()
-    def flush(self) -> None:
-        """Apply the aggregated update still pending (with ``overlap``: the one gathered at the end of
-        the last step; waits for its all-gather). A no-op without one."""
-        self.runtime.drain()
-
     # ---- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict, with every parameter's ``step`` and — in the coefficient domain —

@@ -128,7 +128,7 @@ from titan_commopt.options import ConfigError, option, resolve_auto_period
 from titan_commopt.topology import R, S, T, Topology
 
 from . import kernels
-from .base import CommOptimizer
+from .base import CommOptimizer, LocalSteps
 from .common import LR_SCALE_HELP, BaseHParams, local, replica_grad
 from .family import Bytes, Family, Resolved, ShardShape
 from .local_sync import DueStates, Periods, SyncSchedule, sync_in_place, sync_streaming
@@ -449,7 +449,7 @@ def _chunks(rows: list[list[torch.Tensor]], limit: int) -> list[list[list[torch.
 
 
 
-class LocalAdaptive(CommOptimizer):
+class LocalAdaptive(LocalSteps, CommOptimizer):
     """One engine for DES-LOC (N = 1, ω = 1), MT-DAO (N momenta, quasi-hyperbolic), Local Adam
     (Ku = Kv = Kx) and DiLoCo (Ku = Kv = 0, Nesterov outer). See the module docstring for the math.
 
@@ -519,14 +519,6 @@ class LocalAdaptive(CommOptimizer):
         (a sync every step) or all are 0 (never), or with one replica."""
         return None if self.topology.replicate_size == 1 else self.schedule.steps_to_next(self._n)
 
-    def metrics(self) -> dict[str, float]:
-        """``syncs_in_flight`` (streaming fragments not merged yet) and ``steps_to_next_sync``."""
-        out = {"syncs_in_flight": float(self.runtime.in_flight)}
-        steps = self.steps_to_next_sync()
-        if steps is not None:
-            out["steps_to_next_sync"] = float(steps)
-        return out
-
     # ---- state -----------------------------------------------------------------------------------
     def _init_state(self, p: torch.Tensor, n_moments: int) -> dict:
         state = self.state[p]
@@ -542,31 +534,6 @@ class LocalAdaptive(CommOptimizer):
                 state["outer_anchor"] = p.detach().clone()
                 state["outer_buf"] = zeros()
         return state
-
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """Merges every fragment still in flight first (waiting for its collective): a checkpoint
-        holds no half-done sync, and the run that saved continues from the same merged state as a
-        run resumed from it. (Those fragments merge up to ``sync_delay`` − 1 steps early, at the
-        checkpoint's step: the one thing a checkpoint changes in the trajectory.)"""
-        self.flush()
-        return super().state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        self.runtime.abandon()  # the state is replaced: the collectives complete, their merges are dropped
-        super().load_state_dict(state_dict)
-        # Read the step counter once (a checkpoint of per-parameter counters takes their largest),
-        # then share one tensor again.
-        steps = [s["step"] for s in self.state.values() if "step" in s]
-        self._n = int(max(float(t) for t in steps)) if steps else 0
-        self._step_t = torch.tensor(float(self._n))
-        for s in self.state.values():
-            if "step" in s:
-                s["step"] = self._step_t
-
-    @torch.no_grad()
-    def flush(self) -> None:
-        """Wait for every sync in flight and merge it now (before a checkpoint; at the end of a run)."""
-        super().flush()
 
     # ---- step ------------------------------------------------------------------------------------
     def _clip_scale(self, grads: list[torch.Tensor], params: list[torch.Tensor]) -> torch.Tensor:

@@ -54,7 +54,7 @@ from titan_commopt.options import option
 from titan_commopt.topology import R, Topology
 
 from . import kernels
-from .base import CommOptimizer
+from .base import CommOptimizer, LocalSteps
 from .common import LR_SCALE_HELP, BaseHParams, local, replica_grad
 from .family import Bytes, Family, Resolved, ShardShape
 from .local_adaptive import _CHUNK, _DEFAULT_CHUNK, _chunks, _trainable
@@ -190,7 +190,7 @@ def sparseloco_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replica
     return Bytes(sent, (replicate_size - 1) * sent)
 
 
-class SparseLoCo(CommOptimizer):
+class SparseLoCo(LocalSteps, CommOptimizer):
     """SparseLoCo on one replica's shards (see the module docstring). Per-parameter state:
     ``step`` (shared), ``exp_avg``, ``exp_avg_sq`` (AdamW's), ``outer_anchor`` (x at the last outer
     step), ``error_feedback`` (e); all but ``step`` DTensors like their parameter."""
@@ -233,33 +233,6 @@ class SparseLoCo(CommOptimizer):
         if self.topology.replicate_size == 1 or self.H == 1:
             return None
         return self.H - self._n % self.H
-
-    def metrics(self) -> dict[str, float]:
-        out = {"syncs_in_flight": float(self.runtime.in_flight)}
-        steps = self.steps_to_next_sync()
-        if steps is not None:
-            out["steps_to_next_sync"] = float(steps)
-        return out
-
-    # ---- checkpoints ------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """Completes a sync in flight first (``sync_delay``): a checkpoint holds no half-done sync."""
-        self.flush()
-        return super().state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        self.runtime.abandon()
-        super().load_state_dict(state_dict)
-        steps = [s["step"] for s in self.state.values() if "step" in s]
-        self._n = int(max(float(t) for t in steps)) if steps else 0
-        self._step_t = torch.tensor(float(self._n))
-        for s in self.state.values():
-            if "step" in s:
-                s["step"] = self._step_t
-
-    @torch.no_grad()
-    def flush(self) -> None:
-        super().flush()
 
     # ---- step -------------------------------------------------------------------------------------
     @torch.no_grad()
