@@ -2,7 +2,6 @@
 launching ``titan_commopt.train`` under torchrun and reading its TensorBoard scalars."""
 
 import glob
-import math
 import os
 import subprocess
 import sys

@@ -6,7 +6,6 @@ dataclass metadata the config validation reads, so the page cannot drift from th
 """
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 from titan_commopt.optim import FAMILIES

@@ -171,7 +171,7 @@ class DeMoReplicator(Replicator):
     def aggregate(self, payloads: torch.Tensor, step: int) -> Optional[torch.Tensor]:
         if not self.sends(step):
             return None
-        W, split = payloads.shape[0], self.value_bytes
+        split = self.value_bytes
         dense = self.mean_coefficients(payloads[:, :split].unsqueeze(1), payloads[:, split:].unsqueeze(1))
         return self.chunker.decode(dense)
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from .common import BaseHParams, NamedParams, mesh_dim_role
+from .common import BaseHParams, mesh_dim_role
 
 __all__ = ["Family", "Resolved", "ShardShape", "Bytes"]
 
