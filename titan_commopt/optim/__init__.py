@@ -55,13 +55,17 @@ def family_of(name: str) -> Family:
     return family
 
 
-def resolve(name: str, given: Optional[Mapping[str, Any]] = None, hparams: Optional[BaseHParams] = None) -> Resolved:
+def resolve(
+    name: str, given: Optional[Mapping[str, Any]] = None, hparams: Optional[BaseHParams] = None,
+    *, kernels: str = "auto",
+) -> Resolved:
     """The options ``name`` trains with: the family defaults, the preset of ``name`` on the keys the
     user did not set, the user's ``given`` keys; validated once (every problem, one line each).
 
     The effective learning rate is decided here, once: the family's ``lr`` when >= 0, else
     ``hparams.lr × lr_scale`` (the preset's recommended multiplier unless the user set one). It is
-    stored as the returned ``hparams.lr``, which every builder reads, so no scale is applied twice."""
+    stored as the returned ``hparams.lr``, which every builder reads, so no scale is applied twice.
+    ``kernels`` is ``[commopt] kernels`` (see :func:`titan_commopt.fused.use_triton`)."""
     family = family_of(name)
     given = dict(given or {})
     hparams = hparams if hparams is not None else BaseHParams()
@@ -75,7 +79,9 @@ def resolve(name: str, given: Optional[Mapping[str, Any]] = None, hparams: Optio
     if found:
         raise ConfigError("\n".join(found))
     lr = options.lr if options.lr >= 0 else hparams.lr * options.lr_scale
-    return Resolved(name, family, options, dataclasses.replace(hparams, lr=lr), frozenset(given), hparams.lr)
+    return Resolved(
+        name, family, options, dataclasses.replace(hparams, lr=lr), frozenset(given), hparams.lr, kernels
+    )
 
 
 def build_optimizer(
@@ -89,13 +95,13 @@ def build_optimizer(
 
 def make(
     name: str, named_params: Any, topology: Optional[Topology] = None, hparams: Optional[BaseHParams] = None,
-    *, ledger: "comm.CommLedger | None" = None, **options: Any,
+    *, ledger: "comm.CommLedger | None" = None, kernels: str = "auto", **options: Any,
 ) -> CommOptimizer:
     """Optimizer ``name`` outside torchtitan, as with ``torch.optim``: ``named_params`` as from
     ``model.named_parameters()``, ``options`` the ``[commopt.<family>]`` keys you set (the preset
     fills the rest), ``hparams`` the ``[optimizer]`` values, ``ledger`` where its bytes are recorded
-    (default: ``comm.get_ledger()``)."""
-    resolved = resolve(name, options, hparams)
+    (default: ``comm.get_ledger()``), ``kernels`` as ``[commopt] kernels``."""
+    resolved = resolve(name, options, hparams, kernels=kernels)
     return build_optimizer(list(named_params), topology or Topology.single(), resolved, ledger=ledger)
 
 

@@ -33,6 +33,11 @@ class CommonOptions:
         "stop the run on every rank (one line naming the first that differs, exit status 1) if one "
         "differs (only at steps where the optimizer keeps replicas equal). 0 = off.", ge=0,
     )
+    kernels: Literal["auto", "torch", "triton"] = option(
+        "auto", "Which implementation runs the optimizers' per-element and per-chunk math: fused Triton "
+        "kernels (triton) or torch's eager operators (torch, the reference). auto: Triton where the "
+        "parameters are on a CUDA/ROCm device and Triton is installed, torch elsewhere.",
+    )
     max_consecutive_skips: int = option(
         10, "Stop the run (one line, exit status 1) once this many optimizer steps in a row were skipped "
         "for a NaN/Inf gradient (on_nonfinite = \"skip\"): training cannot recover by itself. 0 = never "

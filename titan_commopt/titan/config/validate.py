@@ -98,7 +98,9 @@ def resolve_job(
     resolved = None
     try:
         hparams = hparams_of(job_config.optimizer, job_config.lr_scheduler)
-        resolved = resolve(name, given_options(job_config, family.key, user_keys), hparams)
+        resolved = resolve(
+            name, given_options(job_config, family.key, user_keys), hparams, kernels=section.kernels
+        )
     except ConfigError as error:
         found.append(str(error))
     if found:
