@@ -57,28 +57,26 @@ def _run(base, n_moments, clip, wd, dtype, steps=3, ref_dtype=None, corrections=
     from titan_commopt.fused.adopt import local_adaptive_
 
     ref_dtype = ref_dtype or dtype
-    omegas = [0.9, 0.6, 0.3][:n_moments] if n_moments > 1 else [0.8]
-    omegas = [w / n_moments for w in omegas]  # Σω ≤ 1
-    hp = dict(lr=3e-2, betas1=[0.9, 0.99, 0.6][:n_moments], omegas=omegas, weight_decay=wd, beta2=0.95,
-              eps=1e-2, adopt_clip=True)  # an ε that moves the result (a wrong one must fail)
+    hp = dict(lr=3e-2, betas1=[0.9, 0.99, 0.6][:n_moments], omegas=[0.8 / n_moments] * n_moments,
+              weight_decay=wd, beta2=0.95, eps=1e-2, adopt_clip=True)  # an ε that moves the result
     rho = 0.75  # exact in bf16: the bf16 kernel and the float32 reference clip to the same bound
     xs = _tensors(dtype, 1)
     moments = [[torch.zeros_like(x) for x in xs] for _ in range(n_moments)]
     vs = [torch.zeros_like(x) for x in xs] if base != "sgdm" else None
-    ref = [t.to(ref_dtype, copy=True) for t in xs], [[t.to(ref_dtype, copy=True) for t in col] for col in moments], (
-        [t.to(ref_dtype, copy=True) for t in vs] if vs is not None else None)
+    copy = lambda ts: [t.to(ref_dtype, copy=True) for t in ts]  # noqa: E731
+    ref = copy(xs), [copy(col) for col in moments], copy(vs) if vs is not None else None
     for step in range(1, steps + 1):
         if each_step is not None and step > 1:
             for a, b in zip(_flat(xs, moments, vs), _flat(*ref)):
                 b.copy_(a)
         gs = _tensors(dtype, 100 + step, scale=2.0)
         scale = torch.tensor(0.37, dtype=torch.float64, device=DEVICE)
-        corrections1 = [1 - 0.5 * b ** step for b in hp["betas1"]] if corrections else None
+        corrections1 = [1 - 0.5 * b**step for b in hp["betas1"]] if corrections else None
         local_adaptive_(xs, gs, moments, vs, base=base, **{k: hp[k] for k in ("lr", "betas1", "omegas", "weight_decay")},
                         beta2=hp["beta2"], eps=hp["eps"], step=step, corrections1=corrections1,
                         adopt_clip=hp["adopt_clip"], clip=clip, clip_threshold=rho, clip_scale=scale)
-        _torch_step(base, ref[0], [g.to(ref_dtype, copy=True) for g in gs], ref[1], ref[2], clip=clip, rho=rho, scale=scale,
-                    hp=hp, step=step, corrections1=corrections1)
+        _torch_step(base, ref[0], copy(gs), ref[1], ref[2], clip=clip, rho=rho, scale=scale, hp=hp, step=step,
+                    corrections1=corrections1)
         if each_step is not None:
             each_step(_flat(xs, moments, vs), _flat(*ref))
     return _flat(xs, moments, vs), _flat(*ref)
@@ -203,6 +201,7 @@ def test_triton_on_cpu_without_the_interpreter_is_one_config_error(monkeypatch):
     if DEVICE != "cpu":
         pytest.skip("the parameters are on a GPU: Triton runs there")
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(ConfigError, match=r"^\[commopt\] kernels = 'triton': the parameters are on cpu.*'auto' or 'torch'$"):
+    one_line = r"^\[commopt\] kernels = 'triton': the parameters are on cpu.*'auto' or 'torch'$"
+    with pytest.raises(ConfigError, match=one_line):
         optim.make("MT-DAO", _model().named_parameters(), kernels="triton")
     optim.make("MT-DAO", _model().named_parameters(), kernels="auto")  # auto on CPU: the torch path, no error

@@ -61,7 +61,7 @@ except ImportError:  # pragma: no cover - platform dependent: use_triton never p
 
 from titan_commopt.fused import interpreting
 
-__all__ = ["BASES", "CLIPS", "local_adaptive_"]
+__all__ = ["BASES", "CLIPS", "DTYPES", "takes", "local_adaptive_"]
 
 BASES = ("adam", "adopt", "sgdm")
 CLIPS = ("none", "coordinate", "norm")
@@ -140,8 +140,16 @@ def _kernel(interpret: bool):
 
 
 _TL_DTYPES = {} if triton is None else {
-    torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float64: tl.float64,
+    torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
 }
+# float64 is left to torch: the kernel computes in float32 and Triton passes float scalars as float32
+DTYPES = tuple(_TL_DTYPES)
+
+
+def takes(rows: Sequence[Sequence[Tensor]]) -> bool:
+    """Whether the kernel takes these parameters' tensors (rows of x, g, u_j, v): dtypes in
+    :data:`DTYPES`."""
+    return all(t.dtype in _TL_DTYPES for row in rows for t in row)
 
 
 @functools.lru_cache(maxsize=64)
@@ -192,8 +200,9 @@ def local_adaptive_(
         neg_lr=-lr, decay=1 - lr * weight_decay if weight_decay != 0 else 1.0, beta2=beta2,
         one_minus_beta2=1 - beta2, eps=eps, bc2_sqrt=(1 - beta2**step) ** 0.5 if adam and bias_correction else 1.0,
         adopt_bound=(step - 1) ** 0.25 if step > 1 else 0.0, rho=clip_threshold, grad_weight=1 - sum(omegas),
-        LERP_W=tuple(1 - b for b in betas1[:n_moments]),
-        QH_W=tuple(w / c for w, c in zip(omegas[:n_moments], corrections)),
+        # (0.0,) where no momentum steps (ADOPT's first step): a kernel argument is never an empty tuple
+        LERP_W=tuple(1 - b for b in betas1[:n_moments]) or (0.0,),
+        QH_W=tuple(w / c for w, c in zip(omegas[:n_moments], corrections)) or (0.0,),
     )
     flags = dict(N=n_moments, BASE=BASES.index(base), CLIP=CLIPS.index(clip), ADOPT_CLIP=adopt_clip,
                  FIRST=adopt and step == 1)

@@ -346,6 +346,18 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+@contextlib.contextmanager
+def _tf32():
+    """TF32 allowed for float32 matmuls (torch's ``fp32_precision``), then what it was restored."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before
+
+
 class _Products:
     """Dion's large products at ``matmul_precision`` (see the option): fp32 runs torch's calls as they
     were (bit for bit the reference); tf32 the same calls with TF32 allowed around them, then restored;
@@ -354,26 +366,17 @@ class _Products:
 
     def __init__(self, precision: str) -> None:
         self.precision = precision
-
-    @contextlib.contextmanager
-    def _scope(self):
-        if self.precision != "tf32":
-            yield
-            return
-        matmul = torch.backends.cuda.matmul
-        before = matmul.fp32_precision
-        matmul.fp32_precision = "tf32"
-        try:
-            yield
-        finally:
-            matmul.fp32_precision = before
+        self._scope = _tf32 if precision == "tf32" else contextlib.nullcontext
+        self._out_dtype_ok = True
 
     def _bf16_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        out = a.dtype
         a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
-        if a.is_cuda:
-            return torch.mm(a16, b16, out_dtype=torch.float32).to(out)
-        return torch.mm(a16.to(torch.float32), b16.to(torch.float32)).to(out)
+        if a.is_cuda and self._out_dtype_ok:
+            try:
+                return torch.mm(a16, b16, out_dtype=torch.float32)
+            except (TypeError, RuntimeError):  # a torch without mm's out_dtype for this device
+                self._out_dtype_ok = False
+        return torch.mm(a16.to(torch.float32), b16.to(torch.float32))
 
     def mm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         """out = a b."""

@@ -46,7 +46,11 @@ Host synchronizations: none per step in the optimizer itself. The step counter i
 and the norm clip's scale min(1, ρ/‖g‖) stays a device tensor (multiplying by 1.0 is exact). The
 local update runs the multi-tensor kernels (``kernels.*_multi_``) over chunks of parameters: bit for
 bit the single-tensor kernels on CPU; the chunk bounds the temporaries (and, on CPU, keeps the data
-of one chunk in cache across its operations).
+of one chunk in cache across its operations). Where ``[commopt] kernels`` picks Triton (by default on
+a CUDA/ROCm device; decided once at construction) every local step but plain Adam's runs one fused
+kernel per param group and dtype instead (``titan_commopt.fused.adopt``: the clip folded in, each
+tensor read and written once); plain Adam (one momentum, ω = 1) stays on torch's fused AdamW kernel,
+which is one pass already and bit for bit torchtitan's AdamW.
 
 DES-LOC is N = 1, ω = 1 (plain Adam locally); MT-DAO the general case. Base algorithms:
 
@@ -519,6 +523,10 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
             _fused_local_update(cfg) if use_triton(options.kernels, {local(p).device for _, p in self._params})
             else None
         )
+        if self._fused_update is not None:
+            from titan_commopt.fused.adopt import takes  # Triton is imported only where it runs
+
+            self._fused_takes = takes
 
     # ---- hooks the torchtitan adapter reads (titan/adapter/container.py, state.py) ------------------------
     @property
@@ -604,7 +612,8 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
         for group, rows in by_group.values():
             hp, corrections = self._hparams(group, n)
             fused = self._fused_update is not None and not (
-                self._base == "adam" and kernels.is_plain_adam(len(hp["betas1"]), hp["omegas"], corrections))
+                self._base == "adam" and kernels.is_plain_adam(len(hp["betas1"]), hp["omegas"], corrections)
+            ) and self._fused_takes(rows)  # float64 stays on torch
             # the fused kernel makes no temporaries: one launch for the whole group, its clip folded in
             limit = math.inf if fused else _CHUNK.get(rows[0][0].device.type, _DEFAULT_CHUNK)
             for chunk in _chunks(rows, limit):
