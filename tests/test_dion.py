@@ -855,6 +855,34 @@ def test_mixed_precision_state_update_and_training(orientation, scalar):
     assert abs(losses[-1] - runs[False][3][-1]) < 5e-2 * runs[False][3][0]
 
 
+def test_matmul_precision():
+    """fp32 is the default and the reference's products; tf32 changes nothing on a CPU (no TF32 units:
+    bit for bit fp32); bf16 rounds the operands of B Q, Bᵀ P, P Rᵀ and P Qᵀ to bfloat16 (2⁻⁹ relative
+    each) and accumulates in float32, so after 3 steps its total update is within 5e-2 of the fp32
+    one by relative size (as mixed_precision's, above: the rounding feeds back through the QR), and
+    really differs from it."""
+    torch.manual_seed(5)
+    xs, ys = torch.randn(64, 12), torch.randn(64, 8)
+    runs = {}
+    for precision in ("default", "fp32", "tf32", "bf16"):
+        model = _mp_model()
+        x0 = [p.detach().clone() for p in model.parameters()]
+        options = {} if precision == "default" else {"matmul_precision": precision}
+        opt = direct(list(model.named_parameters()), lr=0.02, rank=4, weight_decay=0.01, **options)
+        for _ in range(3):
+            opt.zero_grad()
+            F.mse_loss(model(xs), ys).backward()
+            opt.step()
+        runs[precision] = [p.detach() for p in model.parameters()]
+    for precision in ("fp32", "tf32"):
+        assert all(torch.equal(a, b) for a, b in zip(runs[precision], runs["default"])), precision
+    for p, q, p0 in zip(runs["bf16"], runs["fp32"], x0):
+        assert float((p - q).norm() / (q - p0).norm()) < 5e-2
+    assert any(not torch.equal(p, q) for p, q in zip(runs["bf16"], runs["fp32"]))
+    with pytest.raises(ConfigError, match="matmul_precision"):
+        direct(list(_mp_model().named_parameters()), matmul_precision="fp16")
+
+
 class _captured_log:
     """Collect titan_commopt.optim.dion's log records in a string buffer."""
 

@@ -82,7 +82,13 @@ replicator's ``payload_bytes`` (``dion_layout.scalar_replicator``).
 GPU fitness and overlap. Matrices of the same param group, shape, rank and layout form a shape
 batch, computed stacked: everything r-sized (Grams, Cholesky factors, triangular solves, column
 norms, the new Q) is one kernel per batch, the large products (B Q, Bᵀ P and the two rank-r
-updates) one matmul per matrix written into the batch's stacked buffers. CholeskyQR2 keeps its
+updates) one matmul per matrix written into the batch's stacked buffers. Why not one ``bmm`` per
+batch: B is M's storage, one tensor per parameter (a DTensor that checkpoints as the parameter
+does), so a batched product would first stack the batch's B — a copy of k·m·n values each way per
+product, more memory traffic than the k − 1 launches it saves, while each product is already an
+m×n×r GEMM that fills a GPU at the sizes Dion runs at. No Triton kernel either: the products are
+cuBLAS/rocBLAS GEMMs already; what they cost is their precision, which ``matmul_precision`` sets
+(fp32 by default, exact against microsoft/dion; tf32 or bf16 tensor cores). CholeskyQR2 keeps its
 failure flags on the device; one host synchronization per step reads them all (a step where some P
 needs the fallback synchronizes again for it). The R collectives are issued async in the order they
 are needed, by tasks on the optimizer's ``runtime`` (``titan_commopt.overlap``): the uncompressed
@@ -131,6 +137,7 @@ Where things live: routing, ranks, orientation, shard-group layouts and the byte
 of P in ``orthogonalize``; the optimizer, its options and the family here.
 """
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -239,6 +246,14 @@ class Config:
         "mixed-precision setting); products, orthogonalization and column norms still run in the "
         "parameter dtype (float32 at least), and P and R go over the wire in the parameter dtype.",
     )
+    matmul_precision: Literal["fp32", "tf32", "bf16"] = option(
+        "fp32",
+        "Precision of Dion's large products (B Q, Bᵀ P and the rank-r updates P Rᵀ, P Qᵀ) on float32 "
+        "parameters: fp32 = IEEE float32 (microsoft/dion's results); tf32 = TensorFloat-32 tensor cores "
+        "on CUDA (torch's fp32_precision = \"tf32\", set around these products only; no effect on a CPU); "
+        "bf16 = operands rounded to bfloat16, products accumulated and returned in float32 (bf16 tensor "
+        "cores on CUDA, emulated exactly on a CPU). Orthonormalization and column norms stay float32.",
+    )
 
 
 # lr_scale: the quality study's best lr ÷ AdamW-HSDP's best (docs/benchmarks.md §4).
@@ -331,6 +346,54 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+@contextlib.contextmanager
+def _tf32():
+    """TF32 allowed for float32 matmuls (torch's ``fp32_precision``), then what it was restored."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before
+
+
+class _Products:
+    """Dion's large products at ``matmul_precision`` (see the option): fp32 runs torch's calls as they
+    were (bit for bit the reference); tf32 the same calls with TF32 allowed around them, then restored;
+    bf16 rounds the operands to bfloat16 and accumulates in float32 (``out_dtype`` on CUDA; on a CPU
+    the rounded operands multiplied in float32, which is the same product up to summation order)."""
+
+    def __init__(self, precision: str) -> None:
+        self.precision = precision
+        self._scope = _tf32 if precision == "tf32" else contextlib.nullcontext
+        self._out_dtype_ok = True
+
+    def _bf16_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        if a.is_cuda and self._out_dtype_ok:
+            try:
+                return torch.mm(a16, b16, out_dtype=torch.float32)
+            except (TypeError, RuntimeError):  # a torch without mm's out_dtype for this device
+                self._out_dtype_ok = False
+        return torch.mm(a16.to(torch.float32), b16.to(torch.float32))
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        """out = a b."""
+        if self.precision == "bf16" and a.dtype == torch.float32:
+            out.copy_(self._bf16_mm(a, b))
+            return
+        with self._scope():
+            torch.mm(a, b, out=out)
+
+    def addmm_(self, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+        """c += alpha · a b."""
+        if self.precision == "bf16" and a.dtype == torch.float32:
+            return c.add_(self._bf16_mm(a, b), alpha=alpha)
+        with self._scope():
+            return c.addmm_(a, b, alpha=alpha)
+
+
 _STORED = ("momentum", "Q", "exp_avg", "exp_avg_sq")  # the state kept in the storage dtype
 
 
@@ -401,6 +464,7 @@ class Dion(CommOptimizer):
         self._state_dtype = torch.bfloat16 if cfg.mixed_precision else None  # None: the parameter's
         self._scalar_rule = _SCALAR_RULES[cfg.scalar_optimizer]
         self._orthonormalize = orthonormalizer(cfg.orthogonalize)
+        self._products = _Products(cfg.matmul_precision)
         self._colnorm_eps, self._seed = cfg.colnorm_eps, cfg.seed
         self._fallbacks = 0
         self._layouts: dict[torch.Tensor, Layout] = {
@@ -564,7 +628,7 @@ class Dion(CommOptimizer):
         b.P = b.Q.new_empty(len(b.params), b.B[0].shape[0], b.Q.shape[-1])
         for j, (B, g) in enumerate(zip(b.B, b.grads)):
             B.add_(_oriented(g, b.lay))  # B = M + G (M is rebuilt from B in _update)
-            torch.mm(_as(B, cd), b.Q[j], out=b.P[j])  # P̂ = B̂ Q
+            self._products.mm(_as(B, cd), b.Q[j], out=b.P[j])  # P̂ = B̂ Q
 
     def _reduce_p(self, b: _Batch) -> Task:
         """E_DP[P̂] where P is compressed (one collective per batch, yielded while in flight)."""
@@ -597,7 +661,7 @@ class Dion(CommOptimizer):
         the row sums now, the R mean yielded while in flight."""
         b.R = b.P.new_empty(len(b.params), b.B[0].shape[1], b.P.shape[-1])
         for j, B in enumerate(b.B):
-            torch.mm(_as(B, b.P.dtype).T, b.P[j], out=b.R[j])  # R̂ = B̂ᵀ P
+            self._products.mm(_as(B, b.P.dtype).T, b.P[j], out=b.R[j])  # R̂ = B̂ᵀ P
         yield from reduce_r(list(b.R.unbind(0)), b.lays, self.topology.replicate,
                             self.topology.replicate_size > 1, self.ledger)
 
@@ -626,11 +690,11 @@ class Dion(CommOptimizer):
         scale = math.sqrt(b.lay.m / b.lay.n)  # X's m, n whatever the orientation
         for j, (x, B) in enumerate(zip(b.params, b.B)):  # one matrix at a time: its B and X stay in cache
             if B.dtype == P.dtype:
-                B.addmm_(P[j], Rm[j].T, alpha=-(1 - mu))  # M = B − (1−μ) P Rᵀ (error feedback)
+                self._products.addmm_(B, P[j], Rm[j].T, alpha=-(1 - mu))  # M = B − (1−μ) P Rᵀ (error feedback)
             else:  # bf16 storage: the rank-r correction in the parameter dtype, then stored
-                B.copy_(B.to(P.dtype).addmm_(P[j], Rm[j].T, alpha=-(1 - mu)))
+                B.copy_(self._products.addmm_(B.to(P.dtype), P[j], Rm[j].T, alpha=-(1 - mu)))
             x = _oriented(kernels.decoupled_decay_(local(x), lr, wd), b.lay)
-            x.addmm_(P[j], Q[j].T, alpha=-lr * scale)  # X −= η sqrt(m/n) P Qᵀ
+            self._products.addmm_(x, P[j], Q[j].T, alpha=-lr * scale)  # X −= η sqrt(m/n) P Qᵀ
 
     def _scalar_task(self, scalars: list) -> Task:
         """The scalar parameters' gradient mean over R, then their AdamW/Lion steps. Two R collectives

@@ -26,7 +26,7 @@ from torch import Tensor
 __all__ = [
     "decoupled_decay_", "descend_", "ema_", "ema_sq_", "heavy_ball_", "quasi_hyperbolic",
     "adam_denominator", "adamw_", "qh_adamw_", "adam_direction_", "lion_", "sgdm_", "adopt_",
-    "adamw_multi_", "qh_adamw_multi_", "sgdm_multi_", "adopt_multi_",
+    "adamw_multi_", "qh_adamw_multi_", "sgdm_multi_", "adopt_multi_", "is_plain_adam",
 ]
 
 
@@ -244,6 +244,13 @@ def _quasi_hyperbolic_multi(
     return out
 
 
+def is_plain_adam(n_moments: int, omegas: Sequence[float], corrections1: Optional[Sequence[float]] = None) -> bool:
+    """Whether a quasi-hyperbolic Adam step is plain AdamW (one momentum, ω = 1, its own bias
+    correction), which :func:`qh_adamw_multi_` runs as :func:`adamw_multi_` (torch's rounding, and
+    torch's fused kernel where asked)."""
+    return corrections1 is None and n_moments == 1 and omegas[0] == 1.0
+
+
 def qh_adamw_multi_(
     xs: Tensors, gs: Tensors, moments: Sequence[Tensors], vs: Tensors, *, lr: float, betas1: Sequence[float],
     omegas: Sequence[float], beta2: float, eps: float, weight_decay: float, step: float,
@@ -252,7 +259,7 @@ def qh_adamw_multi_(
     """:func:`qh_adamw_` over lists. ``corrections1``: the first momenta's bias corrections when not
     1 − β1_j^t (a momentum whose β changed mid-run, MT-DAO's switch). ``fused``: see
     :func:`adamw_multi_` (one momentum with ω = 1 only)."""
-    if corrections1 is None and len(moments) == 1 and omegas[0] == 1.0:
+    if is_plain_adam(len(moments), omegas, corrections1):
         adamw_multi_(xs, gs, moments[0], vs, lr=lr, beta1=betas1[0], beta2=beta2, eps=eps,
                      weight_decay=weight_decay, step=step, bias_correction=bias_correction, fused=fused)
         return

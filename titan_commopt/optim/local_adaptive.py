@@ -46,7 +46,11 @@ Host synchronizations: none per step in the optimizer itself. The step counter i
 and the norm clip's scale min(1, ρ/‖g‖) stays a device tensor (multiplying by 1.0 is exact). The
 local update runs the multi-tensor kernels (``kernels.*_multi_``) over chunks of parameters: bit for
 bit the single-tensor kernels on CPU; the chunk bounds the temporaries (and, on CPU, keeps the data
-of one chunk in cache across its operations).
+of one chunk in cache across its operations). Where ``[commopt] kernels`` picks Triton (by default on
+a CUDA/ROCm device; decided once at construction) every local step but plain Adam's runs one fused
+kernel per param group and dtype instead (``titan_commopt.fused.adopt``: the clip folded in, each
+tensor read and written once); plain Adam (one momentum, ω = 1) stays on torch's fused AdamW kernel,
+which is one pass already and bit for bit torchtitan's AdamW.
 
 DES-LOC is N = 1, ω = 1 (plain Adam locally); MT-DAO the general case. Base algorithms:
 
@@ -124,6 +128,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from titan_commopt import comm
+from titan_commopt.fused import use_triton
 from titan_commopt.options import ConfigError, option, resolve_auto_period
 from titan_commopt.topology import R, S, T, Topology
 
@@ -382,6 +387,18 @@ def _local_update(cfg: Config) -> LocalUpdate:
     return update
 
 
+def _fused_local_update(cfg: Config) -> Callable[..., None]:
+    """:func:`_local_update` with the optimizer's clip, as one Triton kernel (``fused/adopt.py``);
+    ``scale`` is the norm clip's min(1, ρ/‖g‖)."""
+    from titan_commopt.fused.adopt import local_adaptive_  # Triton is imported only where it runs
+
+    def update(xs, gs, moments, vs, group, hp, n, corrections, scale):
+        local_adaptive_(xs, gs, moments, vs, base=cfg.base, **hp, beta2=group["beta2"], eps=group["eps"], step=n,
+                        bias_correction=cfg.bias_correction, corrections1=corrections, adopt_clip=cfg.adopt_clip,
+                        clip=cfg.clip, clip_threshold=cfg.clip_threshold, clip_scale=scale)
+    return update
+
+
 GradientClip = Callable[[list[torch.Tensor], Optional[torch.Tensor]], list[torch.Tensor]]
 
 
@@ -475,6 +492,7 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
         self._base_beta1 = float(hp.beta1)  # u_0's β before the switch
         self._corrects_switch = cfg.base == "adam" and cfg.bias_correction
         self._local_update = _local_update(cfg)
+        self._base = cfg.base
         self._has_v = cfg.base != "sgdm"
         self._clip = _gradient_clip(cfg)
         self._clip_by_norm = cfg.clip == "norm"
@@ -499,6 +517,16 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
                     self._init_state(p, len(group["betas1"]))
                     self._params.append((group, p))
         self.schedule = SyncSchedule(self.periods, [p.numel() for _, p in self._params], cfg.fragments)
+        # [commopt] kernels, decided once: the fused Triton update (fused/adopt.py) for every local step
+        # but plain Adam's, which torch's fused AdamW kernel already makes in one pass.
+        self._fused_update = (
+            _fused_local_update(cfg) if use_triton(options.kernels, {local(p).device for _, p in self._params})
+            else None
+        )
+        if self._fused_update is not None:
+            from titan_commopt.fused.adopt import takes  # Triton is imported only where it runs
+
+            self._fused_takes = takes
 
     # ---- hooks the torchtitan adapter reads (titan/adapter/container.py, state.py) ------------------------
     @property
@@ -582,30 +610,38 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
                 row.append(local(state["exp_avg_sq"]))
             by_group.setdefault(id(group), (group, []))[1].append(row)
         for group, rows in by_group.values():
-            limit = _CHUNK.get(rows[0][0].device.type, _DEFAULT_CHUNK)
+            hp, corrections = self._hparams(group, n)
+            fused = self._fused_update is not None and not (
+                self._base == "adam" and kernels.is_plain_adam(len(hp["betas1"]), hp["omegas"], corrections)
+            ) and self._fused_takes(rows)  # float64 stays on torch
+            # the fused kernel makes no temporaries: one launch for the whole group, its clip folded in
+            limit = math.inf if fused else _CHUNK.get(rows[0][0].device.type, _DEFAULT_CHUNK)
             for chunk in _chunks(rows, limit):
                 cols = [list(col) for col in zip(*chunk)]
+                nm = len(hp["betas1"])
+                xs, gs, moments, vs = cols[0], cols[1], cols[2 : 2 + nm], cols[-1] if self._has_v else None
+                if fused:
+                    self._fused_update(xs, gs, moments, vs, group, hp, n, corrections, scale)
+                    continue
                 if self._clip is not None:
-                    cols[1] = self._clip(cols[1], scale)
-                self._update(group, cols, n)
+                    gs = self._clip(gs, scale)
+                self._local_update(xs, gs, moments, vs, group, hp, n, corrections)
         self._sync(n)
         return loss
 
-    def _update(self, group: dict, cols: list[list[torch.Tensor]], n: int) -> None:
-        """One local step: ``cols`` = [xs, gs, u_0s, …, u_{N−1}s(, vs)] of some parameters of ``group``."""
-        nm = len(group["betas1"])
-        xs, gs, moments, vs = cols[0], cols[1], cols[2 : 2 + nm], cols[2 + nm] if self._has_v else None
+    def _hparams(self, group: dict, n: int) -> tuple[dict, Optional[list[float]]]:
+        """This update's lr, betas1, omegas, weight_decay of ``group`` and the first momenta's bias
+        corrections (``None``: 1 − β1_j^n): MT-DAO's switch decides which momenta step with which β."""
         betas1, omegas, corrections = group["betas1"], group["omegas"], None
         k = self.switch_at
         if n <= k:  # before MT-DAO's switch: the plain base optimizer on u_0 (the other u_j stay 0)
-            betas1, omegas, moments = (self._base_beta1,), (1.0,), moments[:1]
+            betas1, omegas = (self._base_beta1,), (1.0,)
         elif k > 0 and self._corrects_switch:
             # The weight each EMA has gathered: u_0 was built with the base β for k updates, then β1_0
             # (1 − β^k·β1_0^(n−k)); u_j (j ≥ 1) started at zero at the switch (1 − β1_j^(n−k)).
-            carried = [self._base_beta1**k] + [1.0] * (nm - 1)
+            carried = [self._base_beta1**k] + [1.0] * (len(betas1) - 1)
             corrections = [1 - c * b ** (n - k) for c, b in zip(carried, betas1)]
-        hp = dict(lr=group["lr"], betas1=betas1, omegas=omegas, weight_decay=group["weight_decay"])
-        self._local_update(xs, gs, moments, vs, group, hp, n, corrections)
+        return dict(lr=group["lr"], betas1=betas1, omegas=omegas, weight_decay=group["weight_decay"]), corrections
 
     # ---- the R syncs (local_sync.py) -------------------------------------------------------------
     def _sync(self, n: int) -> None:
