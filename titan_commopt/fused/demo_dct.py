@@ -37,6 +37,11 @@ def _tile(c: int) -> int:
     return max(16, triton.next_power_of_2(c))
 
 
+def _warps(t0: int, t1: int) -> int:
+    """Warps per chunk: a 64 × 64 fp32 tile and its products fill 4 warps' registers twice over."""
+    return 8 if t0 * t1 >= 4096 else 4
+
+
 @triton.jit
 def _encode_kernel(x_ptr, b0_ptr, b1_ptr, m_ptr, val_ptr, idx_ptr, rest, n1, beta, lam,
                    C0: tl.constexpr, C1: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, K: tl.constexpr,
@@ -150,7 +155,7 @@ def encode(chunker, xs, k: int, values: torch.Tensor, indices: torch.Tensor,
         m = momentum[i * n: (i + 1) * n] if momentum is not None else values  # (unused without momentum)
         _encode_kernel[(n,)](x, b0, b1, m, values[i * n: (i + 1) * n], indices[i * n: (i + 1) * n], rest, n1,
                              float(beta), float(lam), C0=c0, C1=c1, T0=_tile(c0), T1=_tile(c1), K=k,
-                             MOMENTUM=momentum is not None, PRECISION=precision)
+                             MOMENTUM=momentum is not None, PRECISION=precision, num_warps=_warps(_tile(c0), _tile(c1)))
 
 
 def decode(chunker, values: torch.Tensor, indices: torch.Tensor, params, lrs, weight_decays,
@@ -179,7 +184,7 @@ def decode(chunker, values: torch.Tensor, indices: torch.Tensor, params, lrs, we
         _decode_kernel[(n,)](values[:, span], indices[:, span], weights[:, span], dense[cells], count[cells], b0, b1,
                              p, W, rows * k, rest, n1, float(lr), 1.0 - lr * wd, C0=c0, C1=c1, T0=_tile(c0),
                              T1=_tile(c1), K=k, TK=triton.next_power_of_2(k), MEAN_SELECTED=selected is not None,
-                             SIGN=sign, DECAY=wd != 0, PRECISION=precision)
+                             SIGN=sign, DECAY=wd != 0, PRECISION=precision, num_warps=_warps(_tile(c0), _tile(c1)))
 
 
 def _scratch(buf: torch.Tensor | None, n: int, device) -> torch.Tensor:

@@ -38,6 +38,12 @@ then two matrix products; a sparse inverse was measured slower on CPU). Shards o
 batched: one transform, one top-k, one packing per shape group, written straight into the fused send
 buffer. The step reads no tensor value on the host (per-parameter step counts are Python ints).
 
+``[commopt] kernels``: where it runs Triton (chosen once at construction, :func:`fused_of`), the DCT
+replicator's send side — transform, momentum, top-k, eq. 8 — is one kernel pass per chunk and its
+receive side — the replica-order sum, the inverse, φ (sign / identity), eq. 7 — another
+(``titan_commopt.fused.demo_dct``); the codecs still pack and unpack. The other replicators, and the
+receive side of ``rule = "muon"``, stay on torch.
+
 ``overlap``: step t's exchange (a task of the optimizer's ``runtime``, see ``titan_commopt.overlap``)
 is left parked at its all-gather at the end of ``step()`` and completed — its update applied — at the
 start of step t+1's (after that step's forward/backward, which it overlaps), so parameters are
