@@ -3,7 +3,8 @@
 
 ``TRITON_INTERPRET=1`` must be set when ``triton.jit`` decorates the kernels (at the import of
 ``fused.demo_dct``, which only the optimizers import, and only where Triton runs): the fixture sets it
-first and checks that the kernels it gets are the interpreter's. Tolerances: the transforms differ from
+first and checks that the kernels it gets are the interpreter's. Where a GPU is present (and the
+interpreter is not asked for) the kernel tests run compiled, on the GPU. Tolerances: the transforms differ from
 torch's matmuls by fp32 round-off (a few ulps of the chunk's largest coefficient); everything else
 (the selection, eq. 8, the replica-order sum, φ = sign) is compared exactly.
 """
@@ -28,14 +29,24 @@ from tests.dist_utils import run_distributed
 SHAPES = [((128, 96), 64), ((64, 2, 8), 32), ((7, 30), 8), ((48,), 32), ((31,), 8), ((12, 10), 4)]
 
 
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+
 @pytest.fixture
 def kernels(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    """``fused.demo_dct``, with the tensors the test makes on its device (the GPU, or the CPU under
+    Triton's interpreter)."""
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     module = importlib.import_module("titan_commopt.fused.demo_dct")
-    from triton.runtime.interpreter import InterpretedFunction
+    if not ON_GPU:
+        from triton.runtime.interpreter import InterpretedFunction
 
-    assert isinstance(module._encode_kernel, InterpretedFunction), "imported before TRITON_INTERPRET was set"
-    return module
+        assert isinstance(module._encode_kernel, InterpretedFunction), "imported before TRITON_INTERPRET was set"
+    torch.set_default_device(DEVICE)
+    yield module
+    torch.set_default_device(None)
 
 
 def _rows(ch, G):
@@ -65,7 +76,7 @@ def _sorted(vals, idx):
                                               (16, False, torch.float32)])
 def test_encode_equals_torch(kernels, shape, s, k, momentum, dtype):
     torch.manual_seed(0)
-    ch, G = Chunker(shape, s), 2
+    ch, G = Chunker(shape, s, device=DEVICE), 2
     k = min(k, ch.L)
     xs = [torch.randn(shape).to(dtype) for _ in range(G)]
     m0 = torch.randn(_rows(ch, G), ch.L) if momentum else None
@@ -87,7 +98,7 @@ def test_encode_equals_torch(kernels, shape, s, k, momentum, dtype):
 def test_encode_ties_take_the_smallest_position_and_keep_the_sum(kernels):
     """A zero gradient with β = 1 puts the momentum itself through top-k (the DCT of zeros is zeros):
     a chunk with a tie at the k-th magnitude, and one with fewer non-zeros than k."""
-    ch, k = Chunker((4, 4), 4), 4
+    ch, k = Chunker((4, 4), 4, device=DEVICE), 4
     x = torch.zeros(4, 4)
     chosen = []
     for row in ([3.0, -2, 2, 0, -2, 1, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0.5],
@@ -124,10 +135,10 @@ def _torch_decode(ch, vals, idx, ps, lr, wd, sign, selected=None):
 def _received(ch, W, G, k, seed):
     g = torch.Generator().manual_seed(seed)
     rows = _rows(ch, G)
-    idx = torch.stack([torch.rand(rows, ch.L, generator=g).argsort(-1)[:, :k] for _ in range(W)])
+    idx = torch.stack([torch.rand(rows, ch.L, generator=g, device="cpu").argsort(-1)[:, :k] for _ in range(W)])
     # magnitudes far apart, so the sum's order shows in its bits
-    vals = torch.randn(W, rows, k, generator=g) * torch.logspace(-3, 3, W).view(W, 1, 1)
-    return vals, idx
+    vals = torch.randn(W, rows, k, generator=g, device="cpu") * torch.logspace(-3, 3, W, device="cpu").view(W, 1, 1)
+    return vals.to(DEVICE), idx.to(DEVICE)
 
 
 @pytest.mark.parametrize("shape,s", SHAPES)
@@ -136,7 +147,7 @@ def _received(ch, W, G, k, seed):
                                                           (1, False, False, torch.bfloat16, 0.1)])
 def test_decode_equals_torch(kernels, shape, s, W, sign, mean_selected, dtype, wd):
     torch.manual_seed(1)
-    ch, G, lr = Chunker(shape, s), 2, 0.05
+    ch, G, lr = Chunker(shape, s, device=DEVICE), 2, 0.05
     k = min(4, ch.L)
     vals, idx = _received(ch, W, G, k, seed=2)
     selected = (torch.rand(vals.shape) > 0.3).float() if mean_selected else None
