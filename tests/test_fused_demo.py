@@ -9,7 +9,6 @@ torch's matmuls by fp32 round-off (a few ulps of the chunk's largest coefficient
 (the selection, eq. 8, the replica-order sum, φ = sign) is compared exactly.
 """
 
-import dataclasses
 import importlib
 import os
 
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 from titan_commopt.compress.dct import Chunker, accumulate_chunks_, scatter_chunks, topk_per_chunk
-from titan_commopt.optim import demo, make, resolve
+from titan_commopt.optim import demo, make
 from titan_commopt.optim.common import BaseHParams
 from titan_commopt.options import ConfigError
 from titan_commopt.topology import Topology
