@@ -176,15 +176,15 @@ def test_triton_on_cpu_without_the_interpreter_is_one_clear_line(monkeypatch):
 
 # ---- end to end: DeMo built with kernels = "triton" vs "torch", two gloo replicas ------------------------
 E2E_STEPS = 2
-E2E = {  # name -> (preset, options)
+E2E = {  # name -> (preset, options); the variants on FlexDeMo's 32 × 32 chunks (the interpreter is slow)
     "DeMo": ("DeMo", dict(transfer_dtype="fp32")),
     "FlexDeMo": ("FlexDeMo", dict()),
-    "identity_mean_selected_packed": ("DeMo", dict(rule="identity", aggregate="mean_selected", wire="packed",
-                                                   momentum_subtraction=0.5, transfer_dtype="fp32")),
+    "identity_mean_selected_packed": ("FlexDeMo", dict(rule="identity", aggregate="mean_selected", wire="packed",
+                                                       momentum_subtraction=0.5, sign_before_sync=False)),
     # identity: at step 1 the direction m̂/(√v̂+ε) is ±1 almost everywhere, whose DCT has near-ties and
     # near-zero sums that φ = sign would turn from round-off into ±η
-    "adamw_base": ("DeMo", dict(base="adamw", rule="identity", transfer_dtype="fp32")),
-    "muon": ("DeMo", dict(rule="muon", transfer_dtype="fp32")),  # the receiving side on torch
+    "adamw_base": ("FlexDeMo", dict(base="adamw", rule="identity", sign_before_sync=False)),
+    "muon": ("FlexDeMo", dict(rule="muon")),  # the receiving side on torch
     "random": ("FlexDeMo", dict(replicator="random")),  # no DCT: torch whatever kernels says
 }
 
