@@ -116,6 +116,15 @@ def test_encode_ties_take_the_smallest_position_and_keep_the_sum(kernels):
     assert chosen[1] == [[3, 11, 0, 1]]  # the two non-zeros, then zeros from position 0
 
 
+def test_encode_selects_nan_first_as_torch_does(kernels):
+    ch, k = Chunker((4, 4), 4, device=DEVICE), 3
+    m0 = torch.tensor([[1.0, 0, 0, 0, 0, float("nan"), 0, 0, 0, 0, 0, 0, 0, 0, 0, -2]])
+    vals, idx = torch.empty(1, k), torch.empty(1, k, dtype=torch.int64)
+    kernels.encode(ch, [torch.zeros(4, 4)], k, vals, idx, momentum=m0.clone(), beta=1.0, lam=1.0)
+    _, ref_idx, _ = _torch_encode(ch, [torch.zeros(4, 4)], k, m0, beta=1.0, lam=1.0)
+    assert idx.tolist() == [[5, 15, 0]] and sorted(ref_idx[0].tolist()) == [0, 5, 15]
+
+
 def _torch_decode(ch, vals, idx, ps, lr, wd, sign, selected=None):
     """What ``Plan.apply`` computes for one group: the dense mean, the inverse, φ, eq. 7."""
     rows = vals.shape[1]

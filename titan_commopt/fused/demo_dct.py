@@ -60,7 +60,8 @@ def _encode_kernel(x_ptr, b0_ptr, b1_ptr, m_ptr, val_ptr, idx_ptr, rest, n1, bet
     row = chunk * (C0 * C1)
     if MOMENTUM:  # eq. 2 in the coefficient domain: m ← β·m + DCT(g)
         c = c + beta * tl.load(m_ptr + row + pos, mask=inside, other=0.0)
-    mag = tl.where(inside, tl.abs(c), -1.0)
+    # NaN counts as the largest magnitude, as in torch.topk (and every round then finds a position)
+    mag = tl.where(inside, tl.where(c != c, float("inf"), tl.abs(c)), -1.0)
     for j in range(K):  # k rounds of max-and-mask: the largest magnitude, ties to the smallest position
         best = tl.max(tl.max(mag, 1), 0)
         at = tl.min(tl.min(tl.where(mag == best, pos, C0 * C1), 1), 0)
