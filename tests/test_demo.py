@@ -10,6 +10,7 @@ gradient directly (loss = mean over the replica's 2 local batches of equal size)
 
 import contextlib
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -42,6 +43,10 @@ CONFIGS = {
     # the compact wire (Elias–Fano indices, 1-bit signs): the same selection, so bit-identical parameters
     "demo_compact": dict(wire="compact"),
     "demo_sign_before_sync_compact": dict(sign_before_sync=True, chunk=4, topk=3, wire="compact"),
+    # [commopt] kernels = "triton": the DCT replicator's kernels (Triton's interpreter on these CPU shards)
+    "demo_triton": dict(kernels="triton"),
+    "demo_sign_before_sync_overlap_triton": dict(sign_before_sync=True, chunk=4, topk=3, rule="sign", overlap=True,
+                                                 kernels="triton"),
     # degenerate cases with torch.optim.SGD as the reference (no weight decay: SGD's is not decoupled)
     "sgd_all_kept_lambda1": dict(topk=64, momentum_subtraction=1.0, wd=0.0),
     "sgdm_all_kept_lambda0": dict(topk=64, momentum_subtraction=0.0, wd=0.0),
@@ -52,6 +57,7 @@ CONFIGS = {
 def _cfg(name):
     kw = dict(CONFIGS[name])
     kw.pop("wd", None)
+    kw.pop("kernels", None)
     return dataclasses.replace(demo.Config(), **{**BASE, **kw})
 
 
@@ -79,6 +85,8 @@ def _hsdp_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    os.environ["TRITON_INTERPRET"] = "1"  # before DeMo imports its kernels: "triton" runs on CPU shards
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "fsdp"))
     topo = Topology.from_mesh(mesh, grad_scale=0.5)
     r, j = rank // 2, rank % 2
@@ -91,7 +99,8 @@ def _hsdp_worker(rank, world):
         model.set_gradient_divide_factor(1.0)  # torchtitan's setting; force-sum alone still divides by S
         cfg = _cfg(name)
         named = list(model.named_parameters())
-        resolved = resolve("FlexDeMo", dataclasses.asdict(cfg), BaseHParams(lr=LR, weight_decay=_wd(name)))
+        resolved = resolve("FlexDeMo", dataclasses.asdict(cfg), BaseHParams(lr=LR, weight_decay=_wd(name)),
+                           kernels=CONFIGS[name].get("kernels", "auto"))
         ledger = comm.CommLedger()
         opt = demo.DeMo(named, topo, resolved, ledger=ledger)
         sent = []
@@ -106,6 +115,7 @@ def _hsdp_worker(rank, world):
         assert ledger.end_step().get("R_sent", 0.0) == 0.0
         in_flight.append(opt.metrics().get("updates_in_flight"))
         shards = [ShardShape.of(n, p) for n, p in named]
+        assert (opt.fused is not None) == (CONFIGS[name].get("kernels") == "triton")
         out[name] = dict(
             params={n: local(p).detach().clone() for n, p in named},
             sent=sent, formula=demo.demo_r_bytes(shards, resolved, 2),

@@ -86,7 +86,8 @@ class DeMoReplicator(Replicator):
     :meth:`select` (top-k of chunk-major coefficients ``(G·n_chunks, L)``), :meth:`write` (values and
     indices into two ``uint8`` regions of the send buffer, ``(G, value_bytes)`` and ``(G, index_bytes)``:
     each shard's bytes are exactly what ``extract`` sends) and :meth:`mean_coefficients` (every
-    replica's bytes → the dense mean, chunk-major, no loop over replicas).
+    replica's bytes → the dense mean, chunk-major, no loop over replicas; :meth:`received` stops
+    before the sum, for a kernel that sums inside its inverse transform).
 
     ``wire``: ``packed`` writes values with ``value_codec`` and indices with ``packing.IndexCodec``;
     ``compact`` (only with ``pack``) writes each chunk's selection with ``packing.CompactCodec`` —
@@ -131,14 +132,15 @@ class DeMoReplicator(Replicator):
         self.value_codec.encode_into(values.view(G, self.n_values), value_out)
         index_out.copy_(self.index_codec.encode(idx.view(G, self.n_values)))
 
-    def mean_coefficients(self, value_data: torch.Tensor, index_data: torch.Tensor,
-                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def received(self, value_data: torch.Tensor,
+                 index_data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """``value_data`` ``(W, G, value_bytes)`` and ``index_data`` ``(W, G, index_bytes)``: every replica's
-        bytes (own included, replica order) → the dense mean coefficients, chunk-major
-        ``(G·n_chunks, L)`` (written into ``out`` when given). Replicas are summed in replica order
-        per coefficient (``dct.accumulate_chunks_``): every rank computes the same bits."""
+        bytes (own included, replica order) → the pairs to sum per coefficient, ``(values, indices,
+        selected)``, each ``(W, G·n_chunks, k)``: with the plain mean (eq. 6) the values come divided by
+        ``W``; with ``mean_selected`` they come whole and ``selected`` (float32) is 1 where a pair is a
+        selection (the sum is divided by the sum of ``selected`` per coefficient), else ``None``."""
         W, G = value_data.shape[:2]
-        n, k, L = self.n_values, self.k, self.chunker.L
+        n, k = self.n_values, self.k
         rows = G * self.chunker.n_chunks
         sent = None  # which decoded pairs are selections (None: all)
         if self.compact is None:
@@ -147,15 +149,25 @@ class DeMoReplicator(Replicator):
         else:
             vals, idx, sent = self.compact.decode(value_data, index_data, self.chunker.n_chunks)
             vals, idx = vals.view(W, rows, k), idx.view(W, rows, k)
+        if not self.mean_selected:
+            return vals / W, idx, None
+        return vals, idx, torch.ones_like(vals) if sent is None else sent.view(W, rows, k).to(vals.dtype)
+
+    def mean_coefficients(self, value_data: torch.Tensor, index_data: torch.Tensor,
+                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Every replica's bytes (as :meth:`received` takes them) → the dense mean coefficients,
+        chunk-major ``(G·n_chunks, L)`` (written into ``out`` when given). Replicas are summed in
+        replica order per coefficient (``dct.accumulate_chunks_``): every rank computes the same bits."""
+        vals, idx, selected = self.received(value_data, index_data)
+        rows, L = vals.shape[1], self.chunker.L
         if out is None:
             dense = torch.zeros(rows, L, device=value_data.device)
         else:
             dense = out.view(-1)[: rows * L].view(rows, L).zero_()
-        if not self.mean_selected:
-            return accumulate_chunks_(dense, idx, vals / W)
         accumulate_chunks_(dense, idx, vals)
-        ones = torch.ones_like(vals) if sent is None else sent.view(W, rows, k).to(vals.dtype)
-        count = accumulate_chunks_(torch.zeros_like(dense), idx, ones)
+        if selected is None:
+            return dense
+        count = accumulate_chunks_(torch.zeros_like(dense), idx, selected)
         return dense.div_(count.clamp_min_(1))
 
     # ---- one shard ----------------------------------------------------------------------------------

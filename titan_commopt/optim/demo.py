@@ -38,6 +38,12 @@ then two matrix products; a sparse inverse was measured slower on CPU). Shards o
 batched: one transform, one top-k, one packing per shape group, written straight into the fused send
 buffer. The step reads no tensor value on the host (per-parameter step counts are Python ints).
 
+``[commopt] kernels``: where it runs Triton (chosen once at construction, :func:`fused_of`), the DCT
+replicator's send side — transform, momentum, top-k, eq. 8 — is one kernel pass per chunk and its
+receive side — the replica-order sum, the inverse, φ (sign / identity), eq. 7 — another
+(``titan_commopt.fused.demo_dct``); the codecs still pack and unpack. The other replicators, and the
+receive side of ``rule = "muon"``, stay on torch.
+
 ``overlap``: step t's exchange (a task of the optimizer's ``runtime``, see ``titan_commopt.overlap``)
 is left parked at its all-gather at the end of ``step()`` and completed — its update applied — at the
 start of step t+1's (after that step's forward/backward, which it overlaps), so parameters are
@@ -59,6 +65,7 @@ import torch
 from titan_commopt import comm
 from titan_commopt.compress.dct import Chunker
 from titan_commopt.compress.replicators import KINDS, WIRES, Replicator, make_replicator, period_of
+from titan_commopt.fused import use_triton
 from titan_commopt.options import option
 from titan_commopt.overlap import Task
 from titan_commopt.topology import R, Topology
@@ -67,7 +74,7 @@ from . import kernels
 from .base import CommOptimizer
 from .base import named_params as named_params_of
 from .common import LR_SCALE_HELP, BaseHParams, local, replica_grad
-from .demo_plan import Phi, Plan, Rules, descend_shard
+from .demo_plan import Fused, Phi, Plan, Rules, descend_shard
 from .family import Bytes, Family, Resolved, ShardShape
 from .orthogonalize import newton_schulz
 
@@ -188,6 +195,17 @@ def phi_of(cfg: Config) -> Phi:
     return Phi(_same, _same)
 
 
+def fused_of(cfg: Config, kernels: str, devices: set) -> Optional[Fused]:
+    """The DCT replicator's Triton kernels where ``[commopt] kernels`` runs Triton on ``devices`` (a
+    ``ConfigError`` where it asks for Triton and Triton cannot run, whatever the replicator); the
+    other replicators stay on torch."""
+    if not use_triton(kernels, devices) or cfg.replicator != "demo":
+        return None
+    from titan_commopt.fused import demo_dct  # only where Triton runs: its kernels are made on import
+
+    return Fused(demo_dct, sign={"sign": True, "identity": False}.get(cfg.rule))
+
+
 def _replica_grad32(p: torch.Tensor, topology: Topology, ledger: comm.CommLedger) -> torch.Tensor:
     return replica_grad(p, topology, ledger=ledger).float()
 
@@ -231,6 +249,8 @@ class DeMo(CommOptimizer):
         self._clock = 0  # step() calls: the runtime's due counts (overlap: an update is due one step later)
         self._plan: Optional[Plan] = None
         self._chunkers64: dict[tuple, Chunker] = {}
+        devices = {local(p).device for group in self.param_groups for p in group["params"]}
+        self.fused = fused_of(cfg, options.kernels, devices)  # decided once: Triton kernels or torch
         logger.info("%s: %s", options.name, topology.describe())  # the options are logged once, resolved
 
     def replicator(self, p: torch.Tensor) -> Replicator:
@@ -305,7 +325,7 @@ class DeMo(CommOptimizer):
     def _plan_for(self, active: list[tuple[torch.Tensor, dict]]) -> Plan:
         key = tuple(id(p) for p, _ in active)
         if self._plan is None or self._plan.key != key:
-            self._plan = Plan(active, self.state, self.replicator, self.coefficient_domain, self._demo)
+            self._plan = Plan(active, self.state, self.replicator, self.coefficient_domain, self._demo, self.fused)
         return self._plan
 
     # ---- checkpoints ---------------------------------------------------------------------------------

@@ -11,6 +11,10 @@ DeMo replicator: shards are grouped by (local shape, device, β, λ) — each gr
 top-k, one packing. The send buffer holds every group's values first, then every group's indices
 (float values stay aligned, and each shard's segment sizes are exactly its ``payload_bytes``).
 Other replicators (random, striding, diloco, full) work on each flat shard in turn.
+
+With :class:`Fused` (``[commopt] kernels`` chose Triton) a DeMo group's transform, momentum, top-k and
+eq. 8 run in one kernel pass per chunk (``fused.demo_dct.encode``) and its received pairs, the
+inverse, φ and eq. 7 in another (``fused.demo_dct.decode``); packing and unpacking stay the codecs'.
 """
 
 import math
@@ -25,7 +29,7 @@ from titan_commopt.compress.replicators import DeMoReplicator, Replicator
 from . import kernels
 from .common import local
 
-__all__ = ["Phi", "Rules", "Plan", "descend_shard", "GROUP_NUMEL"]
+__all__ = ["Phi", "Rules", "Fused", "Plan", "descend_shard", "GROUP_NUMEL"]
 
 GROUP_NUMEL = 1 << 24  # elements per DeMo batch at most: bounds the three scratch buffers (64 MiB each)
 
@@ -53,6 +57,18 @@ class Rules:
     phi: Phi
 
 
+@dataclass(frozen=True)
+class Fused:
+    """The DCT replicator's Triton kernels, chosen once by the optimizer: ``kernels`` is the module
+    ``titan_commopt.fused.demo_dct`` (imported only when Triton runs); ``sign``: φ is sign (``True``),
+    identity (``False``) or not elementwise (``None``, Muon: the receiving side stays on torch);
+    ``precision``: of the kernels' products (``demo_dct.PRECISIONS``)."""
+
+    kernels: Any
+    sign: Optional[bool]
+    precision: str = "ieee"
+
+
 def descend_shard(p: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float,
                   blocks: Optional[Chunker] = None) -> None:
     """Eq. 7 on ``p``'s shard with ``update`` = φ(Q); ``blocks``: ``update`` is in that chunker's
@@ -69,12 +85,15 @@ def descend_shard(p: torch.Tensor, update: torch.Tensor, lr: float, weight_decay
 class _Group:
     """Same-shape shards of the DeMo replicator, transformed, selected and packed as one batch."""
 
-    def __init__(self, members: list, rep: DeMoReplicator, coefficient_domain: bool, device):
+    def __init__(self, members: list, rep: DeMoReplicator, coefficient_domain: bool, device, fused: bool):
         self.members, self.rep = members, rep  # members: [(p, param group, state)]
         self.G = len(members)
         self.rows = self.G * rep.chunker.n_chunks
         self.numel = self.G * rep.chunker.numel
         self.momentum = (torch.zeros(self.rows, rep.chunker.L, device=device) if coefficient_domain else None)
+        # the encode kernel's output: each step's selection, until the codecs have packed it
+        self.selection = ((torch.empty(self.rows, rep.k, device=device),
+                           torch.empty(self.rows, rep.k, dtype=torch.int64, device=device)) if fused else None)
         self.device = device
         self.value_offset = self.index_offset = 0
 
@@ -95,12 +114,13 @@ class Plan:
     the plan adds the DeMo-SGD momentum rows of the coefficient domain); ``replicator``: the
     replicator of a parameter's local shard; ``coefficient_domain``: DeMo-SGD keeps its momentum as
     DCT coefficients (``demo.DeMo``'s docstring); ``demo``: the replicator is DeMo's (DCT top-k,
-    batched by shape), else a flat one."""
+    batched by shape), else a flat one; ``fused``: the DCT replicator's Triton kernels (``None``: torch)."""
 
     def __init__(self, active: list, state: Mapping[torch.Tensor, dict], replicator: Callable[[torch.Tensor], Replicator],
-                 coefficient_domain: bool, demo: bool):
+                 coefficient_domain: bool, demo: bool, fused: Optional[Fused] = None):
         self.key = tuple(id(p) for p, _ in active)
         self.demo = demo
+        self.fused = fused if demo else None
         self.groups: list[_Group] = []
         self.flats: list = []  # (p, param group, state, replicator)
         for p, _ in active:
@@ -118,7 +138,8 @@ class Plan:
             per = max(1, GROUP_NUMEL // max(1, math.prod(shape)))
             for start in range(0, len(members), per):
                 part = members[start: start + per]
-                self.groups.append(_Group(part, replicator(part[0][0]), coefficient_domain, device))
+                self.groups.append(_Group(part, replicator(part[0][0]), coefficient_domain, device,
+                                          self.fused is not None))
         offset = 0
         for grp in self.groups:
             grp.value_offset, offset = offset, offset + grp.G * grp.rep.value_bytes
@@ -154,7 +175,9 @@ class Plan:
         for grp in self.groups:
             rep, ch = grp.rep, grp.rep.chunker
             tmp, out, work = self.scratch[grp.device]
-            if grp.momentum is not None:  # DeMo-SGD: eq. 2 in the coefficient domain, m_dct ← β·m_dct + DCT(g)
+            if self.fused is not None:
+                vals, idx = self._encode_fused(grp, rules, grad, steps)
+            elif grp.momentum is not None:  # DeMo-SGD: eq. 2 in the coefficient domain, m_dct ← β·m_dct + DCT(g)
                 coeffs = ch.blocks_to_chunk_major(ch.forward([grad(p) for p, _, _ in grp.members], out=out, tmp=tmp))
                 beta, lam = grp.members[0][1]["beta"], grp.members[0][1]["lam"]
                 m = grp.momentum
@@ -172,6 +195,19 @@ class Plan:
                       send[grp.index_offset: grp.index_offset + grp.G * rep.index_bytes].view(grp.G, -1))
             groups.append([(p, group["lr"], group["weight_decay"]) for p, group, _ in grp.members])
         return send, Sent(groups, [])
+
+    def _encode_fused(self, grp: _Group, rules: Rules, grad, steps) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch branches of :meth:`_pack_demo` in one kernel pass per chunk (eq. 2, top-k, eq. 8)."""
+        vals, idx = grp.selection
+        if grp.momentum is not None:
+            xs = [grad(p).contiguous() for p, _, _ in grp.members]
+            group = grp.members[0][1]
+            self.fused.kernels.encode(grp.rep.chunker, xs, grp.rep.k, vals, idx, momentum=grp.momentum,
+                                      beta=group["beta"], lam=group["lam"], precision=self.fused.precision)
+        else:
+            xs = [rules.direction(st, group, grad(p), steps[id(p)]).contiguous() for p, group, st in grp.members]
+            self.fused.kernels.encode(grp.rep.chunker, xs, grp.rep.k, vals, idx, precision=self.fused.precision)
+        return vals, idx
 
     def _pack_flat(self, rules: Rules, grad, steps) -> tuple[Optional[torch.Tensor], Sent]:
         sizes = [rep.payload_bytes(steps[id(p)]) for p, _, _, rep in self.flats]  # shapes and step only
@@ -199,6 +235,8 @@ class Plan:
             tmp, out, work = self.scratch[grp.device]
             values = payloads[:, grp.value_offset: grp.value_offset + grp.G * rep.value_bytes].view(W, grp.G, -1)
             indices = payloads[:, grp.index_offset: grp.index_offset + grp.G * rep.index_bytes].view(W, grp.G, -1)
+            if self._decode_fused(grp, members, values, indices):
+                continue
             dense = rep.mean_coefficients(values, indices, out=work)  # eq. 6, chunk-major
             Q = ch.inverse(dense, out=out, tmp=tmp)  # (rows, L) chunk-major, parameter domain
             if phi.batch_ is not None:
@@ -221,3 +259,20 @@ class Plan:
                 torch._foreach_add_(xs, us, alpha=-lr)
         for p, rep, t, offset, n, lr, wd in sent.flats:
             descend_shard(p, phi.shard(rep.aggregate(payloads[:, offset: offset + n], t)), lr, wd)
+
+    def _decode_fused(self, grp: _Group, members: list, values: torch.Tensor, indices: torch.Tensor) -> bool:
+        """The receiving side of one group in one kernel pass per chunk (the sum over replicas in
+        replica order, eq. 6, the inverse, φ, eq. 7), where the kernel can: φ elementwise and every
+        shard contiguous. ``False``: the caller runs the torch path."""
+        fused = self.fused
+        if fused is None or fused.sign is None:
+            return False
+        shards = [local(p) for p, _, _ in members]
+        if not all(x.is_contiguous() for x in shards):
+            return False
+        vals, idx, selected = grp.rep.received(values, indices)
+        tmp, out, work = self.scratch[grp.device]
+        fused.kernels.decode(grp.rep.chunker, vals, idx, shards, [lr for _, lr, _ in members],
+                             [wd for _, _, wd in members], fused.sign, selected=selected, dense=work,
+                             count=tmp if selected is not None else None, precision=fused.precision)
+        return True
