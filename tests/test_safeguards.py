@@ -48,14 +48,6 @@ def _nonfinite(rank, world_size, on_nonfinite):
     return {"skipped": container.skipped_steps, "unchanged": skipped_equal, "moved": moved}
 
 
-def test_nan_on_one_rank_every_rank_skips():
-    for out in run_distributed(_nonfinite, 4, "skip"):
-        assert out == {"skipped": 1, "unchanged": True, "moved": True}
-
-
-def test_nan_on_one_rank_stop_stops_everyone():
-    for out in run_distributed(_nonfinite, 4, "stop"):
-        assert "non-finite gradient at optimizer step 1" in out["raised"] and out["status"] == 1
 
 
 def _drift(rank, world_size):
@@ -77,8 +69,32 @@ def _drift(rank, world_size):
     return None
 
 
-def test_drift_stops_every_rank_naming_the_parameter():
-    out = run_distributed(_drift, 4)
+def _four_rank_rules(rank, world_size):
+    """Every 2 x 2 scenario above in one spawn (each builds its own container on a fresh mesh)."""
+    return {
+        "skip": _nonfinite(rank, world_size, "skip"),
+        "stop": _nonfinite(rank, world_size, "stop"),
+        "drift": _drift(rank, world_size),
+    }
+
+
+@pytest.fixture(scope="module")
+def four_rank_results():
+    return run_distributed(_four_rank_rules, 4)
+
+
+def test_nan_on_one_rank_every_rank_skips(four_rank_results):
+    for out in four_rank_results:
+        assert out["skip"] == {"skipped": 1, "unchanged": True, "moved": True}
+
+
+def test_nan_on_one_rank_stop_stops_everyone(four_rank_results):
+    for out in four_rank_results:
+        assert "non-finite gradient at optimizer step 1" in out["stop"]["raised"] and out["stop"]["status"] == 1
+
+
+def test_drift_stops_every_rank_naming_the_parameter(four_rank_results):
+    out = [rank["drift"] for rank in four_rank_results]
     # Only shard 0's R group (ranks {0, 2}) sees the drift; every rank stops alike, with its finding.
     assert len(set(out)) == 1 and out[0] is not None, out
     message, status = out[0]
