@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.titan_utils import CONFIG, LOSS_LINE, ROOT, losses, run_train
+from tests.titan_utils import CONFIG, LOSS_LINE, ROOT, assert_ledger_is_the_comm_report, losses, run_train
 
 
 def test_hsdp_adamw_equals_stock_spec(tmp_path):
@@ -24,6 +24,7 @@ def test_hsdp_adamw_equals_stock_spec(tmp_path):
     assert [v for _, v in ours_tb["comm/R_ratio_vs_adamw_hsdp"]] == [1.0] * 6
     assert ours_tb["comm/R_sent_bytes_total"][-1][1] == pytest.approx(6 * r_sent[0])
     assert ours_tb["comm/S_bytes"][-1][1] > 0
+    assert_ledger_is_the_comm_report(ours_tb, "AdamW", 6)
     # The console shows R bytes next to the loss.
     assert len(LOSS_LINE.findall(ours.stdout)) == 6
 

@@ -1,6 +1,7 @@
-"""Every registered optimizer through torchtitan's Trainer on a 2x2 HSDP mesh and on 2 replicas x 2-way
+"""Every optimizer family through torchtitan's Trainer on a 2x2 HSDP mesh and on 2 replicas x 2-way
 tensor parallelism (4 CPU processes each): R left to the optimizer (FSDP2 over fsdp only), loss goes
-down, replicas checked every step where they must agree, and R bytes below AdamW-HSDP's."""
+down, R bytes below AdamW-HSDP's; on HSDP the ledger's R and S bytes per step equal the comm report's
+formulas, on R x TP the replicas are checked every step where they must agree."""
 
 import json
 import math
@@ -8,7 +9,8 @@ import math
 import pytest
 
 from titan_commopt.optim import available_names, family_of, resolve
-from tests.titan_utils import losses, read_texts, run_train
+from scripts._bench_common import cli_overrides
+from tests.titan_utils import assert_ledger_is_the_comm_report, losses, read_texts, run_train
 
 # Each family on each mesh, and each base step of a family on one of them (the presets' numbers are
 # the equivalence tests' business; a launch here costs ~15 s of CI): every name runs through
@@ -16,14 +18,14 @@ from tests.titan_utils import losses, read_texts, run_train
 HSDP_NAMES = ["DeMo", "FlexDeMo", "DES-LOC", "MT-DAO", "Dion", "SparseLoCo"]
 TP_NAMES = ["DeMo", "FlexDeMo", "MT-DAO", "LocalAdam", "DiLoCo", "Dion", "SparseLoCo"]
 LR = {"Dion": "0.02", "DeMo": "0.003", "FlexDeMo": "0.003"}
-# Short runs: sync periods short enough that every kind of sync happens within 8 steps.
+# Short runs: sync periods short enough that every kind of sync happens within 8 steps (8 a multiple of
+# every period, so the R bytes per step equal the comm report's period average).
 EXTRA = {
-    "DES-LOC": ["--commopt.local.Kx", "2", "--commopt.local.Ku", "4", "--commopt.local.Kv", "8"],
-    "MT-DAO": ["--commopt.local.Kx", "4", "--commopt.local.Ku", "4", "--commopt.local.Kv", "4"],
-    "LocalAdam": ["--commopt.local.Kx", "4", "--commopt.local.Ku", "4", "--commopt.local.Kv", "4"],
-    "DiLoCo": ["--commopt.local.Kx", "4"],
-    "SparseLoCo": ["--commopt.sparseloco.H", "4"],
+    "DES-LOC": {"local": {"Kx": 2, "Ku": [4], "Kv": 8}},
+    "MT-DAO": {"local": {"Kx": 4, "Ku": [4], "Kv": 4}},
+    "SparseLoCo": {"sparseloco": {"H": 4}},
 }
+HSDP_STEPS = 8
 
 
 # Presets whose code path a name above already runs through torchtitan on both meshes (same family,
@@ -43,18 +45,18 @@ def test_every_registered_name_is_covered():
 @pytest.mark.parametrize("name", HSDP_NAMES)
 def test_optimizer_trains_through_torchtitan_hsdp(tmp_path, name):
     proc, tb = run_train(
-        tmp_path, 4, "--training.steps", "8", "--parallelism.data_parallel_replicate_degree", "2",
+        tmp_path, 4, "--training.steps", str(HSDP_STEPS), "--parallelism.data_parallel_replicate_degree", "2",
         "--model.flavor", "cpu_tiny", "--optimizer.name", name, "--optimizer.lr", LR.get(name, "0.003"),
-        "--commopt.check_replicas_every", "1", *EXTRA.get(name, []),
+        *cli_overrides(name, EXTRA.get(name, {})),  # no replica check: its fingerprints are R bytes too
     )
     assert "Applied FSDP to the model" in proc.stdout and "Applied HSDP" not in proc.stdout
     values = losses(tb)
-    assert len(values) == 8 and all(math.isfinite(v) for v in values)
+    assert len(values) == HSDP_STEPS and all(math.isfinite(v) for v in values)
     assert values[-1] < values[0]
     ratio = tb["comm/R_ratio_vs_adamw_hsdp"][-1][1]
     assert 0 < ratio < 1, ratio
-    assert tb["comm/R_sent_bytes_total"][-1][1] > 0
     assert tb["commopt/skipped_steps"][-1][1] == 0
+    assert_ledger_is_the_comm_report(tb, name, HSDP_STEPS, EXTRA.get(name))
     # the resolved options, once, as text: what the run trained with and where each value came from
     (text,) = read_texts(tmp_path / "out")["commopt/resolved_options/text_summary"]
     record = json.loads(text.strip("`\n"))
@@ -66,10 +68,10 @@ def test_optimizer_trains_through_torchtitan_hsdp(tmp_path, name):
 # (a Replicate embedding gradient, Partial norm gradients). Periods such that every sync happens in 6 steps
 # while the R payload stays below AdamW's (1/Kx + 1/Ku + 1/Kv < 1).
 EXTRA_TP = {
-    "MT-DAO": ["--commopt.local.Kx", "4", "--commopt.local.Ku", "4", "--commopt.local.Kv", "4"],
-    "LocalAdam": ["--commopt.local.Kx", "4", "--commopt.local.Ku", "4", "--commopt.local.Kv", "4"],
-    "DiLoCo": ["--commopt.local.Kx", "3"],
-    "SparseLoCo": ["--commopt.sparseloco.H", "3"],
+    "MT-DAO": {"local": {"Kx": 4, "Ku": [4], "Kv": 4}},
+    "LocalAdam": {"local": {"Kx": 4, "Ku": [4], "Kv": 4}},
+    "DiLoCo": {"local": {"Kx": 3}},
+    "SparseLoCo": {"sparseloco": {"H": 3}},
 }
 
 
@@ -79,7 +81,8 @@ def test_optimizer_trains_through_torchtitan_replicas_x_tp(tmp_path, name):
     proc, tb = run_train(
         tmp_path, 4, "--training.steps", str(steps), "--parallelism.data_parallel_replicate_degree", "2",
         "--parallelism.tensor_parallel_degree", "2", "--model.flavor", "cpu_tiny", "--optimizer.name", name,
-        "--optimizer.lr", LR.get(name, "0.003"), "--commopt.check_replicas_every", "1", *EXTRA_TP.get(name, []),
+        "--optimizer.lr", LR.get(name, "0.003"), "--commopt.check_replicas_every", "1",
+        *cli_overrides(name, EXTRA_TP.get(name, {})),
     )
     assert "Applied Tensor Parallelism" in proc.stdout and "Applied HSDP" not in proc.stdout
     values = losses(tb)

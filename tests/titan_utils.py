@@ -34,6 +34,25 @@ def run_train(tmp_path, nproc: int, *overrides: str, timeout: int = 600, check: 
     return proc, read_scalars(dump)
 
 
+def assert_ledger_is_the_comm_report(tb: dict, name: str, steps: int, overrides=None) -> None:
+    """The R and S bytes per step a 2 x 2 HSDP run of cpu_tiny logged (``tb``, from :func:`run_train`)
+    equal ``scripts/comm_report.py``'s formulas for that mesh (float32 parameters, as debug_cpu.toml)."""
+    import pytest
+
+    from scripts import comm_report
+
+    (row,) = comm_report.report("cpu_tiny", 2, 2, [name], overrides, param_dtype="float32")
+    r_total = tb["comm/R_sent_bytes_total"][-1]
+    assert r_total[0] == steps and r_total[1] > 0
+    assert r_total[1] / steps == pytest.approx(row["R_sent"], rel=1e-6)
+    assert tb["comm/R_recv_bytes_total"][-1][1] / steps == pytest.approx(row["R_recv"], rel=1e-6)
+    s_per_step = tb["comm/S_bytes_total"][-1][1] / steps
+    if name == "Dion":  # + its own S collectives (distributed orthogonalization): ledger-only, not priced
+        assert s_per_step > row["S_sent"]
+    else:
+        assert s_per_step == pytest.approx(row["S_sent"], rel=1e-6)
+
+
 def other_ranks_stderr(log_dir: Path, chars: int = 3000) -> str:
     """The end of every rank's but rank 0's stderr (torchrun's ``--log-dir`` files): the console
     shows rank 0 alone, and a failure on another rank is otherwise invisible."""
