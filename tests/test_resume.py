@@ -14,11 +14,11 @@ from tests.titan_utils import losses, run_train
 STEPS = ["--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "4",
          "--parallelism.data_parallel_replicate_degree", "2", "--model.flavor", "cpu_tiny"]
 
-# One preset per family plus the baseline (each costs two 4-process runs).
+# One preset per family plus the baseline (each costs two 4-process runs); the local-adaptive family's
+# is DES-LOC with periods short enough to sync within the run, streaming, a fragment in flight.
 CASES = {
     "AdamW": [],
     "FlexDeMo": [],
-    "DES-LOC": [],
     "Dion": ["--optimizer.lr", "0.02"],
     # streaming sync with a fragment in flight at the step-4 checkpoint (merged before saving)
     "DES-LOC streaming": ["--commopt.local.Kx", "4", "--commopt.local.Ku", "4", "--commopt.local.Kv", "4",
@@ -53,8 +53,7 @@ def test_resume_equals_uninterrupted(tmp_path, name):
     # comm/R_sent_bytes_total continues from the checkpoint's total instead of restarting at zero
     total = "comm/R_sent_bytes_total"
     assert sorted(second[total]) == sorted(first[total])[4:]
-    if name != "DES-LOC":  # its preset's first R sync comes after step 8: nothing to continue from
-        assert sorted(first[total])[3][1] > 0
+    assert sorted(first[total])[3][1] > 0
 
 
 def test_resume_with_other_replica_count_fails_clearly(tmp_path):
@@ -284,12 +283,10 @@ def test_refused_resumes_end_the_launchers_output_and_the_shard_degree_may_chang
         return line
 
     # the last step's checkpoint is model-only (torchtitan's default): named, not a DCP missing-key traceback
+    # (every other refusal's line is checked without a launch, by resume_problem, above)
     assert "step-3: it holds no optimizer, lr_scheduler, dataloader, train_state state" in refused()
     shutil.rmtree(checkpoint / "step-3")
-    assert "load_step = 7: " in refused("--checkpoint.load_step", "7")
     assert "dataloader state is for a data-parallel degree" in refused()
-    assert "holds the state of 'FlexDeMo'" in refused("--optimizer.name", "DES-LOC", "--checkpoint.exclude_from_loading",
-                                                      "dataloader")
     proc = _launch(tmp_path, 2, "--training.steps", "4", "--checkpoint.exclude_from_loading", "dataloader")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "Training starts at step 3" in proc.stdout + proc.stderr
