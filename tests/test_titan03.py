@@ -93,7 +93,7 @@ def test_config_module_trains(trained):
     assert len(values) == 4 and all(math.isfinite(v) for v in values) and values[-1] < values[0]
 
 
-@pytest.mark.parametrize("tag", ["comm/R_sent_bytes_total", "comm/S_bytes", "comm/R_ratio_vs_adamw_hsdp"])
+@pytest.mark.parametrize("tag", ["comm/R_sent_bytes_total", "comm/world_bytes_total", "comm/R_ratio_vs_adamw_hsdp"])
 def test_comm_scalars_reach_tensorboard(trained, tag):
     values = trained[1][tag]
     assert len(values) == 4 and values[-1] > 0
