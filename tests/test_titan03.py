@@ -164,8 +164,6 @@ def test_every_family_trains_on_hsdp_and_tp(family_run):
     assert len(values) == 3 and all(math.isfinite(v) for v in values) and values[-1] < values[0], values
     assert tb["comm/R_sent_bytes_total"][-1] > 0  # the optimizer synced R itself
     assert tb["commopt/skipped_steps"][-1] == 0
-    if mesh == "r2_tp2":
-        assert tb["comm/T_bytes"][-1] >= 0
 
 
 # ---- bad input, help, unsupported torchtitan: no process group --------------------------------
