@@ -158,6 +158,11 @@ class CommOptimizers(CommOptimizersContainer):
         names = tuple(getattr(param_mesh, "mesh_dim_names", None) or ())
         hsdp_syncs_r = "dp_replicate" in names and param_mesh["dp_replicate"].size() > 1 and \
             not fsdp.seen.replicate_hidden
+        if owns_r and hsdp_syncs_r and fsdp.seen.calls and fsdp.seen.leave_replicate:
+            refuse(ConfigError(
+                "parallelism.spmd_backend = 'full_dtensor' with data_parallel_replicate_degree > 1: the parameters "
+                "carry dp_replicate in their mesh, so DTensor syncs R before our optimizer does; use "
+                "'partial_dtensor' (or data_parallel_replicate_degree = 1)"))
         if owns_r and hsdp_syncs_r:
             refuse(ConfigError(
                 "optimizer: the model was sharded with FSDP's own R (dp_replicate) sync: make our optimizer's "
