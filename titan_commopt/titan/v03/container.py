@@ -19,7 +19,6 @@ state and the ledger's totals — is the 0.2.2 adapter's container, unchanged
 (``adapter/container.py``): the methods torchtitan 0.3 calls have the same names and meaning.
 """
 
-import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
@@ -29,11 +28,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
 from titan_commopt import comm
-from titan_commopt.optim import (
-    FAMILIES, BaseHParams, Resolved, ShardShape, broadcast_parameters, build_optimizer, family_of,
-    owns_replicate_sync, resolve,
-)
-from titan_commopt.optim.traffic import adamw_hsdp_r_bytes, fsdp_traffic
+from titan_commopt.optim import BaseHParams, Resolved, family_of, owns_replicate_sync, resolve
 from titan_commopt.options import ConfigError, problems
 
 from ..adapter import clipping
@@ -41,6 +36,7 @@ from ..adapter.container import CommOptimizersContainer, Safeguards
 from ..config.section import CommOpt
 from ..platform.stop import stop_run
 from ..shared.mesh import ParameterMeshes, topology_of
+from ..shared.optimizers import build_per_part, byte_estimates, itemsize
 from . import fsdp
 
 __all__ = ["CommOptimizers", "resolve_config", "refuse"]
@@ -82,10 +78,6 @@ def resolve_config(config: "CommOptimizers.Config") -> Optional[Resolved]:
     return resolved
 
 
-def _itemsize(dtype: Any, default: int = 4) -> int:
-    return default if dtype is None else torch.empty((), dtype=dtype).element_size()
-
-
 class CommOptimizers(CommOptimizersContainer):
     """See the module docstring."""
 
@@ -117,8 +109,7 @@ class CommOptimizers(CommOptimizersContainer):
             resolved = resolve_config(config)
         except ConfigError as error:
             refuse(error)
-        named = [[(n, p) for n, p in m.named_parameters() if p.requires_grad] for m in model_parts]
-        first = next((p for part in named for _, p in part), None)
+        first = next((p for m in model_parts for p in m.parameters() if p.requires_grad), None)
         param_mesh = getattr(first, "device_mesh", None)
         owns_r = resolved is not None
         self._check_replicate(param_mesh, owns_r)
@@ -127,26 +118,17 @@ class CommOptimizers(CommOptimizersContainer):
         if resolved is None:
             optimizers = self._stock_optimizers(config, model_parts)
         else:
-            setup = comm.CommLedger()  # the initial broadcast is not a training step's traffic
-            optimizers = []
-            for part in named:
-                broadcast_parameters([p for _, p in part], topology, ledger=setup)
-                optimizers.append(build_optimizer(part, topology, resolved, ledger=ledger))
-        shards = [ShardShape.of(n, p) for part in named for n, p in part]
-        reduce_bytes = _itemsize(fsdp.seen.reduce_dtype)
-        traffic = None
-        if config.commopt.hsdp_estimates:
-            traffic = fsdp_traffic(
-                shards, topology.shard_size, topology.replicate_size,
-                param_bytes=_itemsize(fsdp.seen.param_dtype), reduce_bytes=reduce_bytes,
-                gathers=2 if fsdp.seen.reshard_after_forward is not False else 1, hsdp_r_sync=not owns_r,
-            )
-        commopt = config.commopt
+            optimizers = build_per_part(model_parts, topology, resolved, ledger)
+        seen = fsdp.seen
+        reduce_bytes = itemsize(seen.reduce_dtype or torch.float32)
+        traffic, adamw_reference = byte_estimates(
+            model_parts, topology, enabled=config.commopt.hsdp_estimates,
+            param_bytes=itemsize(seen.param_dtype or torch.float32), reduce_bytes=reduce_bytes,
+            gathers=1 if seen.reshard_after_forward is False else 2, hsdp_r_sync=not owns_r,
+        )
         super().__init__(
             model_parts, optimizers, name=config.name, resolved=resolved, topology=topology, ledger=ledger,
-            fsdp_traffic=traffic, adamw_reference_r_bytes=adamw_hsdp_r_bytes(shards, topology.replicate_size, reduce_bytes).sent,
-            safeguards=Safeguards(on_nonfinite=commopt.on_nonfinite, check_replicas_every=commopt.check_replicas_every,
-                                  max_consecutive_skips=commopt.max_consecutive_skips),
+            fsdp_traffic=traffic, adamw_reference_r_bytes=adamw_reference, safeguards=Safeguards.of(config.commopt),
         )
         if owns_r:
             clipping.install()
