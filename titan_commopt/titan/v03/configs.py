@@ -45,14 +45,17 @@ __all__ = [
 def commopt_optimizer(
     name: str = "FlexDeMo", commopt: Optional[Any] = None, *, lr: float = 8e-4, beta1: float = 0.9,
     beta2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.1, warmup_steps: int = 0,
-    implementation: str = "for-loop",
+    implementation: str = "for-loop", set_keys: tuple[str, ...] = (),
 ) -> CommOptimizers.Config:
     """Optimizer ``name`` (ours, or torchtitan's AdamW/Adam) with ``commopt`` (a ``CommOpt``: the
     ``[commopt]`` options; default: every family's defaults, the name's preset on top) and the
-    ``[optimizer]`` hyper-parameters. Bad values: one line each, exit status 2."""
+    ``[optimizer]`` hyper-parameters. The preset fills the family's keys left at their default,
+    except ``set_keys`` (keys the user set, e.g. a TOML's ``[commopt.<family>]`` keys). Bad values:
+    one line each, exit status 2."""
     return CommOptimizers.Config(
         name=name, commopt=commopt if commopt is not None else CommOpt(), lr=lr, beta1=beta1, beta2=beta2,
         eps=eps, weight_decay=weight_decay, warmup_steps=warmup_steps, implementation=implementation,
+        set_keys=list(set_keys),
     )
 
 

@@ -49,12 +49,13 @@ def refuse(error: ConfigError) -> None:
     stop_run(str(error), BAD_INPUT)
 
 
-def _given(name: str, commopt: Any) -> dict[str, Any]:
-    """The family options that differ from the family's defaults: what the user (or the config
-    function) set; the preset of ``name`` fills the rest."""
+def _given(name: str, commopt: Any, set_keys: list[str]) -> dict[str, Any]:
+    """The family options the user (or the config function) set: those that differ from the
+    family's defaults, and ``set_keys``; the preset of ``name`` fills the rest."""
     family = family_of(name)
     table, defaults = getattr(commopt, family.key), family.options()
-    return {f.name: getattr(table, f.name) for f in fields(table) if getattr(table, f.name) != getattr(defaults, f.name)}
+    return {f.name: getattr(table, f.name) for f in fields(table)
+            if f.name in set_keys or getattr(table, f.name) != getattr(defaults, f.name)}
 
 
 def resolve_config(config: "CommOptimizers.Config") -> Optional[Resolved]:
@@ -70,7 +71,7 @@ def resolve_config(config: "CommOptimizers.Config") -> Optional[Resolved]:
     hparams = BaseHParams(lr=config.lr, beta1=config.beta1, beta2=config.beta2, eps=config.eps,
                           weight_decay=config.weight_decay, warmup_steps=config.warmup_steps)
     try:
-        resolved = resolve(config.name, _given(config.name, config.commopt), hparams, kernels=config.commopt.kernels)
+        resolved = resolve(config.name, _given(config.name, config.commopt, config.set_keys), hparams, kernels=config.commopt.kernels)
     except ConfigError as error:
         found.append(str(error))
     if found:
@@ -96,6 +97,9 @@ class CommOptimizers(CommOptimizersContainer):
         """The LR scheduler's warm-up steps (MT-DAO's switch at the end of warm-up reads it)."""
         commopt: CommOpt = field(default_factory=CommOpt)  # type: ignore[valid-type]
         """The [commopt] options: common ones plus one table per family (--optimizer.commopt.demo.topk 16)."""
+        set_keys: list[str] = field(default_factory=list)
+        """Family option keys set on purpose even where equal to the family default (the preset then
+        does not replace them; a TOML's [commopt.<family>] keys)."""
 
         def __post_init__(self) -> None:
             try:
