@@ -1,4 +1,5 @@
-"""Entry point: torchtitan 0.2.2's own Trainer with titan_commopt plugged in.
+"""Entry point: torchtitan's own Trainer with titan_commopt plugged in (0.2.2, or 0.3 from the same
+TOML: ``titan/v03/runner.py``, docs/toml_on_03.md).
 
     python -m titan_commopt.run --nproc_per_node=2 -m titan_commopt.train --job.config_file train_configs/debug_cpu.toml
 
@@ -39,9 +40,14 @@ def check_config(argv: list[str], world_size: Optional[int] = None) -> Any:
     """The run (``CommoptRun``: the job config parsed once, the keys the user set, the resolved
     optimizer, None for torchtitan's own) made without touching torch.distributed; raises
     ConfigError listing every problem. ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (unset:
-    the mesh is not checked against it)."""
-    import titan_commopt.titan  # noqa: F401  (registers the TrainSpecs and datasets)
+    the mesh is not checked against it). On torchtitan 0.3 the same TOML and command line make a
+    ``TomlRun`` (``titan/v03/toml_config.py``), which also holds 0.3's ``Trainer.Config``."""
+    import titan_commopt.titan  # noqa: F401  (0.2.2: registers the TrainSpecs and datasets)
 
+    if titan_commopt.titan.LINE == "0.3":
+        from .titan.v03.toml_config import TomlRun
+
+        return TomlRun.from_command_line(argv, world_size)
     from .titan.adapter.run_context import CommoptRun
 
     return CommoptRun.from_command_line(argv, world_size)
@@ -88,8 +94,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     from .titan.platform.console import quiet_known_noise
     from .titan.platform.cpu import use_cpu_if_no_accelerator
 
+    import titan_commopt.titan
+
     quiet_known_noise()
-    use_cpu_if_no_accelerator()
+    on_03 = titan_commopt.titan.LINE == "0.3"
+    if not on_03:  # on 0.3 the CPU fixes are part of the run's config (titan/v03/runner.py)
+        use_cpu_if_no_accelerator()
     from titan_commopt.options import ConfigError
 
     try:
@@ -98,6 +108,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         report_config_error(error)
     report_warnings(run)
 
+    if on_03:
+        from .titan.v03.runner import run_toml
+
+        run_toml(run)
+        return
     from .titan.adapter.trainer import run_torchtitan
 
     run_torchtitan(run)
