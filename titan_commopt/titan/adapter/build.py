@@ -19,10 +19,10 @@ from torch import nn
 from titan_commopt import comm
 from titan_commopt.optim import ShardShape, broadcast_parameters, build_optimizer
 from titan_commopt.optim.traffic import adamw_hsdp_r_bytes, fsdp_traffic
-from titan_commopt.topology import Topology
 
 from ..config.resume import check_resume, ledger_saved
 from ..config.section import commopt_of
+from ..shared.mesh import topology_of
 from . import clipping
 from .container import CommOptimizersContainer, Safeguards
 from .run_context import CommoptRun
@@ -30,11 +30,6 @@ from .run_context import CommoptRun
 __all__ = ["build_optimizers", "topology_of", "shard_shapes"]
 
 logger = logging.getLogger(__name__)
-
-def topology_of(parallel_dims: Any) -> Topology:
-    """The one place a torchtitan run's meshes become R/S/T (see ``Topology.from_parallel_dims``)."""
-    return Topology.from_parallel_dims(parallel_dims, sums_over_replicas=True)
-
 
 def shard_shapes(model_parts: list[nn.Module]) -> list[ShardShape]:
     """This rank's trainable parameter shards: what every byte formula reads."""
