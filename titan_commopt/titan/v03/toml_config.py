@@ -13,9 +13,10 @@ What is mapped by hand (:func:`trainer_config`):
 - ``[model] name, flavor``: llama3's flavors by 0.3's model registry; our own (``cpu_tiny``,
   ``cpu_small``, ``100M``, ``300M``, our ``1B``) built with the same builders from their 0.2.2
   shapes (:data:`OUR_FLAVORS`);
-- ``[model] hf_assets_path = "bundled"`` and ``[training] dataset = "commopt_tiny" | "commopt_world"``:
-  the HuggingFace tokenizer and JSON dataset built from the bundled corpus (``v03/assets.py``);
-  the CPU flavors' vocabulary is that tokenizer's;
+- ``[model] hf_assets_path = "bundled"``: the HuggingFace tokenizer built from the bundled corpus
+  (``v03/assets.py``; the CPU flavors' vocabulary is its); the datasets ``commopt_tiny``,
+  ``commopt_world`` and ``textfile`` are registered in 0.3's dataset registry as on 0.2.2
+  (``adapter/data.py``), and read the same text;
 - ``[optimizer]``: AdamW/Adam as 0.3's param group (lr, betas, eps, weight_decay); ours through
   the 0.3 container (``v03/configs.py: commopt_optimizer``) with ``[commopt]`` and the resolved options;
 - ``[activation_checkpoint] mode``: ``none`` → no AC, ``full`` → ``FullAC``, ``selective`` with
@@ -32,7 +33,8 @@ from titan_commopt.options import ConfigError
 
 from ..config.parse import ParsedJob, _field_of, parse_with
 from ..config.sources import user_set_keys
-from ..config.torchtitan_keys import COMMOPT_SPEC
+from ..adapter.data import register_datasets
+from ..config.torchtitan_keys import COMMOPT_SPEC, _dataset_problems
 from ..config.validate import resolve_job, run_warnings
 from .toml_schema import BY_HAND, SECTIONS_GONE, WIRING, Gone, key_of, schema_class
 
@@ -96,9 +98,10 @@ def _given(toml: Mapping[str, Any], args: list[str], cls: type) -> dict[str, tup
         dotted, f, negated = _field_of(cls, key[2:])
         if f is None or dotted.startswith("commopt."):
             continue
-        if not eq:
-            value = "false" if negated else (args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--")
-                                             else "true")
+        if f.type is bool:  # a flag once normalized: --k / --section.no-k
+            value = not negated
+        elif not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
         out[dotted] = (value, f" (from {key})")
     return out
 
@@ -143,12 +146,33 @@ def _bundled(path: Optional[str]) -> bool:
     return (path or "").strip() in ("", BUNDLED_TOKENIZER)
 
 
-def _spec_problems(job_config: Any, lines_needed: int) -> list[str]:
+def _tokenizer_problems(model: Any) -> list[str]:
+    """0.3 reads a HuggingFace tokenizer.json from ``hf_assets_path`` (no SentencePiece .model);
+    ``bundled``: the one built from the bundled corpus. Worded as on 0.2.2 (``torchtitan_keys.py``)."""
     import os
 
-    from ..shared.corpus import BUNDLED
+    path = (model.hf_assets_path or "").strip()
+    if model.name == COMMOPT_SPEC and _bundled(path):
+        return []
+    where = f"[model] hf_assets_path = {model.hf_assets_path!r}"
+    if model.name == COMMOPT_SPEC:
+        allowed = ('allowed is "bundled" (the offline tokenizer) or a directory with tokenizer.json (HuggingFace; '
+                   "torchtitan 0.3 reads no SentencePiece tokenizer.model)")
+        missing = "no such file or directory"
+    else:
+        allowed = f"allowed is a directory with tokenizer.json (model {model.name!r})"
+        missing = "not a directory" if os.path.exists(path) else "no such directory"
+    if not os.path.isdir(path):
+        return [f"{where}: {missing}; {allowed}"]
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return [f"{where}: holds no tokenizer.json; {allowed}"]
+    return []
 
-    model, training, name = job_config.model, job_config.training, job_config.optimizer.name
+
+def _spec_problems(job_config: Any, lines_needed: int) -> list[str]:
+    """0.3's counterpart of ``torchtitan_keys._spec_problems``: model name and flavor, tokenizer,
+    datasets (our bundled and ``textfile`` datasets are registered in 0.3's registry alike)."""
+    model, name = job_config.model, job_config.optimizer.name
     out = []
     if model.name not in MODEL_NAMES:
         out.append(f"[model] name = {model.name!r}: allowed is one of {', '.join(MODEL_NAMES)}")
@@ -159,32 +183,13 @@ def _spec_problems(job_config: Any, lines_needed: int) -> list[str]:
         )
     flavors = _flavors()
     if model.flavor not in flavors:
-        out.append(f"[model] flavor = {model.flavor!r}: allowed is one of {', '.join(flavors)}")
-    if not _bundled(model.hf_assets_path):
-        path = model.hf_assets_path
-        allowed = ('allowed on torchtitan 0.3 is "bundled" (the offline tokenizer) or a directory with '
-                   "tokenizer.json (0.3 reads no SentencePiece .model)")
-        if not os.path.exists(path):
-            out.append(f"[model] hf_assets_path = {path!r}: no such file or directory; {allowed}")
-        elif not os.path.isfile(os.path.join(path, "tokenizer.json")):
-            out.append(f"[model] hf_assets_path = {path!r}: holds no tokenizer.json; {allowed}")
-    sections = [("training", training)] + ([("validation", job_config.validation)] if job_config.validation.enable else [])
-    for section, table in sections:
-        dataset = table.dataset.lower()
-        if dataset in BUNDLED:
-            continue
-        from torchtitan.hf_datasets.text_datasets import DATASETS
-
-        if dataset not in DATASETS:
-            out.append(
-                f"[{section}] dataset = {table.dataset!r}: allowed on torchtitan 0.3 is one of "
-                f"{', '.join(sorted((*BUNDLED, *DATASETS)))} (\"textfile\" has no 0.3 counterpart yet)"
-            )
-            continue
-        path = table.dataset_path or DATASETS[dataset].path
-        if dataset == "c4_test" and not os.path.exists(path):
-            out.append(f"[{section}] dataset_path = {path!r}: {os.path.abspath(path)} does not exist "
-                       f"(torchtitan's {dataset!r} reads it)")
+        out.append(f"[model] flavor = {model.flavor!r}: allowed is one of {', '.join(flavors)} (model {model.name!r})")
+    out += _tokenizer_problems(model)
+    training = job_config.training
+    out += _dataset_problems("training", training.dataset, training.dataset_path, lines_needed)
+    if job_config.validation.enable:
+        validation = job_config.validation
+        out += _dataset_problems("validation", validation.dataset, validation.dataset_path, lines_needed)
     return out
 
 
@@ -203,6 +208,7 @@ class TomlRun:
 
     @classmethod
     def from_command_line(cls, argv: list[str], world_size: Optional[int] = None) -> "TomlRun":
+        register_datasets()  # the bundled corpora and textfile, as on 0.2.2 (in every process)
         parsed = parse_toml(list(argv))
         user_keys = user_set_keys(parsed.args, parsed.toml)
         resolved = resolve_job(parsed.job_config, user_keys, world_size, _spec_problems)
@@ -319,8 +325,9 @@ def trainer_config(job_config: Any) -> Any:
     )
     cfg.model_spec = _model_spec(model.flavor, assets.VOCAB_SIZE)
     cfg.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(cfg.model_spec)))
-    _dataset(cfg.dataloader, training.dataset, training.dataset_path)
-    _dataset(cfg.validator.dataloader, job_config.validation.dataset, job_config.validation.dataset_path)
+    validation = job_config.validation
+    cfg.dataloader.dataset, cfg.dataloader.dataset_path = training.dataset.lower(), training.dataset_path
+    cfg.validator.dataloader.dataset, cfg.validator.dataloader.dataset_path = validation.dataset.lower(), validation.dataset_path
     cfg.activation_checkpoint = _activation_checkpoint(job_config.activation_checkpoint)
     cfg.optimizer = _optimizer(job_config)
     if job_config.model.name == COMMOPT_SPEC:
@@ -331,17 +338,7 @@ def trainer_config(job_config: Any) -> Any:
 
 
 def _corpus(dataset: str) -> str:
+    """The bundled corpus the bundled tokenizer is trained on: the run's, else the default one."""
     from ..shared.corpus import BUNDLED, CORPUS_NAME
 
     return dataset.lower() if dataset.lower() in BUNDLED else CORPUS_NAME
-
-
-def _dataset(dataloader: Any, dataset: str, dataset_path: Optional[str]) -> None:
-    """A bundled corpus is read by 0.3's ``c4_test`` loader (JSON lines) from its built directory."""
-    from ..shared.corpus import BUNDLED
-    from . import assets
-
-    if dataset.lower() in BUNDLED:
-        dataloader.dataset, dataloader.dataset_path = "c4_test", str(assets.dataset_dir(dataset.lower()))
-    else:
-        dataloader.dataset, dataloader.dataset_path = dataset.lower(), dataset_path
