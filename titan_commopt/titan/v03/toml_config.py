@@ -152,10 +152,11 @@ def _tokenizer_problems(model: Any) -> list[str]:
     import os
 
     path = (model.hf_assets_path or "").strip()
-    if model.name == COMMOPT_SPEC and _bundled(path):
+    ours = model.name in (COMMOPT_SPEC, REFERENCE_SPEC)  # the specs that know our bundled tokenizer
+    if ours and _bundled(path):
         return []
     where = f"[model] hf_assets_path = {model.hf_assets_path!r}"
-    if model.name == COMMOPT_SPEC:
+    if ours:
         allowed = ('allowed is "bundled" (the offline tokenizer) or a directory with tokenizer.json (HuggingFace; '
                    "torchtitan 0.3 reads no SentencePiece tokenizer.model)")
         missing = "no such file or directory"
