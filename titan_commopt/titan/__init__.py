@@ -25,19 +25,18 @@ override import it.
 
 from .line import require_supported_line
 
+from .platform.elastic import warn_if_restart_would_hang
+
 LINE = require_supported_line()
 
 if LINE == "0.2":
     from .adapter.spec import COMMOPT_SPEC, REFERENCE_SPEC, register
-    from .platform.elastic import warn_if_restart_would_hang
 
     register()
-    warn_if_restart_would_hang()
     __all__ = ["LINE", "COMMOPT_SPEC", "REFERENCE_SPEC", "register"]
 else:
-    from .platform.elastic import warn_if_restart_would_hang
     from .v03.fsdp import install as _install_fsdp_wrapper
 
     _install_fsdp_wrapper()
-    warn_if_restart_would_hang()
     __all__ = ["LINE"]
+warn_if_restart_would_hang()

@@ -12,7 +12,8 @@ optimizer's options included: ``--optimizer.name DiLoCo --optimizer.commopt.loca
       torchrun --standalone --nproc_per_node=2 -m torchtitan.train \\
           --module titan_commopt.titan.v03.configs --config cpu_debugmodel
 
-- ``cpu_debugmodel_adamw``: the same with torchtitan's AdamW (HSDP syncs R): the baseline;
+- ``cpu_debugmodel_adamw``: the same with torchtitan's own optimizer config and container (AdamW,
+  HSDP syncs R): the baseline, and a stock config for ``--override.imports``;
 - ``llama3_8b_flexdemo``, ``llama3_8b_diloco``, ``llama3_8b_dion``, ``llama3_8b_des_loc``,
   ``llama3_8b_mt_dao``: llama3 8B on GPUs, as ``train_configs/llama3_8b_*.toml``
   (2 replicas × 8-way FSDP, seq 8192, bf16 parameters, fp32 reduce, ``hf_assets_path =
@@ -44,14 +45,17 @@ __all__ = [
 def commopt_optimizer(
     name: str = "FlexDeMo", commopt: Optional[Any] = None, *, lr: float = 8e-4, beta1: float = 0.9,
     beta2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.1, warmup_steps: int = 0,
-    implementation: str = "for-loop",
+    implementation: str = "for-loop", set_keys: tuple[str, ...] = (),
 ) -> CommOptimizers.Config:
     """Optimizer ``name`` (ours, or torchtitan's AdamW/Adam) with ``commopt`` (a ``CommOpt``: the
     ``[commopt]`` options; default: every family's defaults, the name's preset on top) and the
-    ``[optimizer]`` hyper-parameters. Bad values: one line each, exit status 2."""
+    ``[optimizer]`` hyper-parameters. The preset fills the family's keys left at their default,
+    except ``set_keys`` (keys the user set, e.g. a TOML's ``[commopt.<family>]`` keys). Bad values:
+    one line each, exit status 2."""
     return CommOptimizers.Config(
         name=name, commopt=commopt if commopt is not None else CommOpt(), lr=lr, beta1=beta1, beta2=beta2,
         eps=eps, weight_decay=weight_decay, warmup_steps=warmup_steps, implementation=implementation,
+        set_keys=list(set_keys),
     )
 
 
@@ -61,14 +65,16 @@ def _with_comm_metrics(cfg: Trainer.Config) -> Trainer.Config:
     return cfg
 
 
-def _cpu(name: str) -> Trainer.Config:
+def _cpu(name: Optional[str]) -> Trainer.Config:
+    """``name``: our container with that optimizer; ``None``: torchtitan's own config and container."""
     cfg = llama3_debugmodel()
     cfg.hf_assets_path = str(tokenizer_dir())
     cfg.dataloader.dataset_path = str(dataset_dir())
     cfg.training.seq_len = 256
     cfg.training.local_batch_size = 4
     cfg.training.steps = 4
-    cfg.optimizer = commopt_optimizer(name, warmup_steps=cfg.lr_scheduler.warmup_steps)
+    if name is not None:
+        cfg.optimizer = commopt_optimizer(name, warmup_steps=cfg.lr_scheduler.warmup_steps)
     cfg.validator.enable = False
     cfg.parallelism.data_parallel_replicate_degree = 2  # R = 2: the optimizer syncs it (2 procs: DDP-like, 4: HSDP 2x2)
     return apply_cpu_fixes(_with_comm_metrics(cfg))
@@ -79,7 +85,7 @@ def cpu_debugmodel() -> Trainer.Config:
 
 
 def cpu_debugmodel_adamw() -> Trainer.Config:
-    return _cpu("AdamW")
+    return _cpu(None)
 
 
 def _llama3_8b(name: str, commopt: Optional[Any] = None, lr: float = 1e-4) -> Trainer.Config:

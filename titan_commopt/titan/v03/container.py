@@ -19,7 +19,6 @@ state and the ledger's totals — is the 0.2.2 adapter's container, unchanged
 (``adapter/container.py``): the methods torchtitan 0.3 calls have the same names and meaning.
 """
 
-import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
@@ -29,11 +28,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
 from titan_commopt import comm
-from titan_commopt.optim import (
-    FAMILIES, BaseHParams, Resolved, ShardShape, broadcast_parameters, build_optimizer, family_of,
-    owns_replicate_sync, resolve,
-)
-from titan_commopt.optim.traffic import adamw_hsdp_r_bytes, fsdp_traffic
+from titan_commopt.optim import BaseHParams, Resolved, family_of, owns_replicate_sync, resolve
 from titan_commopt.options import ConfigError, problems
 
 from ..adapter import clipping
@@ -41,6 +36,7 @@ from ..adapter.container import CommOptimizersContainer, Safeguards
 from ..config.section import CommOpt
 from ..platform.stop import stop_run
 from ..shared.mesh import ParameterMeshes, topology_of
+from ..shared.optimizers import build_per_part, byte_estimates, itemsize
 from . import fsdp
 
 __all__ = ["CommOptimizers", "resolve_config", "refuse"]
@@ -53,12 +49,13 @@ def refuse(error: ConfigError) -> None:
     stop_run(str(error), BAD_INPUT)
 
 
-def _given(name: str, commopt: Any) -> dict[str, Any]:
-    """The family options that differ from the family's defaults: what the user (or the config
-    function) set; the preset of ``name`` fills the rest."""
+def _given(name: str, commopt: Any, set_keys: list[str]) -> dict[str, Any]:
+    """The family options the user (or the config function) set: those that differ from the
+    family's defaults, and ``set_keys``; the preset of ``name`` fills the rest."""
     family = family_of(name)
     table, defaults = getattr(commopt, family.key), family.options()
-    return {f.name: getattr(table, f.name) for f in fields(table) if getattr(table, f.name) != getattr(defaults, f.name)}
+    return {f.name: getattr(table, f.name) for f in fields(table)
+            if f.name in set_keys or getattr(table, f.name) != getattr(defaults, f.name)}
 
 
 def resolve_config(config: "CommOptimizers.Config") -> Optional[Resolved]:
@@ -74,16 +71,12 @@ def resolve_config(config: "CommOptimizers.Config") -> Optional[Resolved]:
     hparams = BaseHParams(lr=config.lr, beta1=config.beta1, beta2=config.beta2, eps=config.eps,
                           weight_decay=config.weight_decay, warmup_steps=config.warmup_steps)
     try:
-        resolved = resolve(config.name, _given(config.name, config.commopt), hparams, kernels=config.commopt.kernels)
+        resolved = resolve(config.name, _given(config.name, config.commopt, config.set_keys), hparams, kernels=config.commopt.kernels)
     except ConfigError as error:
         found.append(str(error))
     if found:
         raise ConfigError("\n".join(found))
     return resolved
-
-
-def _itemsize(dtype: Any, default: int = 4) -> int:
-    return default if dtype is None else torch.empty((), dtype=dtype).element_size()
 
 
 class CommOptimizers(CommOptimizersContainer):
@@ -104,6 +97,9 @@ class CommOptimizers(CommOptimizersContainer):
         """The LR scheduler's warm-up steps (MT-DAO's switch at the end of warm-up reads it)."""
         commopt: CommOpt = field(default_factory=CommOpt)  # type: ignore[valid-type]
         """The [commopt] options: common ones plus one table per family (--optimizer.commopt.demo.topk 16)."""
+        set_keys: list[str] = field(default_factory=list)
+        """Family option keys set on purpose even where equal to the family default (the preset then
+        does not replace them; a TOML's [commopt.<family>] keys)."""
 
         def __post_init__(self) -> None:
             try:
@@ -117,8 +113,7 @@ class CommOptimizers(CommOptimizersContainer):
             resolved = resolve_config(config)
         except ConfigError as error:
             refuse(error)
-        named = [[(n, p) for n, p in m.named_parameters() if p.requires_grad] for m in model_parts]
-        first = next((p for part in named for _, p in part), None)
+        first = next((p for m in model_parts for p in m.parameters() if p.requires_grad), None)
         param_mesh = getattr(first, "device_mesh", None)
         owns_r = resolved is not None
         self._check_replicate(param_mesh, owns_r)
@@ -127,26 +122,17 @@ class CommOptimizers(CommOptimizersContainer):
         if resolved is None:
             optimizers = self._stock_optimizers(config, model_parts)
         else:
-            setup = comm.CommLedger()  # the initial broadcast is not a training step's traffic
-            optimizers = []
-            for part in named:
-                broadcast_parameters([p for _, p in part], topology, ledger=setup)
-                optimizers.append(build_optimizer(part, topology, resolved, ledger=ledger))
-        shards = [ShardShape.of(n, p) for part in named for n, p in part]
-        reduce_bytes = _itemsize(fsdp.seen.reduce_dtype)
-        traffic = None
-        if config.commopt.hsdp_estimates:
-            traffic = fsdp_traffic(
-                shards, topology.shard_size, topology.replicate_size,
-                param_bytes=_itemsize(fsdp.seen.param_dtype), reduce_bytes=reduce_bytes,
-                gathers=2 if fsdp.seen.reshard_after_forward is not False else 1, hsdp_r_sync=not owns_r,
-            )
-        commopt = config.commopt
+            optimizers = build_per_part(model_parts, topology, resolved, ledger)
+        seen = fsdp.seen
+        reduce_bytes = itemsize(seen.reduce_dtype or torch.float32)
+        traffic, adamw_reference = byte_estimates(
+            model_parts, topology, enabled=config.commopt.hsdp_estimates,
+            param_bytes=itemsize(seen.param_dtype or torch.float32), reduce_bytes=reduce_bytes,
+            gathers=1 if seen.reshard_after_forward is False else 2, hsdp_r_sync=not owns_r,
+        )
         super().__init__(
             model_parts, optimizers, name=config.name, resolved=resolved, topology=topology, ledger=ledger,
-            fsdp_traffic=traffic, adamw_reference_r_bytes=adamw_hsdp_r_bytes(shards, topology.replicate_size, reduce_bytes).sent,
-            safeguards=Safeguards(on_nonfinite=commopt.on_nonfinite, check_replicas_every=commopt.check_replicas_every,
-                                  max_consecutive_skips=commopt.max_consecutive_skips),
+            fsdp_traffic=traffic, adamw_reference_r_bytes=adamw_reference, safeguards=Safeguards.of(config.commopt),
         )
         if owns_r:
             clipping.install()
@@ -158,6 +144,11 @@ class CommOptimizers(CommOptimizersContainer):
         names = tuple(getattr(param_mesh, "mesh_dim_names", None) or ())
         hsdp_syncs_r = "dp_replicate" in names and param_mesh["dp_replicate"].size() > 1 and \
             not fsdp.seen.replicate_hidden
+        if owns_r and hsdp_syncs_r and fsdp.seen.calls and fsdp.seen.leave_replicate:
+            refuse(ConfigError(
+                "parallelism.spmd_backend = 'full_dtensor' with data_parallel_replicate_degree > 1: the parameters "
+                "carry dp_replicate in their mesh, so DTensor syncs R before our optimizer does; use "
+                "'partial_dtensor' (or data_parallel_replicate_degree = 1)"))
         if owns_r and hsdp_syncs_r:
             refuse(ConfigError(
                 "optimizer: the model was sharded with FSDP's own R (dp_replicate) sync: make our optimizer's "

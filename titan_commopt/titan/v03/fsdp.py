@@ -56,16 +56,13 @@ def replicate_mesh() -> Optional[DeviceMesh]:
 
 def _without_replicate(mesh: DeviceMesh, kwargs: dict[str, Any]) -> DeviceMesh:
     names = tuple(mesh.mesh_dim_names or ())
-    if _REPLICATE not in names:
+    if _REPLICATE not in names or kwargs.get("dp_mesh_dims") is not None:
+        # full_dtensor: the parameters are already DTensors on a mesh with dp_replicate, and DTensor
+        # reduces their gradients over it whatever FSDP is told (measured: each replica's gradient
+        # came out summed over R); left as it is, the container refuses the run with one line.
         return mesh
     seen.replicate = mesh[_REPLICATE]
     seen.replicate_hidden = True
-    dims = kwargs.get("dp_mesh_dims")
-    if dims is not None:  # full_dtensor: the mesh is the parameters' own; R stops being a DP dim
-        import dataclasses
-
-        kwargs["dp_mesh_dims"] = dataclasses.replace(dims, replicate=None)
-        return mesh
     rest = tuple(n for n in names if n != _REPLICATE)
     return mesh[rest[0]] if len(rest) == 1 else mesh[rest]
 
