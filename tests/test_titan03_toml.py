@@ -75,6 +75,18 @@ def test_overrides_as_on_022():
     assert run.resolved.options.chunk == 32
 
 
+def test_a_key_set_at_its_default_beats_the_preset_in_the_container(tmp_path):
+    """FlexDeMo's preset signs before the sync; a TOML that says false at the family default keeps
+    false in the optimizer 0.3 builds, as on 0.2.2."""
+    from titan_commopt.titan.v03.container import resolve_config
+
+    config = tmp_path / "my.toml"
+    config.write_text(CONFIG.read_text() + "\n[commopt.demo]\nsign_before_sync = false\n")
+    run = _check("--job.config_file", str(config), "--optimizer.name", "FlexDeMo")
+    assert run.resolved.options.sign_before_sync is False
+    assert resolve_config(run.trainer_config.optimizer).options == run.resolved.options
+
+
 @pytest.mark.parametrize("where", ["toml", "command line"])
 def test_key_without_counterpart_is_one_line_exit_2(tmp_path, capsys, where):
     from titan_commopt.train import main

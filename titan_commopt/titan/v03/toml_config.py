@@ -28,7 +28,7 @@ import dataclasses
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Mapping, Optional
 
-from titan_commopt.optim import Resolved, owns_replicate_sync
+from titan_commopt.optim import Resolved, family_of, owns_replicate_sync
 from titan_commopt.options import ConfigError
 
 from ..config.parse import ParsedJob, _field_of, parse_with
@@ -214,7 +214,7 @@ class TomlRun:
         user_keys = user_set_keys(parsed.args, parsed.toml)
         resolved = resolve_job(parsed.job_config, user_keys, world_size, _spec_problems)
         run = cls(parsed.job_config, user_keys, resolved, run_warnings(parsed.job_config, user_keys, resolved))
-        run.trainer_config = trainer_config(parsed.job_config)
+        run.trainer_config = trainer_config(parsed.job_config, user_keys)
         return run
 
 
@@ -277,9 +277,11 @@ def _activation_checkpoint(ac: Any) -> Any:
                               **common)
 
 
-def _optimizer(job_config: Any) -> Any:
+def _optimizer(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
     """``[optimizer]`` (+ ``[commopt]``): our container for ``llama3_commopt`` (its AdamW too: the
-    ledger counts FSDP's bytes), torchtitan's own for the stock ``llama3``/``llama3_reference``."""
+    ledger counts FSDP's bytes), torchtitan's own for the stock ``llama3``/``llama3_reference``.
+    ``user_keys``: the ``[commopt.<family>]`` keys the user set, kept even at their default (the
+    preset fills only the others, as on 0.2.2)."""
     from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
@@ -288,8 +290,9 @@ def _optimizer(job_config: Any) -> Any:
     if job_config.model.name == COMMOPT_SPEC:
         from .configs import commopt_optimizer
 
+        set_keys = sorted(user_keys.get(family_of(opt.name).key, ())) if owns_replicate_sync(opt.name) else []
         return commopt_optimizer(opt.name, job_config.commopt, warmup_steps=job_config.lr_scheduler.warmup_steps,
-                                 implementation=opt.implementation, **hparams)
+                                 implementation=opt.implementation, set_keys=tuple(set_keys), **hparams)
     kwargs = {"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "eps": opt.eps, "weight_decay": opt.weight_decay}
     return OptimizersContainer.Config(
         param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name=opt.name, optimizer_kwargs=kwargs)],
@@ -297,9 +300,10 @@ def _optimizer(job_config: Any) -> Any:
     )
 
 
-def trainer_config(job_config: Any) -> Any:
-    """0.3's ``Trainer.Config`` for a parsed TOML (``job_config``: 0.2.2's keys, as parsed) and its
-    resolved optimizer. Raises ConfigError for a value with no 0.3 counterpart."""
+def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
+    """0.3's ``Trainer.Config`` for a parsed TOML (``job_config``: 0.2.2's keys, as parsed;
+    ``user_keys``: the ``[commopt.<family>]`` keys set). Raises ConfigError for a value with no 0.3
+    counterpart."""
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.models.common.config_utils import decoder_vocab_size
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
@@ -330,7 +334,7 @@ def trainer_config(job_config: Any) -> Any:
     cfg.dataloader.dataset, cfg.dataloader.dataset_path = training.dataset.lower(), training.dataset_path
     cfg.validator.dataloader.dataset, cfg.validator.dataloader.dataset_path = validation.dataset.lower(), validation.dataset_path
     cfg.activation_checkpoint = _activation_checkpoint(job_config.activation_checkpoint)
-    cfg.optimizer = _optimizer(job_config)
+    cfg.optimizer = _optimizer(job_config, user_keys)
     if job_config.model.name == COMMOPT_SPEC:
         from .configs import _with_comm_metrics
 
