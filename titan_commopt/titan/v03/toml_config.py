@@ -17,8 +17,10 @@ What is mapped by hand (:func:`trainer_config`):
   (``v03/assets.py``; the CPU flavors' vocabulary is its); the datasets ``commopt_tiny``,
   ``commopt_world`` and ``textfile`` are registered in 0.3's dataset registry as on 0.2.2
   (``adapter/data.py``), and read the same text;
-- ``[optimizer]``: AdamW/Adam as 0.3's param group (lr, betas, eps, weight_decay); ours through
-  the 0.3 container (``v03/configs.py: commopt_optimizer``) with ``[commopt]`` and the resolved options;
+- ``[optimizer]`` + ``[commopt]``: for ``llama3_commopt``, our 0.3 container
+  (``v03/configs.py: commopt_optimizer``; AdamW/Adam too, as on 0.2.2), the ``[commopt.<family>]``
+  keys the user set passed as set on purpose; for ``llama3``/``llama3_reference``, torchtitan's
+  container with one param group (lr, betas, eps, weight_decay);
 - ``[activation_checkpoint] mode``: ``none`` → no AC, ``full`` → ``FullAC``, ``selective`` with
   ``selective_ac_option = "op"`` → ``SelectiveAC``, ``memory_budget`` → ``MemoryBudgetAC``; 0.3 has
   no layer-wise selective AC (an integer ``selective_ac_option``).
@@ -31,9 +33,9 @@ from typing import Any, Mapping, Optional
 from titan_commopt.optim import Resolved, family_of, owns_replicate_sync
 from titan_commopt.options import ConfigError
 
+from ..adapter.data import register_datasets
 from ..config.parse import ParsedJob, _field_of, parse_with
 from ..config.sources import user_set_keys
-from ..adapter.data import register_datasets
 from ..config.torchtitan_keys import COMMOPT_SPEC, _dataset_problems
 from ..config.validate import resolve_job, run_warnings
 from .toml_schema import BY_HAND, SECTIONS_GONE, WIRING, Gone, key_of, schema_class
