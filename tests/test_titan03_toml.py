@@ -62,6 +62,7 @@ def test_every_toml_converts(path):
     # a key the TOML leaves out means its 0.2.2 default, not 0.3 debugmodel's
     if "decay_ratio" not in toml["lr_scheduler"]:
         assert cfg.lr_scheduler.decay_ratio is None
+    assert cfg.parallelism.spmd_backend == "partial_dtensor"  # DTensors as on 0.2.2, not 0.3's spmd_types
 
 
 def test_overrides_as_on_022():

@@ -322,9 +322,7 @@ def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
             table = getattr(table, part)
         for key in keys:
             if isinstance(key.to, str) and key.to not in (BY_HAND, WIRING):
-                value = getattr(table, key.name)
-                if value is not None or key.name != "spmd_backend":  # unset: the CPU fixes decide
-                    _set(cfg, key.to, value)
+                _set(cfg, key.to, getattr(table, key.name))
     model, training = job_config.model, job_config.training
     cfg.dump_folder = job_config.job.dump_folder
     cfg.hf_assets_path = (

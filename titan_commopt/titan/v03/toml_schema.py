@@ -236,9 +236,11 @@ SCHEMA: dict[str, tuple[Key, ...]] = {
 # Sections whose every key is gone on 0.3 (torchtitan 0.2.2's nested [quantize.linear.float8] etc.)
 SECTIONS_GONE = {"quantize": _CONVERTERS}
 
-# Keys a TOML may set on 0.3 only (0.2.2 had none of them): (section, Key)
+# Keys a TOML may set on 0.3 only (0.2.2 had none of them): (section, Key). The default of
+# spmd_backend is what 0.2.2 did (FSDP2 and TP on DTensors), not 0.3's spmd_types (which
+# fully_shard refused with more than one process on torch 2.13).
 ONLY_03: tuple[tuple[str, Key], ...] = (
-    ("parallelism", Key("spmd_backend", Optional[Literal["partial_dtensor", "full_dtensor", "spmd_types"]], None,
+    ("parallelism", Key("spmd_backend", Literal["partial_dtensor", "full_dtensor", "spmd_types"], "partial_dtensor",
                         "parallelism.spmd_backend")),
 )
 
