@@ -88,23 +88,28 @@ def test_a_key_set_at_its_default_beats_the_preset_in_the_container(tmp_path):
     assert resolve_config(run.trainer_config.optimizer).options == run.resolved.options
 
 
-@pytest.mark.parametrize("where", ["toml", "command line"])
+GONE = {  # where the key is set → (arguments after the config file, the key the line names)
+    "toml": ([], "[fault_tolerance] enable"),
+    "command line": (["--parallelism.expert_tensor_parallel_degree", "2"], "[parallelism] expert_tensor_parallel_degree"),
+    # a value with no counterpart: 0.2.2's default layer-wise selective AC ("2")
+    "value": (["--activation_checkpoint.mode", "selective"], "[activation_checkpoint] selective_ac_option = '2'"),
+}
+
+
+@pytest.mark.parametrize("where", list(GONE))
 def test_key_without_counterpart_is_one_line_exit_2(tmp_path, capsys, where):
     from titan_commopt.train import main
 
-    args = ["--job.config_file", str(CONFIG)]
+    config = CONFIG
     if where == "toml":
-        bad = tmp_path / "bad.toml"
-        bad.write_text(CONFIG.read_text() + "\n[fault_tolerance]\nenable = true\n")
-        args = ["--job.config_file", str(bad)]
-    else:
-        args += ["--parallelism.expert_tensor_parallel_degree", "2"]
+        config = tmp_path / "bad.toml"
+        config.write_text(CONFIG.read_text() + "\n[fault_tolerance]\nenable = true\n")
+    extra, key = GONE[where]
     with pytest.raises(SystemExit) as info:
-        main(args)
+        main(["--job.config_file", str(config), *extra])
     assert info.value.code == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if "titan_commopt: bad config" in line]
-    assert len(lines) == 1 and "no torchtitan 0.3 counterpart" in lines[0]
-    assert ("[fault_tolerance] enable" if where == "toml" else "[parallelism] expert_tensor_parallel_degree") in lines[0]
+    assert len(lines) == 1 and "no torchtitan 0.3 counterpart" in lines[0] and key in lines[0]
 
 
 def test_quickstart_toml_trains_on_two_processes(tmp_path):

@@ -6,8 +6,9 @@ TOML: ``titan/v03/runner.py``, docs/toml_on_03.md).
 (``python -m titan_commopt.run`` is torchrun that checks the config first; plain ``torchrun`` works
 too.) Differences from ``python -m torchtitan.train``, all before torchtitan's Trainer starts:
 
-1. on a machine without an accelerator, torchtitan is pointed at the CPU (``titan/platform/cpu.py``)
-   and its known-harmless CPU warnings are filtered (``titan/platform/console.py``);
+1. on a machine without an accelerator, torchtitan is pointed at the CPU (``titan/platform/cpu.py``;
+   on 0.3 with the other CPU fixes of ``titan/v03/cpu.py``) and its known-harmless CPU warnings
+   are filtered (``titan/platform/console.py``);
 2. ``--job.custom_config_module`` / ``--experimental.custom_import`` default to ours, so the
    ``[commopt]`` section and our TrainSpecs exist whatever the TOML says;
 3. the config is checked before any process group exists (``titan/config/parse.py``: file, sections,
@@ -19,7 +20,8 @@ too.) Differences from ``python -m torchtitan.train``, all before torchtitan's T
    switch in a short run) is one warning line each, printed once (:func:`report_warnings`);
 4. the run made in step 3 (``titan/adapter/run_context.py``: the job config, parsed once, the
    resolved optimizer, the comm ledger) is what torchtitan's Trainer builds from
-   (``titan/adapter/trainer.py``);
+   (``titan/adapter/trainer.py``); on 0.3, ``titan/v03/toml_config.py`` makes it (0.3's
+   ``Trainer.Config`` included) and ``titan/v03/runner.py`` trains it with 0.3's own Trainer;
 5. a run that trained to the end leaves with ``os._exit(0)`` once its output is flushed: see
    :func:`exit_after_success`.
 """
