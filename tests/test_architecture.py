@@ -116,3 +116,15 @@ def test_layers_import_one_way():
             assert not upward, f"{module} imports the adapter: {upward}"
         if len(parts) > 1 and parts[1] in ("compress", "fused", "comm", "topology", "options", "overlap"):
             assert not [d for d in deps if d.startswith(f"{NAME}.optim")], module
+
+
+def test_the_torchtitan_lines_stay_apart():
+    """One adapter per torchtitan line (``titan/adapter``: 0.2.2, ``titan/v03``: 0.3): the 0.2.2 adapter
+    never imports the 0.3 one (0.3 reuses 0.2.2's line-agnostic container, clipping and metrics), and
+    ``titan/shared`` (what both read the same way) imports neither."""
+    adapter, v03, shared = (f"{NAME}.titan.{p}" for p in ("adapter", "v03", "shared"))
+    for module, deps in _graph().items():
+        if module.startswith(adapter):
+            assert not [d for d in deps if d.startswith(v03)], module
+        if module.startswith(shared):
+            assert not [d for d in deps if d.startswith((adapter, v03))], module

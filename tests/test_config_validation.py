@@ -82,12 +82,14 @@ def test_at_least_thirty_bad_configs():
     assert len(BAD) >= 30
 
 
+@pytest.mark.both_lines
 def test_good_config_passes(tmp_path):
     job, resolved = job_and_resolved(["--job.config_file", str(CONFIG), "--optimizer.name", "Dion", "--commopt.dion.rank", "8"])
     assert job.commopt.dion.rank == 8 and job.optimizer.name == "Dion"
     assert resolved.options.rank == 8 and resolved.user_set == {"rank"}
 
 
+@pytest.mark.both_lines
 @pytest.mark.parametrize("name, table, cli, key, value", [
     ("FlexDeMo", "[commopt.demo]\nsign_before_sync = false", [], "sign_before_sync", False),
     ("FlexDeMo", "", ["--commopt.demo.no-sign_before_sync"], "sign_before_sync", False),
@@ -225,6 +227,7 @@ BAD_TORCHTITAN = [
 ]
 
 
+@pytest.mark.both_lines
 @pytest.mark.parametrize("replace,extra,cli,world_size,expected", BAD_TORCHTITAN, ids=[f"t{i:02d}" for i in range(len(BAD_TORCHTITAN))])
 def test_bad_torchtitan_setting_is_refused_with_one_line_each(tmp_path, replace, extra, cli, world_size, expected):
     (tmp_path / "empty.txt").write_text("")
@@ -243,6 +246,7 @@ def test_bad_torchtitan_setting_is_refused_with_one_line_each(tmp_path, replace,
     _one_line_each(message)
 
 
+@pytest.mark.both_lines
 @pytest.mark.parametrize("cli, check", [
     # docs/options.md's `--<section>.<key> v` form for booleans, ours and torchtitan's, next to tyro's flags
     (["--commopt.demo.sign_before_sync", "false"], lambda j: j.commopt.demo.sign_before_sync is False),
@@ -260,6 +264,7 @@ def test_boolean_true_false_on_the_command_line(cli, check):
     assert check(job)
 
 
+@pytest.mark.both_lines
 def test_a_boolean_given_as_true_false_counts_as_set():
     # FlexDeMo's preset sets sign_before_sync = True; the user's `false` must win and be recorded as set
     _, resolved = job_and_resolved(["--job.config_file", str(CONFIG), "--optimizer.name", "FlexDeMo",
@@ -267,6 +272,7 @@ def test_a_boolean_given_as_true_false_counts_as_set():
     assert resolved.options.sign_before_sync is False and "sign_before_sync" in resolved.user_set
 
 
+@pytest.mark.both_lines
 def test_good_world_size_and_textfile_pass(tmp_path):
     corpus = _text_file(tmp_path, "first document\n\nsecond document\n")
     job, _ = job_and_resolved(["--job.config_file", str(CONFIG), "--training.dataset", "textfile", "--training.dataset_path", corpus,
@@ -274,6 +280,7 @@ def test_good_world_size_and_textfile_pass(tmp_path):
     assert job.training.dataset_path == corpus
 
 
+@pytest.mark.both_lines
 def test_tyro_messages_become_one_line():
     from titan_commopt.titan.config.parse import _squash
 
@@ -285,12 +292,14 @@ def test_tyro_messages_become_one_line():
     assert _squash(plain) == "Unrecognized options: 4"
 
 
+@pytest.mark.both_lines
 def test_what_only_tyro_sees_is_one_line_too():
     with pytest.raises(ConfigError) as info:
         check_config(["--job.config_file", str(CONFIG), "--training.steps", "3", "4"])
     assert str(info.value) == "command line: Unrecognized options: 4"
 
 
+@pytest.mark.both_lines
 def test_readme_toml_validates_as_written(tmp_path):
     """The README's example names neither custom_config_module nor custom_import: they are added."""
     toml = readme_toml()
@@ -301,6 +310,7 @@ def test_readme_toml_validates_as_written(tmp_path):
     assert job.model.name == "llama3_commopt" and resolved.name == "FlexDeMo" and job.commopt.demo.chunk == 32
 
 
+@pytest.mark.both_lines
 def test_list_options_take_separate_words():  # docs/options.md's `--commopt.local.Ku 16 64`
     _, resolved = job_and_resolved(["--job.config_file", str(CONFIG), "--optimizer.name", "MT-DAO", "--commopt.local.Ku", "16", "64",
                                 "--commopt.local.beta1", "0.9", "0.99", "--commopt.local.omega", "0.5", "0.3"])
@@ -308,6 +318,7 @@ def test_list_options_take_separate_words():  # docs/options.md's `--commopt.loc
     assert {"Ku", "beta1", "omega"} <= resolved.user_set
 
 
+@pytest.mark.both_lines
 @pytest.mark.parametrize("path, expected", [
     ("{tmp}/nope", "hf_assets_path = '{tmp}/nope': no such file or directory; allowed is \"bundled\""),
     ("{tmp}", "hf_assets_path = '{tmp}': holds no tokenizer"),
@@ -339,6 +350,7 @@ def _warnings(tmp_path, cli, table=""):
     return check_config(["--job.config_file", str(path), *cli]).warnings
 
 
+@pytest.mark.both_lines
 @pytest.mark.parametrize("cli, table, expected", [
     # the A/B case: one TOML, the optimizer switched on the command line
     (["--optimizer.name", "Dion", "--commopt.demo.chunk", "32"], "",
@@ -359,6 +371,7 @@ def test_a_table_the_optimizer_does_not_read_gets_one_warning_line(tmp_path, cli
         assert line.startswith(piece), (line, piece)
 
 
+@pytest.mark.both_lines
 def test_an_unread_table_is_still_checked(tmp_path):
     with pytest.raises(ConfigError) as info:
         _warnings(tmp_path, ["--optimizer.name", "Dion"], "[commopt.demo]\nchunk = -1")
@@ -372,6 +385,7 @@ def test_the_readme_toml_with_another_optimizer_warns_about_its_demo_table(tmp_p
     assert [line.split(":")[0] for line in run.warnings] == ["[commopt.demo] chunk"]
 
 
+@pytest.mark.both_lines
 @pytest.mark.parametrize("cli, warned", [
     (["--optimizer.name", "MT-DAO"], "from the MT-DAO preset"),  # debug_cpu.toml: 40 steps, warm-up 5
     (["--optimizer.name", "MT-DAO-halflife"], "from the MT-DAO-halflife preset"),

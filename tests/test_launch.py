@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.titan_utils import CONFIG, LOSS_LINE, ROOT, read_scalars, readme_toml
 
 PREFIX = "titan_commopt: bad config: "
@@ -27,6 +29,7 @@ def _last_line(proc: subprocess.CompletedProcess) -> str:
     return lines[-1] if lines else ""
 
 
+@pytest.mark.both_lines
 def test_launcher_refuses_a_bad_config_before_any_worker():
     proc = _launch("--nproc_per_node=2", "--standalone", "-m", "titan_commopt.train", "--job.config_file", str(CONFIG),
                    "--optimizer.lr", "nan", "--parallelism.data_parallel_replicate_degree", "3")
@@ -174,6 +177,7 @@ def test_a_worker_records_its_lines_for_torchruns_summary(tmp_path, monkeypatch,
     assert recorded_stop(ChildFailedError("titan_commopt.train", {0: other})) is None
 
 
+@pytest.mark.both_lines
 def test_traceback_only_when_asked(monkeypatch, capsys):
     import pytest
 
@@ -195,6 +199,7 @@ def test_traceback_only_when_asked(monkeypatch, capsys):
         assert err.strip().splitlines()[-1] == PREFIX + "[optimizer] lr = nan: allowed is a finite number >= 0"
 
 
+@pytest.mark.both_lines
 def test_a_finished_run_exits_zero_with_its_output_flushed(tmp_path):
     # exit_after_success skips the interpreter's teardown (os._exit): what the run printed to a
     # pipe (block-buffered) and the records a logging handler still holds must come out all the same.

@@ -44,7 +44,7 @@ def _resume_pair(tmp_path, name, extra):
     return first, second
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.both_lines) if n == "FlexDeMo" else n for n in CASES])
 def test_resume_equals_uninterrupted(tmp_path, name):
     first, second = _resume_pair(tmp_path, name, CASES[name])
     uninterrupted, resumed = losses(first), losses(second)

@@ -29,6 +29,7 @@ def test_hsdp_adamw_equals_stock_spec(tmp_path):
     assert len(LOSS_LINE.findall(ours.stdout)) == 6
 
 
+@pytest.mark.both_lines
 def test_fsdp_two_processes_trains(tmp_path):
     proc, tb = run_train(tmp_path, 2, "--training.steps", "8", "--model.flavor", "cpu_tiny")
     values = losses(tb)
@@ -44,6 +45,7 @@ def _train_cli(*args, config=CONFIG):
     )
 
 
+@pytest.mark.both_lines
 def test_unknown_optimizer_name_fails_before_any_collective():
     # No torchrun, no RANK/MASTER_ADDR: if anything tried to init a process group it would hang or fail differently.
     proc = _train_cli("--optimizer.name", "Adamm")
@@ -53,6 +55,7 @@ def test_unknown_optimizer_name_fails_before_any_collective():
     assert "'Adamm'" in lines[0] and "AdamW" in lines[0]
 
 
+@pytest.mark.both_lines
 def test_unknown_commopt_key_did_you_mean(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text(CONFIG.read_text() + "\nhsdp_estimate = false\n")

@@ -1,12 +1,14 @@
-"""Entry point: torchtitan 0.2.2's own Trainer with titan_commopt plugged in.
+"""Entry point: torchtitan's own Trainer with titan_commopt plugged in (0.2.2, or 0.3 from the same
+TOML: ``titan/v03/runner.py``, docs/toml_on_03.md).
 
     python -m titan_commopt.run --nproc_per_node=2 -m titan_commopt.train --job.config_file train_configs/debug_cpu.toml
 
 (``python -m titan_commopt.run`` is torchrun that checks the config first; plain ``torchrun`` works
 too.) Differences from ``python -m torchtitan.train``, all before torchtitan's Trainer starts:
 
-1. on a machine without an accelerator, torchtitan is pointed at the CPU (``titan/platform/cpu.py``)
-   and its known-harmless CPU warnings are filtered (``titan/platform/console.py``);
+1. on a machine without an accelerator, torchtitan is pointed at the CPU (``titan/platform/cpu.py``;
+   on 0.3 with the other CPU fixes of ``titan/v03/cpu.py``) and its known-harmless CPU warnings
+   are filtered (``titan/platform/console.py``);
 2. ``--job.custom_config_module`` / ``--experimental.custom_import`` default to ours, so the
    ``[commopt]`` section and our TrainSpecs exist whatever the TOML says;
 3. the config is checked before any process group exists (``titan/config/parse.py``: file, sections,
@@ -18,7 +20,8 @@ too.) Differences from ``python -m torchtitan.train``, all before torchtitan's T
    switch in a short run) is one warning line each, printed once (:func:`report_warnings`);
 4. the run made in step 3 (``titan/adapter/run_context.py``: the job config, parsed once, the
    resolved optimizer, the comm ledger) is what torchtitan's Trainer builds from
-   (``titan/adapter/trainer.py``);
+   (``titan/adapter/trainer.py``); on 0.3, ``titan/v03/toml_config.py`` makes it (0.3's
+   ``Trainer.Config`` included) and ``titan/v03/runner.py`` trains it with 0.3's own Trainer;
 5. a run that trained to the end leaves with ``os._exit(0)`` once its output is flushed: see
    :func:`exit_after_success`.
 """
@@ -39,9 +42,14 @@ def check_config(argv: list[str], world_size: Optional[int] = None) -> Any:
     """The run (``CommoptRun``: the job config parsed once, the keys the user set, the resolved
     optimizer, None for torchtitan's own) made without touching torch.distributed; raises
     ConfigError listing every problem. ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (unset:
-    the mesh is not checked against it)."""
-    import titan_commopt.titan  # noqa: F401  (registers the TrainSpecs and datasets)
+    the mesh is not checked against it). On torchtitan 0.3 the same TOML and command line make a
+    ``TomlRun`` (``titan/v03/toml_config.py``), which also holds 0.3's ``Trainer.Config``."""
+    import titan_commopt.titan  # noqa: F401  (0.2.2: registers the TrainSpecs and datasets)
 
+    if titan_commopt.titan.LINE == "0.3":
+        from .titan.v03.toml_config import TomlRun
+
+        return TomlRun.from_command_line(argv, world_size)
     from .titan.adapter.run_context import CommoptRun
 
     return CommoptRun.from_command_line(argv, world_size)
@@ -88,8 +96,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     from .titan.platform.console import quiet_known_noise
     from .titan.platform.cpu import use_cpu_if_no_accelerator
 
+    import titan_commopt.titan
+
     quiet_known_noise()
-    use_cpu_if_no_accelerator()
+    on_03 = titan_commopt.titan.LINE == "0.3"
+    if not on_03:  # on 0.3 the CPU fixes are part of the run's config (titan/v03/runner.py)
+        use_cpu_if_no_accelerator()
     from titan_commopt.options import ConfigError
 
     try:
@@ -98,6 +110,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         report_config_error(error)
     report_warnings(run)
 
+    if on_03:
+        from .titan.v03.runner import run_toml
+
+        run_toml(run)
+        return
     from .titan.adapter.trainer import run_torchtitan
 
     run_torchtitan(run)

@@ -13,36 +13,20 @@ ledger's step after every optimizer step, adds FSDP2's own collectives as labell
 import logging
 from typing import Any, Optional
 
-import torch
 from torch import nn
 
-from titan_commopt import comm
-from titan_commopt.optim import ShardShape, broadcast_parameters, build_optimizer
-from titan_commopt.optim.traffic import adamw_hsdp_r_bytes, fsdp_traffic
-from titan_commopt.topology import Topology
 
 from ..config.resume import check_resume, ledger_saved
 from ..config.section import commopt_of
+from ..shared.mesh import topology_of
+from ..shared.optimizers import build_per_part, byte_estimates, itemsize
 from . import clipping
 from .container import CommOptimizersContainer, Safeguards
 from .run_context import CommoptRun
 
-__all__ = ["build_optimizers", "topology_of", "shard_shapes"]
+__all__ = ["build_optimizers", "topology_of"]
 
 logger = logging.getLogger(__name__)
-
-def topology_of(parallel_dims: Any) -> Topology:
-    """The one place a torchtitan run's meshes become R/S/T (see ``Topology.from_parallel_dims``)."""
-    return Topology.from_parallel_dims(parallel_dims, sums_over_replicas=True)
-
-
-def shard_shapes(model_parts: list[nn.Module]) -> list[ShardShape]:
-    """This rank's trainable parameter shards: what every byte formula reads."""
-    return [ShardShape.of(n, p) for m in model_parts for n, p in m.named_parameters() if p.requires_grad]
-
-
-def _itemsize(dtype_name: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
 
 
 def build_optimizers(
@@ -62,24 +46,16 @@ def build_optimizers(
         optimizers = list(stock_build(model_parts, optimizer_config, parallel_dims, ft_manager))
     else:
         logger.info("titan_commopt optimizer, resolved once for this run:\n%s", resolved.describe())
-        setup = comm.CommLedger()  # the initial broadcast is not a training step's traffic
-        optimizers = []
-        for model in model_parts:
-            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            broadcast_parameters([p for _, p in named], topology, ledger=setup)
-            optimizers.append(build_optimizer(named, topology, resolved, ledger=run.ledger))
+        optimizers = build_per_part(model_parts, topology, resolved, run.ledger)
     commopt = commopt_of(job_config)
     training = job_config.training
-    shards = shard_shapes(model_parts)
-    reduce_bytes = _itemsize(training.mixed_precision_reduce)
-    traffic = None
-    if commopt.hsdp_estimates:
-        traffic = fsdp_traffic(
-            shards, topology.shard_size, topology.replicate_size,
-            param_bytes=_itemsize(training.mixed_precision_param), reduce_bytes=reduce_bytes,
-            gathers=1 if job_config.parallelism.fsdp_reshard_after_forward == "never" else 2,
-            hsdp_r_sync=resolved is None,
-        )
+    reduce_bytes = itemsize(training.mixed_precision_reduce)
+    traffic, adamw_reference = byte_estimates(
+        model_parts, topology, enabled=commopt.hsdp_estimates,
+        param_bytes=itemsize(training.mixed_precision_param), reduce_bytes=reduce_bytes,
+        gathers=1 if job_config.parallelism.fsdp_reshard_after_forward == "never" else 2,
+        hsdp_r_sync=resolved is None,
+    )
     container = CommOptimizersContainer(
         model_parts,
         optimizers,
@@ -88,12 +64,8 @@ def build_optimizers(
         topology=topology,
         ledger=run.ledger,
         fsdp_traffic=traffic,
-        adamw_reference_r_bytes=adamw_hsdp_r_bytes(shards, topology.replicate_size, reduce_bytes).sent,
-        safeguards=Safeguards(
-            on_nonfinite=commopt.on_nonfinite,
-            check_replicas_every=commopt.check_replicas_every,
-            max_consecutive_skips=commopt.max_consecutive_skips,
-        ),
+        adamw_reference_r_bytes=adamw_reference,
+        safeguards=Safeguards.of(commopt),
         ledger_in_checkpoint=ledger_saved(job_config),
     )
     if resolved is not None:

@@ -69,7 +69,8 @@ class CommOptimizersContainer(OptimizersContainer):
         self._nonfinite_vote: Optional[bool] = None  # agreed by clip_grad_norm_ for the coming step
         self._logged = (dict(ledger.totals), ledger.steps)  # the ledger at the previous metrics()
         self._param_ids = {id(p) for _, p in self._named_params()}
-        self._validate_length(len(model_parts))
+        if hasattr(OptimizersContainer, "_validate_length"):  # torchtitan 0.2.2's check (0.3 has none)
+            self._validate_length(len(model_parts))
         all_params = [p for m in model_parts for p in m.parameters() if p.requires_grad]
         # Optimizer.__init__ gives the container hooks; lr lives in the wrapped optimizers.
         torch.optim.Optimizer.__init__(self, all_params, {"lr": optimizers[0].defaults.get("lr", 0.0)})

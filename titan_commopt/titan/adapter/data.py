@@ -9,54 +9,16 @@ HuggingFace ``tokenizer.json`` (torchtitan's own loader) or a SentencePiece ``to
 ``"bundled"`` (or empty) trains/loads the bundled one.
 """
 
-import fcntl
 import os
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from titan_commopt import corpora
 
-CORPUS_NAME = "commopt_tiny"  # the default bundled corpus
-BUNDLED = tuple(corpora.GENERATORS)  # every bundled corpus: commopt_tiny, commopt_world
+from ..shared.corpus import BUNDLED, CORPUS_NAME, cache_dir, corpus_path, locked, read_lines
+
 TEXTFILE_NAME = "textfile"
 VOCAB_SIZE = 1024  # the CPU flavors' vocab_size; SentencePiece may stop below it
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("TITAN_COMMOPT_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "titan_commopt"
-    )
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Serialize first-use builds across the ranks of one machine."""
-    with open(str(path) + ".lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def corpus_path(name: str = CORPUS_NAME) -> Path:
-    path = cache_dir() / f"{name}_v{corpora.VERSIONS[name]}.txt"
-    if not path.exists():
-        with _locked(path):
-            if not path.exists():
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text("\n".join(corpora.generate(name)) + "\n", encoding="utf-8")
-                os.replace(tmp, path)
-    return path
-
-
-def read_lines(path: str | os.PathLike) -> list[str]:
-    with open(path, encoding="utf-8") as handle:
-        return [line.rstrip("\n") for line in handle if line.strip()]
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------
@@ -68,7 +30,7 @@ def bundled_tokenizer_path(name: str = CORPUS_NAME) -> Path:
         import sentencepiece as spm
 
         corpus = corpus_path(name)
-        with _locked(model):
+        with locked(model):
             if not model.exists():
                 tmp_prefix = str(prefix) + f".tmp{os.getpid()}"
                 spm.SentencePieceTrainer.train(

@@ -32,6 +32,12 @@ class Safeguards:
     check_replicas_every: int = 0  # 0 = never
     max_consecutive_skips: int = 10  # this many skipped steps in a row stop the run; 0 = never
 
+    @classmethod
+    def of(cls, commopt: Any) -> "Safeguards":
+        """The safeguards a ``[commopt]`` section (``CommonOptions``) asks for."""
+        return cls(on_nonfinite=commopt.on_nonfinite, check_replicas_every=commopt.check_replicas_every,
+                   max_consecutive_skips=commopt.max_consecutive_skips)
+
 
 class StepGuard:
     """The safeguards at work: decides each step's skip, counts skips, runs the drift check."""

@@ -4,7 +4,8 @@ process group exists.
 - ``section.py``: the ``[commopt]`` section (``JobConfig``, exported here: ``--job.custom_config_module
   titan_commopt.titan.config`` names this package);
 - ``sources.py``: the TOML file and the keys the user set;
-- ``parse.py``: command line + TOML → torchtitan's JobConfig, every input mistake one line;
+- ``parse.py``: command line + TOML → torchtitan's JobConfig, every input mistake one line (on 0.3
+  the same parse against 0.2.2's keys: ``titan/v03/toml_config.py``);
 - ``validate.py`` and ``torchtitan_keys.py``: the values, ``[optimizer]`` + ``[commopt]`` → ``Resolved``;
 - ``resume.py``: the checkpoint a resume would load, checked against the run.
 """

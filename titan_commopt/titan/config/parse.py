@@ -31,7 +31,7 @@ import types
 import typing
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import Field, dataclass, fields, is_dataclass
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 from titan_commopt.options import ConfigError
 
@@ -40,7 +40,7 @@ from .sources import config_file_of, read_config_file
 
 __all__ = [
     "CONFIG_MODULE", "CUSTOM_IMPORT", "ParsedJob", "parse_job", "plugin_args", "read_config_file", "normalize_argv",
-    "config_class", "toml_problems", "cli_problems",
+    "config_class", "toml_problems", "cli_problems", "parse_with", "type_matches", "type_text",
 ]
 
 CONFIG_MODULE = MODULE
@@ -364,21 +364,33 @@ class ParsedJob:
 
 
 def parse_job(argv: list[str]) -> ParsedJob:
-    """Parse ``argv`` into torchtitan's JobConfig. Raises :class:`ConfigError` listing every input
-    problem found before parsing."""
+    """Parse ``argv`` into torchtitan 0.2.2's JobConfig. Raises :class:`ConfigError` listing every
+    input problem found before parsing."""
+    return parse_with(argv, config_class, _torchtitan_parse, plugin_args)
+
+
+def parse_with(
+    argv: list[str],
+    schema: Callable[[list[str], dict], type],
+    parse: Callable[[type, list[str], dict], Any],
+    add_args: Callable[[list[str], dict], list[str]] = lambda argv, toml: list(argv),
+    more_problems: Callable[[dict, list[str], type], list[str]] = lambda toml, args, cls: [],
+) -> ParsedJob:
+    """The parse, whatever reads the arguments: the TOML read once, ``add_args`` (our plug-in's
+    arguments), ``schema`` (the config class of the installed torchtitan), booleans normalized,
+    every problem of the TOML and the command line listed (plus ``more_problems``), then
+    ``parse(cls, args, toml)`` (tyro's own failures become one line)."""
     toml = read_config_file(config_file_of(argv))
-    args = plugin_args(argv, toml)
-    cls = config_class(args, toml)
+    args = add_args(argv, toml)
+    cls = schema(args, toml)
     args = normalize_argv(args, cls)
-    found = toml_problems(toml, cls) + cli_problems(args, cls)
+    found = more_problems(toml, args, cls) + toml_problems(toml, cls) + cli_problems(args, cls)
     if found:
         raise ConfigError("\n".join(found))
-    from torchtitan.config import ConfigManager
-
     captured = io.StringIO()
     try:
         with redirect_stderr(captured), redirect_stdout(captured):
-            job_config = ConfigManager().parse_args(args)
+            job_config = parse(cls, args, toml)
     except SystemExit as exit_:
         if exit_.code in (0, None):  # --help: show what tyro printed
             print(captured.getvalue(), end="")
@@ -393,3 +405,9 @@ def parse_job(argv: list[str]) -> ParsedJob:
 
     sys.stderr.write(captured.getvalue())  # torchtitan's warnings, if any (minus the filtered noise)
     return ParsedJob(job_config, args, toml)
+
+
+def _torchtitan_parse(cls: type, args: list[str], toml: dict) -> Any:
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(args)

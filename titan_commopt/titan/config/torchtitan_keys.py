@@ -23,7 +23,7 @@ from titan_commopt.optim import owns_replicate_sync
 from ..adapter import data
 from .resume import TORCHTITAN_STATES
 
-__all__ = ["torchtitan_problems", "world_size_from_env", "data_parallel_degree"]
+__all__ = ["torchtitan_problems", "world_size_from_env", "data_parallel_degree", "SpecProblems"]
 
 COMMOPT_SPEC = "llama3_commopt"  # the TrainSpec whose build_optimizers_fn builds our optimizers
 
@@ -310,8 +310,28 @@ def _folder_problems(job: Any) -> list[str]:
 
 
 # ---- all of it -------------------------------------------------------------------------------------
-def torchtitan_problems(job_config: Any, world_size: Optional[int] = None) -> list[str]:
-    """Every bad torchtitan setting a titan_commopt run depends on, one line each."""
+def _spec_problems(job_config: Any, lines_needed: int) -> list[str]:
+    """torchtitan 0.2.2's model, tokenizer and dataset checks (its TrainSpec registry)."""
+    models, spec = _model_problems(job_config)
+    out = models + _tokenizer_problems(job_config.model, spec)
+    if _uses_text_datasets(spec):
+        training = job_config.training
+        out += _dataset_problems("training", training.dataset, training.dataset_path, lines_needed)
+        if job_config.validation.enable:
+            validation = job_config.validation
+            out += _dataset_problems("validation", validation.dataset, validation.dataset_path, lines_needed)
+    return out
+
+
+SpecProblems = Callable[[Any, int], list[str]]  # (job config, documents every rank needs) -> lines
+
+
+def torchtitan_problems(
+    job_config: Any, world_size: Optional[int] = None, spec_problems: Optional[SpecProblems] = None
+) -> list[str]:
+    """Every bad torchtitan setting a titan_commopt run depends on, one line each. ``spec_problems``:
+    the checks of the model, tokenizer and data that depend on the installed torchtitan (default:
+    0.2.2's)."""
     rules = [r for r in _RULES if r[0] != "checkpoint" or job_config.checkpoint.enable]
     if job_config.validation.enable:
         rules += _VALIDATION_RULES
@@ -325,12 +345,5 @@ def torchtitan_problems(job_config: Any, world_size: Optional[int] = None) -> li
         dp = None if mesh else data_parallel_degree(parallelism, world_size)
     if "training" not in bad:
         out += _batch_problems(training, dp)
-    models, spec = _model_problems(job_config)
-    out += models + _tokenizer_problems(job_config.model, spec)
-    if _uses_text_datasets(spec):
-        lines_needed = dp or (1 if "parallelism" in bad else parallelism.data_parallel_replicate_degree)
-        out += _dataset_problems("training", training.dataset, training.dataset_path, lines_needed)
-        if job_config.validation.enable:
-            validation = job_config.validation
-            out += _dataset_problems("validation", validation.dataset, validation.dataset_path, lines_needed)
-    return out
+    lines_needed = dp or (1 if "parallelism" in bad else parallelism.data_parallel_replicate_degree)
+    return out + (spec_problems or _spec_problems)(job_config, lines_needed)

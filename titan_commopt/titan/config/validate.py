@@ -20,7 +20,7 @@ from titan_commopt.options import ConfigError, problems as option_problems
 
 from .section import commopt_of
 from .sources import given_options
-from .torchtitan_keys import torchtitan_problems, world_size_from_env
+from .torchtitan_keys import SpecProblems, torchtitan_problems, world_size_from_env
 
 __all__ = ["resolve_job", "hparams_of", "run_warnings", "unread_tables", "short_run_switch", "SWITCH_MIN_STEPS"]
 
@@ -74,15 +74,19 @@ def _unsupported(job_config: Any, name: str) -> list[str]:
 
 
 def resolve_job(
-    job_config: Any, user_keys: dict[str, set[str]], world_size: Optional[int] = None
+    job_config: Any,
+    user_keys: dict[str, set[str]],
+    world_size: Optional[int] = None,
+    spec_problems: Optional[SpecProblems] = None,
 ) -> Optional[Resolved]:
     """The run's resolved optimizer (``None`` for torchtitan's own), or ``ConfigError`` listing
     every problem. ``user_keys``: the ``[commopt]`` keys the user set (``sources.user_set_keys``);
-    ``world_size`` (default: torchrun's ``WORLD_SIZE``, when set) is checked against the mesh."""
+    ``world_size`` (default: torchrun's ``WORLD_SIZE``, when set) is checked against the mesh;
+    ``spec_problems``: the model/tokenizer/data checks of the installed torchtitan (default 0.2.2's)."""
     world_size = world_size_from_env() if world_size is None else world_size
     name = job_config.optimizer.name
     section = commopt_of(job_config)
-    found = torchtitan_problems(job_config, world_size)
+    found = torchtitan_problems(job_config, world_size, spec_problems)
     commopt = option_problems(section, "commopt")  # every table as given, the chosen one resolved below
     if not owns_replicate_sync(name):
         found += commopt

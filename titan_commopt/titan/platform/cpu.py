@@ -1,4 +1,4 @@
-"""Everything torchtitan 0.2.2 assumes about CUDA, handled in one place.
+"""Everything torchtitan (0.2.2 and 0.3) assumes about CUDA, handled in one place.
 
 torchtitan picks ``device_type = "cuda"`` when no accelerator exists and several modules copy
 ``device_type`` / ``device_module`` at import time (found by trial on torchtitan 0.2.2). On a machine without an
@@ -19,14 +19,24 @@ from typing import Any
 import torch
 from torch import nn
 
-# Modules of torchtitan 0.2.2 that bind device_type / device_module at import time.
-_MODULES_WITH_DEVICE_GLOBALS = (
-    "torchtitan.tools.utils",
-    "torchtitan.components.metrics",
-    "torchtitan.distributed.utils",
-    "torchtitan.distributed.parallel_dims",
-    "torchtitan.tools.profiling",
-)
+# Modules of each torchtitan line that bind device_type / device_module at import time.
+_MODULES_WITH_DEVICE_GLOBALS = {
+    "0.2": (
+        "torchtitan.tools.utils",
+        "torchtitan.components.metrics",
+        "torchtitan.distributed.utils",
+        "torchtitan.distributed.parallel_dims",
+        "torchtitan.tools.profiling",
+    ),
+    "0.3": (
+        "torchtitan.tools.utils",
+        "torchtitan.components.metrics",
+        "torchtitan.distributed.utils",
+        "torchtitan.distributed.parallel_dims",
+        "torchtitan.tools.profiler",
+        "torchtitan.models.common.token_dispatcher",
+    ),
+}
 
 
 def accelerator_available() -> bool:
@@ -99,8 +109,10 @@ def use_cpu_if_no_accelerator() -> bool:
         return False
     import importlib
 
+    from ..line import installed_version, line_of
+
     stand_in = CpuDeviceModule()
-    for name in _MODULES_WITH_DEVICE_GLOBALS:
+    for name in _MODULES_WITH_DEVICE_GLOBALS[line_of(installed_version()) or "0.2"]:
         module = importlib.import_module(name)
         if hasattr(module, "device_type"):
             module.device_type = "cpu"
@@ -122,3 +134,12 @@ def force_sum_reduction(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
+
+
+def shim_set_timeout() -> None:
+    """torchtitan 0.3 calls ``torch.distributed.set_timeout`` (a newer torch's) after step 1; torch
+    2.13 has the same function, private, as ``distributed_c10d._set_pg_timeout(timeout, group)``."""
+    import torch.distributed as dist
+
+    if not hasattr(dist, "set_timeout"):
+        dist.set_timeout = dist.distributed_c10d._set_pg_timeout  # type: ignore[attr-defined]

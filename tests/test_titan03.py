@@ -1,0 +1,231 @@
+"""torchtitan 0.3 through the plug-in (``titan_commopt/titan/v03``), on CPU with gloo.
+
+Skipped unless torchtitan 0.3 is installed: the normal suite runs on 0.2.2. Run with the 0.3 venv:
+``PYTHONPATH=. OMP_NUM_THREADS=1 /path/to/venv03/bin/python -m pytest -q tests/test_titan03.py``.
+One torchrun launch per fixture; the assertions read TensorBoard's event files and the console.
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_commopt.titan.line import installed_version, line_of
+
+pytestmark = pytest.mark.skipif(
+    line_of(installed_version()) != "0.3",
+    reason=f"torchtitan 0.3 is not installed (found {installed_version()}); this file tests the 0.3 line",
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULE = "titan_commopt.titan.v03.configs"
+OVERRIDE = "titan_commopt.titan.v03.overrides"
+FAMILY_ARGS = {  # every family, a few steps; periodic ones sync within them
+    "FlexDeMo": [],
+    "MT-DAO": ["--optimizer.commopt.local.Kx", "2", "--optimizer.commopt.local.Ku", "2", "--optimizer.commopt.local.Kv", "2"],
+    "Dion": [],
+    "SparseLoCo": ["--optimizer.commopt.sparseloco.H", "2"],
+}
+MESHES = {  # name: (processes, flags)
+    "hsdp_2x2": (4, []),
+    "r2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return os.environ.get("TITAN_COMMOPT_CACHE") or str(tmp_path_factory.mktemp("cache"))
+
+
+def _env(cache: str) -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TITAN_COMMOPT_CACHE": cache}
+
+
+def train(cache, dump: Path, nproc: int, *args: str, config: str = "cpu_debugmodel", check: bool = True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "torchtitan.train", "--module", MODULE, "--config", config, "--dump_folder", str(dump),
+           "--metrics.enable_tensorboard", "--debug.seed", "0", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(cache), capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def scalars(dump: Path) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict = {}
+    for run in sorted((dump / "tb").glob("*")):
+        acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return {tag: [v for _, v in sorted(values)] for tag, values in out.items()}
+
+
+def losses(tb: dict) -> list[float]:
+    return tb["loss_metrics/global_avg_loss"]
+
+
+# ---- the config module: 2 processes, R = 2 (each replica its own FlexDeMo state), checkpoints ----
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache):
+    dump = tmp_path_factory.mktemp("trained")
+    proc = train(cache, dump, 2, "--checkpoint.enable", "--checkpoint.interval", "2")
+    return dump, scalars(dump), proc
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, cache, trained):
+    dump = tmp_path_factory.mktemp("resumed")
+    shutil.copytree(trained[0] / "checkpoint" / "step-2", dump / "checkpoint" / "step-2")
+    proc = train(cache, dump, 2, "--checkpoint.enable", "--checkpoint.interval", "2")
+    return dump, scalars(dump), proc
+
+
+def test_config_module_trains(trained):
+    values = losses(trained[1])
+    assert len(values) == 4 and all(math.isfinite(v) for v in values) and values[-1] < values[0]
+
+
+@pytest.mark.parametrize("tag", ["comm/R_sent_bytes_total", "comm/world_bytes_total", "comm/R_ratio_vs_adamw_hsdp"])
+def test_comm_scalars_reach_tensorboard(trained, tag):
+    values = trained[1][tag]
+    assert len(values) == 4 and values[-1] > 0
+    if tag == "comm/R_ratio_vs_adamw_hsdp":  # FlexDeMo sends far less over R than AdamW-HSDP
+        assert values[-1] < 0.5
+
+
+def test_no_step_skipped(trained):
+    assert trained[1]["commopt/skipped_steps"] == [0.0] * 4
+
+
+@pytest.mark.parametrize("tag", ["loss_metrics/global_avg_loss", "grad_norm", "comm/R_sent_bytes_total",
+                                 "comm/world_bytes_total"])
+def test_resume_is_exact(trained, resumed, tag):
+    """Steps 3-4 after loading step 2 equal the uninterrupted run: each replica's optimizer state,
+    the counters and the ledger's totals come back, and the load's state initialisation counts no bytes."""
+    assert "Loading the checkpoint" in resumed[2].stdout + resumed[2].stderr
+    assert resumed[1][tag] == trained[1][tag][2:]
+
+
+# ---- the @override route on torchtitan's own optimizer config --------------------------------
+@pytest.fixture(scope="module")
+def overridden(tmp_path_factory, cache):
+    dump = tmp_path_factory.mktemp("override")
+    spec = json.dumps({"name": "FlexDeMo", "topk": 16, "lr": 1e-3})
+    proc = train(cache, dump, 2, "--override.imports", f"{OVERRIDE}.commopt={spec}", f"{OVERRIDE}.comm_metrics",
+                 config="cpu_debugmodel_adamw")
+    return scalars(dump), proc.stdout + proc.stderr
+
+
+def test_override_puts_our_optimizer_into_a_stock_config(overridden):
+    tb, log = overridden
+    assert f"[Override] {OVERRIDE}.commopt" in log
+    values = losses(tb)
+    assert len(values) == 4 and values[-1] < values[0]
+    assert 0 < tb["comm/R_ratio_vs_adamw_hsdp"][-1] < 0.5
+
+
+# ---- AdamW through our container = torchtitan's own (R synced by HSDP) -----------------------
+@pytest.fixture(scope="module")
+def adamw_pair(tmp_path_factory, cache):
+    out = {}
+    for label, extra in (("stock", []), ("ours", ["--override.imports", f'{OVERRIDE}.commopt={{"name": "AdamW"}}'])):
+        dump = tmp_path_factory.mktemp(f"adamw_{label}")
+        train(cache, dump, 2, *extra, config="cpu_debugmodel_adamw")
+        out[label] = scalars(dump)
+    return out
+
+
+def test_adamw_through_our_container_equals_stock(adamw_pair):
+    assert losses(adamw_pair["ours"]) == losses(adamw_pair["stock"])  # bit for bit
+    assert len(losses(adamw_pair["ours"])) == 4
+
+
+# ---- every family on HSDP 2x2 and on R2 x TP2 -------------------------------------------------
+@pytest.fixture(scope="module", params=[(n, m) for m in MESHES for n in FAMILY_ARGS], ids=lambda p: f"{p[0]}-{p[1]}")
+def family_run(request, tmp_path_factory, cache):
+    name, mesh = request.param
+    nproc, flags = MESHES[mesh]
+    dump = tmp_path_factory.mktemp(f"{name}_{mesh}")
+    proc = train(cache, dump, nproc, "--optimizer.name", name, "--training.steps", "3", *flags, *FAMILY_ARGS[name])
+    return name, mesh, scalars(dump), proc.stdout + proc.stderr
+
+
+def test_every_family_trains_on_hsdp_and_tp(family_run):
+    name, mesh, tb, log = family_run
+    values = losses(tb)
+    assert len(values) == 3 and all(math.isfinite(v) for v in values) and values[-1] < values[0], values
+    assert tb["comm/R_sent_bytes_total"][-1] > 0  # the optimizer synced R itself
+    assert tb["commopt/skipped_steps"][-1] == 0
+
+
+# ---- bad input, help, unsupported torchtitan: no process group --------------------------------
+def _parse(capsys, *args):
+    from torchtitan.config.manager import ConfigManager
+
+    with pytest.raises(SystemExit) as stop:
+        ConfigManager().parse_args(["--module", MODULE, "--config", "cpu_debugmodel", *args])
+    captured = capsys.readouterr()
+    return stop.value.code, captured.out, captured.err
+
+
+def test_help_lists_the_typed_options(capsys):
+    code, out, _ = _parse(capsys, "--help")
+    assert code == 0
+    assert "--optimizer.commopt.demo.topk" in out and "--optimizer.commopt.local.Kx" in out
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--optimizer.commopt.demo.topk", "0"], "[commopt.demo] topk"),
+    (["--optimizer.name", "FlexDemo"], "did you mean 'FlexDeMo'"),
+    (["--optimizer.commopt.on_nonfinite", "skip", "--optimizer.commopt.max_consecutive_skips", "-1"],
+     "max_consecutive_skips"),
+])
+def test_bad_cli_value_is_one_line_exit_2(capsys, args, expected):
+    code, _, err = _parse(capsys, *args)
+    lines = [line for line in err.splitlines() if line.startswith("titan_commopt:")]
+    assert code == 2 and len(lines) == 1 and expected in lines[0], err
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({"name": "FlexDemo"}, "did you mean 'FlexDeMo'"),
+    ({"name": "FlexDeMo", "topkk": 3}, "topkk"),
+    ({"name": "FlexDeMo", "topk": -1}, "topk"),
+])
+def test_bad_override_is_one_line_exit_2(capsys, kwargs, expected):
+    from torchtitan.components.optimizer import default_adamw
+
+    from titan_commopt.titan.v03.overrides import commopt
+
+    with pytest.raises(SystemExit) as stop:
+        commopt(default_adamw(), **kwargs)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("titan_commopt:")]
+    assert stop.value.code == 2 and len(lines) == 1 and expected in lines[0], err
+
+
+@pytest.mark.parametrize("version", ["0.4.0", "0.2.1", None])
+def test_unsupported_torchtitan_is_one_line_exit_2(version):
+    patch = (
+        "import importlib.metadata as m\n"
+        "real = m.version\n"
+        "def version(name):\n"
+        "    if name != 'torchtitan': return real(name)\n"
+        f"    installed = {version!r}\n"
+        "    if installed is None: raise m.PackageNotFoundError(name)\n"
+        "    return installed\n"
+        "m.version = version\n"
+        "import titan_commopt.titan\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", patch], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "0.2.2 or 0.3.x" in lines[0] and (version or "not installed") in lines[0], proc.stderr

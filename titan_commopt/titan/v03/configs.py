@@ -1,0 +1,131 @@
+"""Our config module for torchtitan 0.3: ``--module titan_commopt.titan.v03.configs --config <name>``.
+
+Config functions (each returns a ``Trainer.Config``; every field stays a command-line flag, the
+optimizer's options included: ``--optimizer.name DiLoCo --optimizer.commopt.local.sync_every 8``;
+``--help`` lists them):
+
+- ``cpu_debugmodel``: llama3 ``debugmodel`` for a CPU box, FlexDeMo, the bundled corpus and a
+  tokenizer trained on it (built at first use into the cache, no internet: ``v03/assets.py``), every
+  CPU fix applied (``v03/cpu.py``), 2 replicas (× the rest of the processes as FSDP shards),
+  seq 256 × batch 4, 4 steps, ``comm/*`` in the metrics::
+
+      torchrun --standalone --nproc_per_node=2 -m torchtitan.train \\
+          --module titan_commopt.titan.v03.configs --config cpu_debugmodel
+
+- ``cpu_debugmodel_adamw``: the same with torchtitan's own optimizer config and container (AdamW,
+  HSDP syncs R): the baseline, and a stock config for ``--override.imports``;
+- ``llama3_8b_flexdemo``, ``llama3_8b_diloco``, ``llama3_8b_dion``, ``llama3_8b_des_loc``,
+  ``llama3_8b_mt_dao``: llama3 8B on GPUs, as ``train_configs/llama3_8b_*.toml``
+  (2 replicas × 8-way FSDP, seq 8192, bf16 parameters, fp32 reduce, ``hf_assets_path =
+  ./assets/hf/Llama-3.1-8B``, dataset c4).
+
+For a config module of your own: :func:`commopt_optimizer` (our optimizer's config, to assign to
+``cfg.optimizer``) and :func:`apply_cpu_fixes` (a config made to run on CPU/gloo; a no-op where an
+accelerator exists).
+"""
+
+import dataclasses
+from typing import Any, Optional
+
+from torchtitan.models.llama3.config_registry import llama3_8b, llama3_debugmodel
+from torchtitan.trainer import Trainer
+
+from ..config.section import CommOpt
+from .assets import dataset_dir, tokenizer_dir
+from .container import CommOptimizers
+from .cpu import apply_cpu_fixes
+from .metrics import CommMetricsProcessor
+
+__all__ = [
+    "commopt_optimizer", "apply_cpu_fixes", "cpu_debugmodel", "cpu_debugmodel_adamw", "llama3_8b_flexdemo",
+    "llama3_8b_diloco", "llama3_8b_dion", "llama3_8b_des_loc", "llama3_8b_mt_dao",
+]
+
+
+def commopt_optimizer(
+    name: str = "FlexDeMo", commopt: Optional[Any] = None, *, lr: float = 8e-4, beta1: float = 0.9,
+    beta2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.1, warmup_steps: int = 0,
+    implementation: str = "for-loop", set_keys: tuple[str, ...] = (),
+) -> CommOptimizers.Config:
+    """Optimizer ``name`` (ours, or torchtitan's AdamW/Adam) with ``commopt`` (a ``CommOpt``: the
+    ``[commopt]`` options; default: every family's defaults, the name's preset on top) and the
+    ``[optimizer]`` hyper-parameters. The preset fills the family's keys left at their default,
+    except ``set_keys`` (keys the user set, e.g. a TOML's ``[commopt.<family>]`` keys). Bad values:
+    one line each, exit status 2."""
+    return CommOptimizers.Config(
+        name=name, commopt=commopt if commopt is not None else CommOpt(), lr=lr, beta1=beta1, beta2=beta2,
+        eps=eps, weight_decay=weight_decay, warmup_steps=warmup_steps, implementation=implementation,
+        set_keys=list(set_keys),
+    )
+
+
+def _with_comm_metrics(cfg: Trainer.Config) -> Trainer.Config:
+    fields = {f.name: getattr(cfg.metrics, f.name) for f in dataclasses.fields(cfg.metrics) if f.init}
+    cfg.metrics = CommMetricsProcessor.Config(**fields)
+    return cfg
+
+
+def _cpu(name: Optional[str]) -> Trainer.Config:
+    """``name``: our container with that optimizer; ``None``: torchtitan's own config and container."""
+    cfg = llama3_debugmodel()
+    cfg.hf_assets_path = str(tokenizer_dir())
+    cfg.dataloader.dataset_path = str(dataset_dir())
+    cfg.training.seq_len = 256
+    cfg.training.local_batch_size = 4
+    cfg.training.steps = 4
+    if name is not None:
+        cfg.optimizer = commopt_optimizer(name, warmup_steps=cfg.lr_scheduler.warmup_steps)
+    cfg.validator.enable = False
+    cfg.parallelism.data_parallel_replicate_degree = 2  # R = 2: the optimizer syncs it (2 procs: DDP-like, 4: HSDP 2x2)
+    return apply_cpu_fixes(_with_comm_metrics(cfg))
+
+
+def cpu_debugmodel() -> Trainer.Config:
+    return _cpu("FlexDeMo")
+
+
+def cpu_debugmodel_adamw() -> Trainer.Config:
+    return _cpu(None)
+
+
+def _llama3_8b(name: str, commopt: Optional[Any] = None, lr: float = 1e-4) -> Trainer.Config:
+    cfg = llama3_8b()
+    cfg.lr_scheduler.warmup_steps = 200
+    cfg.training.max_norm = 1.0
+    cfg.training.mixed_precision_param = "bfloat16"
+    cfg.training.mixed_precision_reduce = "float32"
+    cfg.parallelism.data_parallel_replicate_degree = 2
+    cfg.parallelism.data_parallel_shard_degree = 8
+    cfg.parallelism.spmd_backend = "partial_dtensor"  # spmd_types: fully_shard refuses it on torch 2.13
+    cfg.checkpoint.enable = True
+    cfg.debug.seed = 42
+    cfg.dump_folder = f"./outputs/llama3_8b_{name}"
+    cfg.optimizer = commopt_optimizer(name, commopt, lr=lr, warmup_steps=200, implementation="foreach")
+    return _with_comm_metrics(cfg)
+
+
+def _options(**tables: dict[str, Any]) -> Any:
+    commopt = CommOpt()
+    for key, values in tables.items():
+        setattr(commopt, key, dataclasses.replace(getattr(commopt, key), **values))
+    return commopt
+
+
+def llama3_8b_flexdemo() -> Trainer.Config:
+    return _llama3_8b("FlexDeMo", _options(demo={"lr": 1e-4}))
+
+
+def llama3_8b_diloco() -> Trainer.Config:
+    return _llama3_8b("DiLoCo", _options(local={"lr": 3e-4}), lr=3e-4)
+
+
+def llama3_8b_dion() -> Trainer.Config:
+    return _llama3_8b("Dion", _options(dion={"lr": 1e-2}), lr=1e-2)
+
+
+def llama3_8b_des_loc() -> Trainer.Config:
+    return _llama3_8b("DES-LOC", _options(local={"lr": 3e-4}), lr=3e-4)
+
+
+def llama3_8b_mt_dao() -> Trainer.Config:
+    return _llama3_8b("MT-DAO", _options(local={"lr": 3e-4, "switch_at": 0}), lr=3e-4)

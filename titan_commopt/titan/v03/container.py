@@ -1,0 +1,179 @@
+"""torchtitan 0.3's ``OptimizersContainer`` for our optimizers: a ``Configurable`` whose ``Config``
+names the optimizer and carries the ``[commopt]`` options as typed fields.
+
+``CommOptimizers.Config`` adds to torchtitan's optimizer config ``name`` (any registered
+titan_commopt optimizer, or torchtitan's ``AdamW``/``Adam``), the generic hyper-parameters of the
+``[optimizer]`` section of the 0.2.2 TOML (``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay``,
+and ``warmup_steps`` for MT-DAO's switch) and ``commopt``: the ``[commopt]`` section's dataclass
+(``titan/config/section.py``), one typed sub-table per family. torchtitan's CLI parses them
+(``--optimizer.name DiLoCo --optimizer.commopt.local.sync_every 8``) and ``--help`` lists them.
+
+The options are resolved once, when the config is made (the family's preset fills every key left at
+the family default; bad values: one line each, exit status 2, before any process group exists),
+and the config records that our optimizer syncs R, so that FSDP2 is applied without
+``dp_replicate`` (``fsdp.py``). ``build(model_parts=...)`` then builds one optimizer per model part
+on the run's Topology (the parameters' meshes + the R mesh FSDP was kept off,
+``shared/mesh.py``), on this container's comm ledger. Everything else — clipping for optimizers
+that own R, skipping non-finite steps, the drift check, the metrics, each replica's checkpoint
+state and the ledger's totals — is the 0.2.2 adapter's container, unchanged
+(``adapter/container.py``): the methods torchtitan 0.3 calls have the same names and meaning.
+"""
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+
+from titan_commopt import comm
+from titan_commopt.optim import BaseHParams, Resolved, family_of, owns_replicate_sync, resolve
+from titan_commopt.options import ConfigError, problems
+
+from ..adapter import clipping
+from ..adapter.container import CommOptimizersContainer, Safeguards
+from ..config.section import CommOpt
+from ..platform.stop import stop_run
+from ..shared.mesh import ParameterMeshes, topology_of
+from ..shared.optimizers import build_per_part, byte_estimates, itemsize
+from . import fsdp
+
+__all__ = ["CommOptimizers", "resolve_config", "refuse"]
+
+BAD_INPUT = 2
+
+
+def refuse(error: ConfigError) -> None:
+    """Bad input: its line(s) once, exit status 2 on every rank."""
+    stop_run(str(error), BAD_INPUT)
+
+
+def _given(name: str, commopt: Any, set_keys: list[str]) -> dict[str, Any]:
+    """The family options the user (or the config function) set: those that differ from the
+    family's defaults, and ``set_keys``; the preset of ``name`` fills the rest."""
+    family = family_of(name)
+    table, defaults = getattr(commopt, family.key), family.options()
+    return {f.name: getattr(table, f.name) for f in fields(table)
+            if f.name in set_keys or getattr(table, f.name) != getattr(defaults, f.name)}
+
+
+def resolve_config(config: "CommOptimizers.Config") -> Optional[Resolved]:
+    """The resolved optimizer of ``config`` (``None`` for torchtitan's AdamW/Adam); ``ConfigError``
+    lists every problem."""
+    found = problems(config.commopt, "commopt")
+    if not owns_replicate_sync(config.name):
+        if found:
+            raise ConfigError("\n".join(found))
+        return None
+    family = family_of(config.name)
+    found = [line for line in found if not line.startswith(f"[{family.section}]")]
+    hparams = BaseHParams(lr=config.lr, beta1=config.beta1, beta2=config.beta2, eps=config.eps,
+                          weight_decay=config.weight_decay, warmup_steps=config.warmup_steps)
+    try:
+        resolved = resolve(config.name, _given(config.name, config.commopt, config.set_keys), hparams, kernels=config.commopt.kernels)
+    except ConfigError as error:
+        found.append(str(error))
+    if found:
+        raise ConfigError("\n".join(found))
+    return resolved
+
+
+class CommOptimizers(CommOptimizersContainer):
+    """See the module docstring."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        name: str = "FlexDeMo"
+        """The optimizer: a titan_commopt name (FlexDeMo, DeMo, DES-LOC, MT-DAO, DiLoCo, LocalAdam, Dion,
+        SparseLoCo, ...) or torchtitan's AdamW/Adam (HSDP syncs R for those)."""
+        lr: float = 8e-4
+        """Learning rate (a family's own lr, when >= 0, wins; else lr x its lr_scale)."""
+        beta1: float = 0.9
+        beta2: float = 0.95
+        eps: float = 1e-8
+        weight_decay: float = 0.1
+        warmup_steps: int = 0
+        """The LR scheduler's warm-up steps (MT-DAO's switch at the end of warm-up reads it)."""
+        commopt: CommOpt = field(default_factory=CommOpt)  # type: ignore[valid-type]
+        """The [commopt] options: common ones plus one table per family (--optimizer.commopt.demo.topk 16)."""
+        set_keys: list[str] = field(default_factory=list)
+        """Family option keys set on purpose even where equal to the family default (the preset then
+        does not replace them; a TOML's [commopt.<family>] keys)."""
+
+        def __post_init__(self) -> None:
+            try:
+                resolve_config(self)
+            except ConfigError as error:
+                refuse(error)
+            fsdp.leave_replicate_to_optimizer(owns_replicate_sync(self.name))
+
+    def __init__(self, config: "CommOptimizers.Config", *, model_parts: list[nn.Module]) -> None:
+        try:
+            resolved = resolve_config(config)
+        except ConfigError as error:
+            refuse(error)
+        first = next((p for m in model_parts for p in m.parameters() if p.requires_grad), None)
+        param_mesh = getattr(first, "device_mesh", None)
+        owns_r = resolved is not None
+        self._check_replicate(param_mesh, owns_r)
+        topology = topology_of(ParameterMeshes(param_mesh, fsdp.replicate_mesh() if owns_r else None))
+        ledger = comm.CommLedger()
+        if resolved is None:
+            optimizers = self._stock_optimizers(config, model_parts)
+        else:
+            optimizers = build_per_part(model_parts, topology, resolved, ledger)
+        seen = fsdp.seen
+        reduce_bytes = itemsize(seen.reduce_dtype or torch.float32)
+        traffic, adamw_reference = byte_estimates(
+            model_parts, topology, enabled=config.commopt.hsdp_estimates,
+            param_bytes=itemsize(seen.param_dtype or torch.float32), reduce_bytes=reduce_bytes,
+            gathers=1 if seen.reshard_after_forward is False else 2, hsdp_r_sync=not owns_r,
+        )
+        super().__init__(
+            model_parts, optimizers, name=config.name, resolved=resolved, topology=topology, ledger=ledger,
+            fsdp_traffic=traffic, adamw_reference_r_bytes=adamw_reference, safeguards=Safeguards.of(config.commopt),
+        )
+        if owns_r:
+            clipping.install()
+            clipping.register(self)
+
+    @staticmethod
+    def _check_replicate(param_mesh: Any, owns_r: bool) -> None:
+        """R must be synced once: by FSDP for AdamW/Adam, by our optimizer otherwise."""
+        names = tuple(getattr(param_mesh, "mesh_dim_names", None) or ())
+        hsdp_syncs_r = "dp_replicate" in names and param_mesh["dp_replicate"].size() > 1 and \
+            not fsdp.seen.replicate_hidden
+        if owns_r and hsdp_syncs_r and fsdp.seen.calls and fsdp.seen.leave_replicate:
+            refuse(ConfigError(
+                "parallelism.spmd_backend = 'full_dtensor' with data_parallel_replicate_degree > 1: the parameters "
+                "carry dp_replicate in their mesh, so DTensor syncs R before our optimizer does; use "
+                "'partial_dtensor' (or data_parallel_replicate_degree = 1)"))
+        if owns_r and hsdp_syncs_r:
+            refuse(ConfigError(
+                "optimizer: the model was sharded with FSDP's own R (dp_replicate) sync: make our optimizer's "
+                "config (CommOptimizers.Config) before the model is parallelized (config function or --override.imports)"))
+        if not owns_r and fsdp.seen.replicate_hidden and fsdp.replicate_mesh() is not None \
+                and fsdp.replicate_mesh().size() > 1:
+            refuse(ConfigError(
+                "optimizer: torchtitan's AdamW/Adam needs FSDP's R sync, but the model was sharded for an "
+                "optimizer that syncs R itself: one optimizer config per run"))
+
+    @staticmethod
+    def _stock_optimizers(config: "CommOptimizers.Config", model_parts: list[nn.Module]) -> list[torch.optim.Optimizer]:
+        """torchtitan's own AdamW/Adam, as its container builds them."""
+        groups_config = config.param_groups or [ParamGroupConfig(
+            pattern=r".*", optimizer_name=config.name,
+            optimizer_kwargs={"lr": config.lr, "betas": (config.beta1, config.beta2), "eps": config.eps,
+                              "weight_decay": config.weight_decay},
+        )]
+        impl = OptimizersContainer._build_impl_kwargs(config)
+        out = []
+        for model in model_parts:
+            groups, _ = OptimizersContainer._build_param_groups(model, groups_config, impl)
+            for name, param_groups in groups.items():
+                out.append(OptimizersContainer._resolve_optimizer_factory(name)(param_groups))
+        return out
+
+    def init_cache_state_dict(self) -> None:
+        """TorchFT's hook (torchtitan 0.3 calls it on every container): nothing to cache."""

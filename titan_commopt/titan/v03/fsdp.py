@@ -1,0 +1,95 @@
+"""torchtitan 0.3's ``fully_shard`` calls, seen by us: R left to our optimizers, SUM on gloo.
+
+torchtitan 0.3's parallelize functions call ``torchtitan.distributed.fsdp.fully_shard`` (a module
+global, also for DDP- and TP-only runs). :func:`install` wraps it, once, at import of
+``titan_commopt.titan``, which both ways of launching do before the model is parallelized (the config
+module is imported before the Trainer exists; an ``--override.imports`` module in
+``Trainer.__init__`` before the model is built). The wrapper:
+
+- leaves R to the optimizer when one of ours owns it (:func:`leave_replicate_to_optimizer`, called
+  when our container's config is made): FSDP2 shards over the dims after ``dp_replicate`` only, so
+  HSDP's gradient all-reduce over R never happens (as the 0.2.2 adapter's parallelize wrapper does;
+  ``set_requires_all_reduce(False)`` leaves every ``p.grad`` None). The R mesh it took off is kept
+  (:func:`replicate_mesh`): the container builds its Topology from it and the parameters' meshes;
+- on a machine without an accelerator makes every FSDP2 module reduce with SUM (gloo has no
+  AVG/PREMUL_SUM; torchtitan's gradient divide factor is already 1);
+- keeps the mixed-precision policy and ``reshard_after_forward`` for the byte estimates.
+"""
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..platform.cpu import force_sum_reduction, on_cpu
+
+__all__ = ["install", "leave_replicate_to_optimizer", "replicate_mesh", "seen"]
+
+_REPLICATE = "dp_replicate"
+
+
+@dataclass
+class Seen:
+    """What the wrapped ``fully_shard`` saw in this process (the last call wins; one model per run)."""
+
+    leave_replicate: bool = False  # set by our container's config: our optimizer syncs R
+    replicate: Optional[DeviceMesh] = None  # the R mesh taken off FSDP's mesh
+    replicate_hidden: bool = False
+    param_dtype: Any = None
+    reduce_dtype: Any = None
+    reshard_after_forward: Any = True
+    calls: int = 0
+
+
+seen = Seen()
+
+
+def leave_replicate_to_optimizer(leave: bool = True) -> None:
+    """From now on FSDP2 shards without ``dp_replicate`` (``leave=False``: HSDP as torchtitan has it)."""
+    seen.leave_replicate = leave
+
+
+def replicate_mesh() -> Optional[DeviceMesh]:
+    return seen.replicate
+
+
+def _without_replicate(mesh: DeviceMesh, kwargs: dict[str, Any]) -> DeviceMesh:
+    names = tuple(mesh.mesh_dim_names or ())
+    if _REPLICATE not in names or kwargs.get("dp_mesh_dims") is not None:
+        # full_dtensor: the parameters are already DTensors on a mesh with dp_replicate, and DTensor
+        # reduces their gradients over it whatever FSDP is told (measured: each replica's gradient
+        # came out summed over R); left as it is, the container refuses the run with one line.
+        return mesh
+    seen.replicate = mesh[_REPLICATE]
+    seen.replicate_hidden = True
+    rest = tuple(n for n in names if n != _REPLICATE)
+    return mesh[rest[0]] if len(rest) == 1 else mesh[rest]
+
+
+def install() -> None:
+    """Wrap ``torchtitan.distributed.fsdp.fully_shard`` (idempotent)."""
+    from torchtitan.distributed import fsdp
+
+    original = fsdp.fully_shard
+    if getattr(original, "_titan_commopt", False):
+        return
+
+    @functools.wraps(original)
+    def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
+        mesh = kwargs.get("mesh")
+        if seen.leave_replicate and mesh is not None:
+            kwargs["mesh"] = _without_replicate(mesh, kwargs)
+        policy = kwargs.get("mp_policy")
+        if policy is not None:
+            seen.param_dtype, seen.reduce_dtype = policy.param_dtype, policy.reduce_dtype
+        seen.reshard_after_forward = kwargs.get("reshard_after_forward", True)
+        seen.calls += 1
+        out = original(module, *args, **kwargs)
+        if on_cpu():
+            for m in out if isinstance(out, list) else [out]:
+                force_sum_reduction(m)
+        return out
+
+    fully_shard._titan_commopt = True  # type: ignore[attr-defined]
+    fsdp.fully_shard = fully_shard

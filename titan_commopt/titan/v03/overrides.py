@@ -1,0 +1,76 @@
+"""torchtitan 0.3 ``@override``s: our optimizers (and our metrics) in any stock or user config.
+
+    --override.imports 'titan_commopt.titan.v03.overrides.commopt={"name": "FlexDeMo", "topk": 16}'
+
+:func:`commopt` replaces the run's ``OptimizersContainer.Config`` by ours (``v03/container.py``).
+Its keyword arguments: ``name``; the ``[optimizer]`` hyper-parameters ``lr``, ``beta1``, ``beta2``,
+``eps``, ``weight_decay`` (default: the replaced config's first param group's values),
+``warmup_steps``; any option of the named optimizer's family (``[commopt.<family>]``, e.g. ``topk``)
+or of ``[commopt]`` itself (e.g. ``on_nonfinite``). A bad name, key or value: one line, exit
+status 2. Overrides are applied after the command line is parsed, so options go in the JSON, not
+in ``--optimizer.*`` flags.
+
+:func:`comm_metrics` swaps the metrics processor for ours, which adds ``comm/*`` and ``commopt/*``
+to TensorBoard: ``--override.imports titan_commopt.titan.v03.overrides.commopt
+titan_commopt.titan.v03.overrides.comm_metrics``.
+
+On a CPU box torchtitan's stock configs also need the CPU fixes before the Trainer exists (an
+override runs too late for them): use our config module there (``v03/configs.py``).
+"""
+
+import dataclasses
+from typing import Any
+
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.config.override import derive, override
+
+from titan_commopt.optim import family_of, owns_replicate_sync
+from titan_commopt.options import ConfigError, check_keys
+
+from ..config.section import CommOpt, CommonOptions
+from .container import CommOptimizers, refuse
+from .metrics import CommMetricsProcessor
+
+__all__ = ["commopt", "comm_metrics"]
+
+_HPARAMS = ("lr", "beta1", "beta2", "eps", "weight_decay", "warmup_steps")
+_COMMON = tuple(f.name for f in dataclasses.fields(CommonOptions))
+
+
+def _stock_hparams(cfg: Any) -> dict[str, Any]:
+    """The hyper-parameters of the config being replaced (its first param group)."""
+    groups = getattr(cfg, "param_groups", None) or []
+    kwargs = dict(groups[0].optimizer_kwargs) if groups else {}
+    out = {k: kwargs[k] for k in ("lr", "eps", "weight_decay") if k in kwargs}
+    if "betas" in kwargs:
+        out["beta1"], out["beta2"] = (float(b) for b in kwargs["betas"])
+    return out
+
+
+@override(target=OptimizersContainer.Config, description="a titan_commopt optimizer, options as keyword arguments")
+def commopt(cfg: Any, name: str = "FlexDeMo", **options: Any) -> CommOptimizers.Config:
+    hparams = {**_stock_hparams(cfg), **{k: options.pop(k) for k in _HPARAMS if k in options}}
+    common = {k: options.pop(k) for k in _COMMON if k in options}
+    section = CommOpt(**common)
+    try:
+        if options:
+            if not owns_replicate_sync(name):
+                raise ConfigError(f"override {name}: options {', '.join(sorted(options))}: torchtitan's "
+                                  f"{name} takes none (allowed: {', '.join(_HPARAMS)})")
+            family = family_of(name)
+            unknown = check_keys(options, family.options, family.section)
+            if unknown:
+                raise ConfigError("\n".join(unknown))
+            setattr(section, family.key, dataclasses.replace(getattr(section, family.key), **options))
+        elif owns_replicate_sync(name):
+            family_of(name)
+    except ConfigError as error:
+        refuse(error)
+    return derive(cfg, CommOptimizers.Config, name=name, commopt=section, **hparams,
+                  implementation="for-loop" if cfg.implementation.startswith("fused") else cfg.implementation)
+
+
+@override(target=MetricsProcessor.Config, description="comm/* and commopt/* scalars next to the loss")
+def comm_metrics(cfg: Any) -> CommMetricsProcessor.Config:
+    return derive(cfg, CommMetricsProcessor.Config)
