@@ -39,7 +39,8 @@ def param_shapes(flavor: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def parse_overrides(items: list[str]) -> dict[str, dict]:
-    """``["local.Kx=2", "demo.chunk=32"]`` → ``{"local": {"Kx": 2}, "demo": {"chunk": 32}}``.
+    """``["local.Kx=2", "demo.chunk=32"]`` → ``{"local": {"Kx": 2}, "demo": {"chunk": 32}}``;
+    ``commopt.kernels=triton`` (the one ``[commopt]`` key a benchmark varies) → ``{"commopt": {...}}``.
     A malformed item or an unknown family: ``ConfigError`` with one line."""
     import ast
     import difflib
@@ -53,7 +54,9 @@ def parse_overrides(items: list[str]) -> dict[str, dict]:
         family, dot, option = key.partition(".")
         if not eq or not dot or not family or not option:
             raise ConfigError(f"--set {item!r}: allowed is FAMILY.OPTION=VALUE, e.g. demo.chunk=32")
-        if family not in FAMILIES:
+        if family == "commopt" and option != "kernels":
+            raise ConfigError(f"--set {item!r}: of [commopt] only commopt.kernels=auto|torch|triton is taken here")
+        if family not in FAMILIES and family != "commopt":
             close = difflib.get_close_matches(family, list(FAMILIES), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"--set {item!r}: unknown family {family!r}{hint} (known: {', '.join(FAMILIES)})")
@@ -70,17 +73,19 @@ def resolved_of(name: str, overrides: dict[str, dict], hparams=None):
     the registry's one resolution, preset on every key not overridden."""
     from titan_commopt.optim import family_of, resolve
 
-    return resolve(name, overrides.get(family_of(name).key, {}), hparams)
+    kernels = overrides.get("commopt", {}).get("kernels", "auto")
+    return resolve(name, overrides.get(family_of(name).key, {}), hparams, kernels=kernels)
 
 
 def cli_overrides(name: str, overrides: dict[str, dict]) -> list[str]:
-    """The same overrides as torchtitan command-line flags (only the optimizer's family)."""
+    """The same overrides as torchtitan command-line flags (the optimizer's family, and ``[commopt]
+    kernels``)."""
     from titan_commopt.optim import family_of, owns_replicate_sync
 
     if not owns_replicate_sync(name):
         return []
     family = family_of(name).key
-    out = []
+    out = [arg for kernels in overrides.get("commopt", {}).values() for arg in ("--commopt.kernels", str(kernels))]
     for option, value in overrides.get(family, {}).items():
         flag = f"--commopt.{family}.{option}"
         if isinstance(value, bool):
