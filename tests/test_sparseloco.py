@@ -12,7 +12,6 @@ later).
 """
 
 import copy
-import dataclasses
 import math
 
 import pytest
@@ -21,7 +20,6 @@ import torch
 from titan_commopt import comm
 from titan_commopt.compress.dct import chunk_size, dct_basis
 from titan_commopt.optim import ShardShape, build_optimizer, resolve
-from titan_commopt.optim.common import BaseHParams
 from titan_commopt.options import ConfigError
 from titan_commopt.topology import Topology
 from tests.dist_utils import run_distributed

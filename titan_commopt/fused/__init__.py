@@ -32,11 +32,10 @@ KERNELS = ("auto", "torch", "triton")
 def triton_available() -> bool:
     """Triton imports (it ships with torch's Linux wheels and with torchtitan)."""
     try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
+        import triton.language as tl
     except Exception:  # pragma: no cover - platform dependent (no wheel, broken install)
         return False
-    return True
+    return hasattr(tl, "dot")
 
 
 def interpreting() -> bool:
