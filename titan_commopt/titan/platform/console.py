@@ -10,7 +10,10 @@ torchtitan log lines (its root logger; the message must match from its start). O
 - ``HF assets path bundled does not exist!`` (also for an empty path): ``bundled`` is our offline
   tokenizer (``titan/adapter/data.py``), not a directory;
 - ``model.safetensors.index.json not found at hf_assets_path: bundled/...``: same reason, and only
-  HF-format checkpoint export reads that file.
+  HF-format checkpoint export reads that file;
+- ``initial_load_model_only=True has no effect without an initial_load_path.`` (torchtitan 0.3,
+  from its checkpoint config each time one is made): ``true`` is 0.2.2's default, which a TOML run
+  on 0.3 keeps (``v03/toml_config.py``); with no ``initial_load_path`` it is simply not used.
 
 Only without an accelerator (on a GPU machine they are about the machine, and stay):
 
@@ -42,6 +45,7 @@ __all__ = ["quiet_known_noise", "NOISE_LOG_LINES", "NOISE_WARNINGS", "OFFLINE_LO
 OFFLINE_LOG_LINES = (
     r"HF assets path (bundled)? does not exist!",
     r"model\.safetensors\.index\.json not found at hf_assets_path: bundled/",
+    r"initial_load_model_only=True has no effect without an initial_load_path\.",
 )
 
 NOISE_LOG_LINES = OFFLINE_LOG_LINES + (
