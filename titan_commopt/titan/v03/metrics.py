@@ -26,6 +26,12 @@ class CommMetricsProcessor(MetricsProcessor):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._comm_log = CommLogState()
+        self._last_step = ((kwargs.get("config_dict") or {}).get("training") or {}).get("steps")
+
+    def should_log(self, step: int) -> bool:
+        # The last step is a log step whatever log_freq (as on 0.2.2, adapter/metrics.py); every
+        # rank decides alike: the same config everywhere.
+        return super().should_log(step) or step == self._last_step
 
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
             extra_metrics: dict[str, Any] | None = None) -> None:
