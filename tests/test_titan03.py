@@ -3,8 +3,8 @@
 Skipped unless torchtitan 0.3 is installed: the normal suite runs on 0.2.2. Run with the 0.3 venv:
 ``PYTHONPATH=. OMP_NUM_THREADS=1 /path/to/venv03/bin/python -m pytest -q tests/test_titan03.py``.
 One torchrun launch per fixture; the assertions read TensorBoard's event files and the console.
-Launches are shared (12): the config-module run is the first half of the resume pair, and the
-override run is FlexDeMo's R2 x TP2 run.
+Launches are shared (11): the config-module run (FlexDeMo on HSDP 2x2) is the first half of the
+resume pair, and the override run is FlexDeMo's R2 x TP2 run.
 """
 
 import json
@@ -42,7 +42,8 @@ MESHES = {  # name: (processes, flags)
     "r2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
 }
 FAMILY_STEPS = 3
-TRAINED_ELSEWHERE = {("FlexDeMo", "r2_tp2")}  # (family, mesh) trained by the override fixture below
+# (family, mesh) trained by another fixture: the config-module run, the override run
+TRAINED_ELSEWHERE = {("FlexDeMo", "hsdp_2x2"), ("FlexDeMo", "r2_tp2")}
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +81,11 @@ def losses(tb: dict) -> list[float]:
     return tb["loss_metrics/global_avg_loss"]
 
 
-# ---- the config module: 2 processes, R = 2 (each replica its own FlexDeMo state), checkpoints ----
+# ---- the config module: FlexDeMo on HSDP 2x2 (each replica its own state), checkpoints -----------
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, cache):
     dump = tmp_path_factory.mktemp("trained")
-    proc = train(cache, dump, 2, "--checkpoint.enable", "--checkpoint.interval", "2")
+    proc = train(cache, dump, MESHES["hsdp_2x2"][0], "--checkpoint.enable", "--checkpoint.interval", "2")
     return dump, scalars(dump), proc
 
 
@@ -92,7 +93,7 @@ def trained(tmp_path_factory, cache):
 def resumed(tmp_path_factory, cache, trained):
     dump = tmp_path_factory.mktemp("resumed")
     shutil.copytree(trained[0] / "checkpoint" / "step-2", dump / "checkpoint" / "step-2")
-    proc = train(cache, dump, 2, "--checkpoint.enable", "--checkpoint.interval", "2")
+    proc = train(cache, dump, MESHES["hsdp_2x2"][0], "--checkpoint.enable", "--checkpoint.interval", "2")
     return dump, scalars(dump), proc
 
 
