@@ -56,6 +56,7 @@ def test_launcher_reports_a_problem_only_the_workers_see(tmp_path):
     assert "Traceback" not in out and "ChildFailedError" not in out
 
 
+@pytest.mark.both_lines
 def test_readme_toml_trains_as_written(tmp_path):
     """The README's command as written: one copy of the log (rank 0's), and the last step logged
     although it is not a multiple of log_freq (console and TensorBoard)."""

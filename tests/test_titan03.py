@@ -3,6 +3,8 @@
 Skipped unless torchtitan 0.3 is installed: the normal suite runs on 0.2.2. Run with the 0.3 venv:
 ``PYTHONPATH=. OMP_NUM_THREADS=1 /path/to/venv03/bin/python -m pytest -q tests/test_titan03.py``.
 One torchrun launch per fixture; the assertions read TensorBoard's event files and the console.
+Launches are shared (11): the config-module run (FlexDeMo on HSDP 2x2) is the first half of the
+resume pair, and the override run is FlexDeMo's R2 x TP2 run.
 """
 
 import json
@@ -15,12 +17,16 @@ from pathlib import Path
 
 import pytest
 
+from titan_commopt.optim import available_names, family_of
 from titan_commopt.titan.line import installed_version, line_of
 
-pytestmark = pytest.mark.skipif(
-    line_of(installed_version()) != "0.3",
-    reason=f"torchtitan 0.3 is not installed (found {installed_version()}); this file tests the 0.3 line",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        line_of(installed_version()) != "0.3",
+        reason=f"torchtitan 0.3 is not installed (found {installed_version()}); this file tests the 0.3 line",
+    ),
+    pytest.mark.both_lines,  # CI's second-line run (-m both_lines) is where it runs when 0.2.2 is the default
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = "titan_commopt.titan.v03.configs"
@@ -35,6 +41,9 @@ MESHES = {  # name: (processes, flags)
     "hsdp_2x2": (4, []),
     "r2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
 }
+FAMILY_STEPS = 3
+# (family, mesh) trained by another fixture: the config-module run, the override run
+TRAINED_ELSEWHERE = {("FlexDeMo", "hsdp_2x2"), ("FlexDeMo", "r2_tp2")}
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +81,11 @@ def losses(tb: dict) -> list[float]:
     return tb["loss_metrics/global_avg_loss"]
 
 
-# ---- the config module: 2 processes, R = 2 (each replica its own FlexDeMo state), checkpoints ----
+# ---- the config module: FlexDeMo on HSDP 2x2 (each replica its own state), checkpoints -----------
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, cache):
     dump = tmp_path_factory.mktemp("trained")
-    proc = train(cache, dump, 2, "--checkpoint.enable", "--checkpoint.interval", "2")
+    proc = train(cache, dump, MESHES["hsdp_2x2"][0], "--checkpoint.enable", "--checkpoint.interval", "2")
     return dump, scalars(dump), proc
 
 
@@ -84,7 +93,7 @@ def trained(tmp_path_factory, cache):
 def resumed(tmp_path_factory, cache, trained):
     dump = tmp_path_factory.mktemp("resumed")
     shutil.copytree(trained[0] / "checkpoint" / "step-2", dump / "checkpoint" / "step-2")
-    proc = train(cache, dump, 2, "--checkpoint.enable", "--checkpoint.interval", "2")
+    proc = train(cache, dump, MESHES["hsdp_2x2"][0], "--checkpoint.enable", "--checkpoint.interval", "2")
     return dump, scalars(dump), proc
 
 
@@ -114,21 +123,21 @@ def test_resume_is_exact(trained, resumed, tag):
     assert resumed[1][tag] == trained[1][tag][2:]
 
 
-# ---- the @override route on torchtitan's own optimizer config --------------------------------
+# ---- the @override route on torchtitan's own optimizer config (FlexDeMo's R2 x TP2 run) ----------
 @pytest.fixture(scope="module")
 def overridden(tmp_path_factory, cache):
     dump = tmp_path_factory.mktemp("override")
     spec = json.dumps({"name": "FlexDeMo", "topk": 16, "lr": 1e-3})
-    proc = train(cache, dump, 2, "--override.imports", f"{OVERRIDE}.commopt={spec}", f"{OVERRIDE}.comm_metrics",
-                 config="cpu_debugmodel_adamw")
+    nproc, flags = MESHES["r2_tp2"]
+    proc = train(cache, dump, nproc, "--override.imports", f"{OVERRIDE}.commopt={spec}", f"{OVERRIDE}.comm_metrics",
+                 "--training.steps", str(FAMILY_STEPS), *flags, config="cpu_debugmodel_adamw")
     return scalars(dump), proc.stdout + proc.stderr
 
 
 def test_override_puts_our_optimizer_into_a_stock_config(overridden):
     tb, log = overridden
     assert f"[Override] {OVERRIDE}.commopt" in log
-    values = losses(tb)
-    assert len(values) == 4 and values[-1] < values[0]
+    assert_trained_a_few_steps(tb)
     assert 0 < tb["comm/R_ratio_vs_adamw_hsdp"][-1] < 0.5
 
 
@@ -149,19 +158,30 @@ def test_adamw_through_our_container_equals_stock(adamw_pair):
 
 
 # ---- every family on HSDP 2x2 and on R2 x TP2 -------------------------------------------------
-@pytest.fixture(scope="module", params=[(n, m) for m in MESHES for n in FAMILY_ARGS], ids=lambda p: f"{p[0]}-{p[1]}")
+def test_every_family_on_every_mesh_is_trained():
+    runs = {(n, m) for m in MESHES for n in FAMILY_ARGS}
+    assert TRAINED_ELSEWHERE <= runs and {family_of(n).key for n in FAMILY_ARGS} == \
+        {family_of(n).key for n in available_names() if n not in ("AdamW", "Adam")}
+
+
+@pytest.fixture(scope="module", params=[(n, m) for m in MESHES for n in FAMILY_ARGS if (n, m) not in TRAINED_ELSEWHERE],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def family_run(request, tmp_path_factory, cache):
     name, mesh = request.param
     nproc, flags = MESHES[mesh]
     dump = tmp_path_factory.mktemp(f"{name}_{mesh}")
-    proc = train(cache, dump, nproc, "--optimizer.name", name, "--training.steps", "3", *flags, *FAMILY_ARGS[name])
-    return name, mesh, scalars(dump), proc.stdout + proc.stderr
+    train(cache, dump, nproc, "--optimizer.name", name, "--training.steps", str(FAMILY_STEPS), *flags,
+          *FAMILY_ARGS[name])
+    return scalars(dump)
 
 
 def test_every_family_trains_on_hsdp_and_tp(family_run):
-    name, mesh, tb, log = family_run
+    assert_trained_a_few_steps(family_run)
+
+
+def assert_trained_a_few_steps(tb: dict) -> None:
     values = losses(tb)
-    assert len(values) == 3 and all(math.isfinite(v) for v in values) and values[-1] < values[0], values
+    assert len(values) == FAMILY_STEPS and all(math.isfinite(v) for v in values) and values[-1] < values[0], values
     assert tb["comm/R_sent_bytes_total"][-1] > 0  # the optimizer synced R itself
     assert tb["commopt/skipped_steps"][-1] == 0
 

@@ -31,21 +31,40 @@ The console line ends with ``next R sync at step N`` for optimizers that sync R 
 import json
 from typing import Any, Optional
 
+from ..shared.console_line import step_line
 from .container import CommOptimizersContainer
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.2f}{unit}"
-        n /= 1000.0
-    return f"{n:.2f}GB"
 
 
 def _tensorboard_writers(metric_logger: Any) -> list[Any]:
     """The SummaryWriters behind torchtitan's metric logger (a container of loggers, or one)."""
     loggers = getattr(metric_logger, "_loggers", [metric_logger])
     return [lg.writer for lg in loggers if hasattr(lg, "writer")]
+
+
+class CommLogState:
+    """What a metrics processor of either torchtitan line adds at each log step of a run with our
+    container: the resolved options once as text, a flush after a skip, the console line."""
+
+    def __init__(self) -> None:
+        self._skips_at_last_log = 0.0
+        self._options_written = False
+
+    def log(self, metric_logger: Any, step: int, loss: float, container: CommOptimizersContainer,
+            scalars: dict[str, float]) -> str:
+        """Called after the processor logged ``scalars``; returns the console line."""
+        writers = _tensorboard_writers(metric_logger)
+        if not self._options_written:
+            self._options_written = True
+            if container.resolved is not None:
+                text = "```\n" + json.dumps(container.resolved.record(), indent=1, sort_keys=True) + "\n```"
+                for writer in writers:
+                    writer.add_text("commopt/resolved_options", text, step)
+        skipped = scalars["commopt/skipped_steps"]
+        if skipped != self._skips_at_last_log:
+            self._skips_at_last_log = skipped
+            for writer in writers:
+                writer.flush()
+        return step_line(step, loss, scalars, container.steps_to_next_sync())
 
 
 def build_metrics_processor(job_config: Any, parallel_dims: Any, model_args: Any = None, tag: Optional[str] = None) -> Any:
@@ -56,45 +75,18 @@ def build_metrics_processor(job_config: Any, parallel_dims: Any, model_args: Any
     class CommMetricsProcessor(MetricsProcessor):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self._skips_at_last_log = 0.0
-            self._options_written = False
+            self._comm_log = CommLogState()
 
         def should_log(self, step: int) -> bool:
             # Every rank decides alike (the loss is all-reduced on a log step): the same config everywhere.
             return super().should_log(step) or step == self.job_config.training.steps
 
-        def _write_options(self, step: int, container: CommOptimizersContainer) -> None:
-            """The run's resolved optimizer options, once, as a TensorBoard text entry."""
-            self._options_written = True
-            if container.resolved is None:
-                return
-            text = "```\n" + json.dumps(container.resolved.record(), indent=1, sort_keys=True) + "\n```"
-            for writer in _tensorboard_writers(self.logger):
-                writer.add_text("commopt/resolved_options", text, step)
-
         def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):  # type: ignore[override]
             container = self.optimizers
             if not isinstance(container, CommOptimizersContainer):  # a stock spec's: nothing of ours
                 return super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
-            if not self._options_written:
-                self._write_options(step, container)
             scalars = container.metrics()
             super().log(step, global_avg_loss, global_max_loss, grad_norm, {**(extra_metrics or {}), **scalars})
-            skipped = scalars["commopt/skipped_steps"]
-            if skipped != self._skips_at_last_log:
-                self._skips_at_last_log = skipped
-                for writer in _tensorboard_writers(self.logger):
-                    writer.flush()
-            ratio = scalars.get("comm/R_ratio_vs_adamw_hsdp")
-            to_sync = container.steps_to_next_sync()
-            logger.info(
-                f"step: {step:2}  loss: {global_avg_loss:8.5f}  "
-                f"R sent: {human_bytes(scalars['comm/R_sent_bytes'])}/step  "
-                f"R recv: {human_bytes(scalars['comm/R_recv_bytes'])}/step  "
-                f"S: {human_bytes(scalars['comm/S_bytes'])}/step  "
-                f"R total: {human_bytes(scalars['comm/R_sent_bytes_total'])}"
-                + (f"  R vs AdamW-HSDP: {ratio:.4f}x" if ratio is not None else "")
-                + (f"  next R sync at step {step + to_sync}" if to_sync else "")
-            )
+            logger.info(self._comm_log.log(self.logger, step, global_avg_loss, container, scalars))
 
     return CommMetricsProcessor(job_config, parallel_dims, tag)

@@ -17,6 +17,7 @@ from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
 from ..platform.cpu import force_sum_reduction, on_cpu
+from ..shared.flavors import FLAVOR_SHAPES
 from . import data
 from .build import build_optimizers
 from .metrics import build_metrics_processor
@@ -27,17 +28,8 @@ COMMOPT_SPEC = "llama3_commopt"
 REFERENCE_SPEC = "llama3_reference"
 
 EXTRA_FLAVORS = {
-    # ~0.2M parameters: unit/integration tests.
-    "cpu_tiny": TransformerModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=data.VOCAB_SIZE, multiple_of=64),
-    # ~1.2M parameters: the quickstart and CPU benchmarks.
-    "cpu_small": TransformerModelArgs(dim=128, n_layers=4, n_heads=4, vocab_size=data.VOCAB_SIZE, multiple_of=64),
-    # ~110M: optimizer step overhead on CPU.
-    "100M": TransformerModelArgs(dim=768, n_layers=12, n_heads=12, vocab_size=32000, multiple_of=256),
-    # ~300M shape of the DeMo paper's OLMo-300M scale, for comm reports (meta device).
-    "300M": TransformerModelArgs(dim=1024, n_layers=16, n_heads=16, vocab_size=50304, multiple_of=256),
-    # ~1.5B, Llama 3.2 1B's shape (its embedding untied, as torchtitan's llama3 has it): one-GPU runs.
-    "1B": TransformerModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
-                               multiple_of=256, rope_theta=500000, vocab_size=128256),
+    name: TransformerModelArgs(**{**shape, "vocab_size": shape["vocab_size"] or data.VOCAB_SIZE})
+    for name, shape in FLAVOR_SHAPES.items()
 }
 
 

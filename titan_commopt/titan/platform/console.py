@@ -9,15 +9,21 @@ torchtitan log lines (its root logger; the message must match from its start). O
 
 - ``HF assets path bundled does not exist!`` (also for an empty path): ``bundled`` is our offline
   tokenizer (``titan/adapter/data.py``), not a directory;
-- ``model.safetensors.index.json not found at hf_assets_path: bundled/...``: same reason, and only
-  HF-format checkpoint export reads that file.
+- ``model.safetensors.index.json not found at hf_assets_path: bundled/...`` (on torchtitan 0.3:
+  ``.../hf_tokenizer_<corpus>_<vocab>/...``, the bundled tokenizer's folder in the cache): same
+  reason, and only HF-format checkpoint export reads that file;
+- ``initial_load_model_only=True has no effect without an initial_load_path.`` (torchtitan 0.3,
+  from its checkpoint config each time one is made): ``true`` is 0.2.2's default, which a TOML run
+  on 0.3 keeps (``v03/toml_config.py``); with no ``initial_load_path`` it is simply not used.
 
 Only without an accelerator (on a GPU machine they are about the machine, and stay):
 
 - ``Error running lspci: ...``, ``Peak flops undefined for: cpu, fallback to A100`` and ``Peak FLOPS
   used for computing MFU: ...`` (an A100's figure): the MFU estimate looks for a GPU (MFU means
   nothing on a CPU);
-- ``ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = ... will be overridden``: NCCL is not used on CPU (gloo).
+- ``ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = ... will be overridden``: NCCL is not used on CPU (gloo);
+- ``CUDA graph capture is only supported on NVIDIA CUDA; using eager execution.`` (torchtitan 0.3):
+  eager execution is what a CPU run does anyway.
 
 Python warnings (``UserWarning``), only without an accelerator:
 
@@ -41,7 +47,8 @@ __all__ = ["quiet_known_noise", "NOISE_LOG_LINES", "NOISE_WARNINGS", "OFFLINE_LO
 
 OFFLINE_LOG_LINES = (
     r"HF assets path (bundled)? does not exist!",
-    r"model\.safetensors\.index\.json not found at hf_assets_path: bundled/",
+    r"model\.safetensors\.index\.json not found at hf_assets_path: (bundled/|\S*/hf_tokenizer_\w+_\d+/)",
+    r"initial_load_model_only=True has no effect without an initial_load_path\.",
 )
 
 NOISE_LOG_LINES = OFFLINE_LOG_LINES + (
@@ -49,6 +56,7 @@ NOISE_LOG_LINES = OFFLINE_LOG_LINES + (
     r"Peak flops undefined for: cpu, fallback to A100",
     r"Peak FLOPS used for computing MFU: ",
     r"ENV\[TORCH_NCCL_ASYNC_ERROR_HANDLING\] = \S+ will be overridden",
+    r"CUDA graph capture is only supported on NVIDIA CUDA; using eager execution\.",
 )
 
 NOISE_WARNINGS = (

@@ -1,2 +1,2 @@
 """What both torchtitan lines read the same way: the meshes → R/S/T (``mesh.py``), the bundled
-corpus (``corpus.py``)."""
+corpus (``corpus.py``), the console line of a log step (``console_line.py``)."""

@@ -28,7 +28,8 @@ def topology_of(meshes: Any) -> Topology:
 
 class ParameterMeshes:
     """``get_optional_mesh`` over a parameter's mesh (S and T dims, any of the names above) and the
-    replicate mesh (``None``: one replica). Dims of size 1 are absent, as in ``ParallelDims``."""
+    replicate mesh FSDP was kept off (``None``: R is the parameter mesh's ``dp_replicate``, where
+    torchtitan's HSDP syncs it, or one replica). Dims of size 1 are absent, as in ``ParallelDims``."""
 
     def __init__(self, param_mesh: Optional[DeviceMesh], replicate: Optional[DeviceMesh]) -> None:
         self._mesh = param_mesh
@@ -42,8 +43,8 @@ class ParameterMeshes:
         return self._mesh[name]
 
     def get_optional_mesh(self, name: str) -> Optional[DeviceMesh]:
-        if name == "dp_replicate":
-            return self._replicate if self._replicate is not None and self._replicate.size() > 1 else None
+        if name == "dp_replicate" and self._replicate is not None:
+            return self._replicate if self._replicate.size() > 1 else None
         if name == "fsdp" and "fsdp" not in self._names:
             present = tuple(n for n in _SHARD_DIMS if self._dim(n) is not None)
             if not present:

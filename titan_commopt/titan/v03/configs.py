@@ -37,7 +37,7 @@ from .cpu import apply_cpu_fixes
 from .metrics import CommMetricsProcessor
 
 __all__ = [
-    "commopt_optimizer", "apply_cpu_fixes", "cpu_debugmodel", "cpu_debugmodel_adamw", "llama3_8b_flexdemo",
+    "commopt_optimizer", "apply_cpu_fixes", "with_comm_metrics", "cpu_debugmodel", "cpu_debugmodel_adamw", "llama3_8b_flexdemo",
     "llama3_8b_diloco", "llama3_8b_dion", "llama3_8b_des_loc", "llama3_8b_mt_dao",
 ]
 
@@ -59,7 +59,8 @@ def commopt_optimizer(
     )
 
 
-def _with_comm_metrics(cfg: Trainer.Config) -> Trainer.Config:
+def with_comm_metrics(cfg: Trainer.Config) -> Trainer.Config:
+    """``cfg`` with our metrics processor (``comm/*`` and ``commopt/*`` scalars), its settings kept."""
     fields = {f.name: getattr(cfg.metrics, f.name) for f in dataclasses.fields(cfg.metrics) if f.init}
     cfg.metrics = CommMetricsProcessor.Config(**fields)
     return cfg
@@ -77,7 +78,7 @@ def _cpu(name: Optional[str]) -> Trainer.Config:
         cfg.optimizer = commopt_optimizer(name, warmup_steps=cfg.lr_scheduler.warmup_steps)
     cfg.validator.enable = False
     cfg.parallelism.data_parallel_replicate_degree = 2  # R = 2: the optimizer syncs it (2 procs: DDP-like, 4: HSDP 2x2)
-    return apply_cpu_fixes(_with_comm_metrics(cfg))
+    return apply_cpu_fixes(with_comm_metrics(cfg))
 
 
 def cpu_debugmodel() -> Trainer.Config:
@@ -101,7 +102,7 @@ def _llama3_8b(name: str, commopt: Optional[Any] = None, lr: float = 1e-4) -> Tr
     cfg.debug.seed = 42
     cfg.dump_folder = f"./outputs/llama3_8b_{name}"
     cfg.optimizer = commopt_optimizer(name, commopt, lr=lr, warmup_steps=200, implementation="foreach")
-    return _with_comm_metrics(cfg)
+    return with_comm_metrics(cfg)
 
 
 def _options(**tables: dict[str, Any]) -> Any:

@@ -117,6 +117,7 @@ class CommOptimizers(CommOptimizersContainer):
         param_mesh = getattr(first, "device_mesh", None)
         owns_r = resolved is not None
         self._check_replicate(param_mesh, owns_r)
+        # AdamW/Adam: R is HSDP's dp_replicate on the parameters' mesh (its all-reduce is estimated).
         topology = topology_of(ParameterMeshes(param_mesh, fsdp.replicate_mesh() if owns_r else None))
         ledger = comm.CommLedger()
         if resolved is None:

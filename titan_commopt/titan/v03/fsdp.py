@@ -13,10 +13,14 @@ module is imported before the Trainer exists; an ``--override.imports`` module i
   (:func:`replicate_mesh`): the container builds its Topology from it and the parameters' meshes;
 - on a machine without an accelerator makes every FSDP2 module reduce with SUM (gloo has no
   AVG/PREMUL_SUM; torchtitan's gradient divide factor is already 1);
-- keeps the mixed-precision policy and ``reshard_after_forward`` for the byte estimates.
+- keeps the mixed-precision policy and ``reshard_after_forward`` for the byte estimates;
+- makes torchtitan's closing ``Applied HSDP to the model`` true: with R left to the optimizer it
+  reads ``Applied FSDP to the model (R: left to the optimizer)`` (torchtitan words it from the mesh
+  it was given, before the wrapper took ``dp_replicate`` off).
 """
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -67,6 +71,13 @@ def _without_replicate(mesh: DeviceMesh, kwargs: dict[str, Any]) -> DeviceMesh:
     return mesh[rest[0]] if len(rest) == 1 else mesh[rest]
 
 
+class _ShardingLogTruthful(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if seen.replicate_hidden and record.msg == "Applied HSDP to the model":
+            record.msg = "Applied FSDP to the model (R: left to the optimizer)"
+        return True
+
+
 def install() -> None:
     """Wrap ``torchtitan.distributed.fsdp.fully_shard`` (idempotent)."""
     from torchtitan.distributed import fsdp
@@ -93,3 +104,4 @@ def install() -> None:
 
     fully_shard._titan_commopt = True  # type: ignore[attr-defined]
     fsdp.fully_shard = fully_shard
+    fsdp.logger.addFilter(_ShardingLogTruthful())

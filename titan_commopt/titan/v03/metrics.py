@@ -13,7 +13,7 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 
 from ..adapter.container import CommOptimizersContainer
-from ..adapter.metrics import human_bytes
+from ..adapter.metrics import CommLogState
 
 __all__ = ["CommMetricsProcessor"]
 
@@ -23,6 +23,16 @@ class CommMetricsProcessor(MetricsProcessor):
     class Config(MetricsProcessor.Config):
         pass
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._comm_log = CommLogState()
+        self._last_step = ((kwargs.get("config_dict") or {}).get("training") or {}).get("steps")
+
+    def should_log(self, step: int) -> bool:
+        # The last step is a log step whatever log_freq (as on 0.2.2, adapter/metrics.py); every
+        # rank decides alike: the same config everywhere.
+        return super().should_log(step) or step == self._last_step
+
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
             extra_metrics: dict[str, Any] | None = None) -> None:
         container = getattr(self, "optimizers", None)
@@ -30,10 +40,4 @@ class CommMetricsProcessor(MetricsProcessor):
             return super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
         scalars = container.metrics()
         super().log(step, global_avg_loss, global_max_loss, grad_norm, {**(extra_metrics or {}), **scalars})
-        to_sync = container.steps_to_next_sync()
-        logger.info(
-            f"step: {step:2}  R sent: {human_bytes(scalars['comm/R_sent_bytes'])}/step  "
-            f"S: {human_bytes(scalars['comm/S_bytes'])}/step  "
-            f"R total: {human_bytes(scalars['comm/R_sent_bytes_total'])}"
-            + (f"  next R sync at step {step + to_sync}" if to_sync else "")
-        )
+        logger.info(self._comm_log.log(self.logger, step, global_avg_loss, container, scalars))

@@ -12,7 +12,7 @@ What is mapped by hand (:func:`trainer_config`):
 
 - ``[model] name, flavor``: llama3's flavors by 0.3's model registry; our own (``cpu_tiny``,
   ``cpu_small``, ``100M``, ``300M``, our ``1B``) built with the same builders from their 0.2.2
-  shapes (:data:`OUR_FLAVORS`);
+  shapes (``shared/flavors.py``);
 - ``[model] hf_assets_path = "bundled"``: the HuggingFace tokenizer built from the bundled corpus
   (``v03/assets.py``; the CPU flavors' vocabulary is its); the datasets ``commopt_tiny``,
   ``commopt_world`` and ``textfile`` are registered in 0.3's dataset registry as on 0.2.2
@@ -38,25 +38,16 @@ from ..config.parse import ParsedJob, _field_of, parse_with
 from ..config.sources import user_set_keys
 from ..config.torchtitan_keys import COMMOPT_SPEC, _dataset_problems
 from ..config.validate import resolve_job, run_warnings
+from ..shared.flavors import FLAVOR_SHAPES
 from .toml_schema import BY_HAND, SECTIONS_GONE, WIRING, Gone, key_of, schema_class
 
-__all__ = ["TomlRun", "parse_toml", "trainer_config", "OUR_FLAVORS", "MODEL_NAMES"]
+__all__ = ["TomlRun", "parse_toml", "trainer_config", "MODEL_NAMES"]
 
 REFERENCE_SPEC = "llama3_reference"
 MODEL_NAMES = ("llama3", COMMOPT_SPEC, REFERENCE_SPEC)  # what [model] name may say on 0.3
 BUNDLED_TOKENIZER = "bundled"
 _OURS = {"job.custom_config_module": "titan_commopt.titan.config", "experimental.custom_import": "titan_commopt.titan"}
 
-# Our flavors, as torchtitan 0.2.2's TransformerModelArgs had them (titan/adapter/spec.py);
-# vocab_size None: the bundled tokenizer's.
-OUR_FLAVORS: dict[str, dict[str, Any]] = {
-    "cpu_tiny": dict(dim=64, n_layers=2, n_heads=4, vocab_size=None, multiple_of=64),
-    "cpu_small": dict(dim=128, n_layers=4, n_heads=4, vocab_size=None, multiple_of=64),
-    "100M": dict(dim=768, n_layers=12, n_heads=12, vocab_size=32000, multiple_of=256),
-    "300M": dict(dim=1024, n_layers=16, n_heads=16, vocab_size=50304, multiple_of=256),
-    "1B": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
-               rope_theta=500000, vocab_size=128256),
-}
 
 
 # ---- the parse ------------------------------------------------------------------------------------
@@ -141,7 +132,7 @@ def parse_toml(argv: list[str]) -> ParsedJob:
 def _flavors() -> list[str]:
     from torchtitan.models.llama3 import llama3_configs
 
-    return sorted(set(llama3_configs) | set(OUR_FLAVORS))
+    return sorted(set(llama3_configs) | set(FLAVOR_SHAPES))
 
 
 def _bundled(path: Optional[str]) -> bool:
@@ -229,13 +220,13 @@ def _set(target: Any, dotted: str, value: Any) -> None:
 
 
 def _model_spec(flavor: str, vocab_size: int) -> Any:
-    """0.3's ModelSpec of a llama3 flavor (0.3's registry, or :data:`OUR_FLAVORS` built alike)."""
+    """0.3's ModelSpec of a llama3 flavor (0.3's registry, or :data:`FLAVOR_SHAPES` built alike)."""
     from torchtitan.models import llama3
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
 
-    if flavor not in OUR_FLAVORS:
+    if flavor not in FLAVOR_SHAPES:
         return llama3.model_registry(flavor)
-    shape = {**OUR_FLAVORS[flavor]}
+    shape = {**FLAVOR_SHAPES[flavor]}
     vocab = shape.pop("vocab_size") or vocab_size
     dim, n_heads = shape["dim"], shape["n_heads"]
     model = llama3.Llama3Model.Config(
@@ -336,9 +327,9 @@ def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
     cfg.activation_checkpoint = _activation_checkpoint(job_config.activation_checkpoint)
     cfg.optimizer = _optimizer(job_config, user_keys)
     if job_config.model.name == COMMOPT_SPEC:
-        from .configs import _with_comm_metrics
+        from .configs import with_comm_metrics
 
-        _with_comm_metrics(cfg)
+        with_comm_metrics(cfg)
     return cfg
 
 
