@@ -11,12 +11,11 @@ a second time.
 import os
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torchtitan.train as torchtitan_train
 from torchtitan.tools.logging import init_logger, logger
 
-from .container import CommOptimizersContainer
+from ..shared.optimizers import leave_together
 from .run_context import CommoptRun
 from .spec import bind_run
 
@@ -41,18 +40,7 @@ class Trainer(torchtitan_train.Trainer):
 
     def train(self) -> None:
         super().train()
-        if isinstance(self.optimizers, CommOptimizersContainer):  # not a stock TrainSpec's own container
-            self.optimizers.flush()  # an overlapped update or a streaming fragment still in flight
-        # torchtitan's rank 0 sleeps 2 s here "for other ranks to complete" while the others
-        # go on to tear their process groups down; a gloo rank has been seen to abort
-        # (SIGABRT) during that teardown (twice in one CI run of ~100 launches, under load). All ranks
-        # leave training together instead (only on success: after an error a peer may never
-        # arrive). The abort was seen again after this barrier, in the interpreter's teardown:
-        # see ``train.exit_after_success``.
-        if dist.is_initialized():
-            # NCCL's barrier wants its device named (else a warning on every rank)
-            on_nccl = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
-            dist.barrier(device_ids=[torch.cuda.current_device()] if on_nccl else None)
+        leave_together(self.optimizers)
 
 
 def run_torchtitan(run: CommoptRun) -> None:

@@ -315,11 +315,17 @@ def _spec_problems(job_config: Any, lines_needed: int) -> list[str]:
     models, spec = _model_problems(job_config)
     out = models + _tokenizer_problems(job_config.model, spec)
     if _uses_text_datasets(spec):
-        training = job_config.training
-        out += _dataset_problems("training", training.dataset, training.dataset_path, lines_needed)
-        if job_config.validation.enable:
-            validation = job_config.validation
-            out += _dataset_problems("validation", validation.dataset, validation.dataset_path, lines_needed)
+        out += text_dataset_problems(job_config, lines_needed)
+    return out
+
+
+def text_dataset_problems(job_config: Any, lines_needed: int) -> list[str]:
+    """``[training]``'s dataset, and ``[validation]``'s when enabled (both torchtitan lines)."""
+    training = job_config.training
+    out = _dataset_problems("training", training.dataset, training.dataset_path, lines_needed)
+    if job_config.validation.enable:
+        validation = job_config.validation
+        out += _dataset_problems("validation", validation.dataset, validation.dataset_path, lines_needed)
     return out
 
 

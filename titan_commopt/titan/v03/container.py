@@ -87,13 +87,14 @@ class CommOptimizers(CommOptimizersContainer):
         name: str = "FlexDeMo"
         """The optimizer: a titan_commopt name (FlexDeMo, DeMo, DES-LOC, MT-DAO, DiLoCo, LocalAdam, Dion,
         SparseLoCo, ...) or torchtitan's AdamW/Adam (HSDP syncs R for those)."""
-        lr: float = 8e-4
+        # [optimizer]'s knobs, with BaseHParams' defaults (one place for them)
+        lr: float = BaseHParams.lr
         """Learning rate (a family's own lr, when >= 0, wins; else lr x its lr_scale)."""
-        beta1: float = 0.9
-        beta2: float = 0.95
-        eps: float = 1e-8
-        weight_decay: float = 0.1
-        warmup_steps: int = 0
+        beta1: float = BaseHParams.beta1
+        beta2: float = BaseHParams.beta2
+        eps: float = BaseHParams.eps
+        weight_decay: float = BaseHParams.weight_decay
+        warmup_steps: int = BaseHParams.warmup_steps
         """The LR scheduler's warm-up steps (MT-DAO's switch at the end of warm-up reads it)."""
         commopt: CommOpt = field(default_factory=CommOpt)  # type: ignore[valid-type]
         """The [commopt] options: common ones plus one table per family (--optimizer.commopt.demo.topk 16)."""

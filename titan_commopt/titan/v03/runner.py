@@ -5,29 +5,17 @@ The ``Trainer.Config`` comes from the TOML (``toml_config.py``, made and checked
 group), with the CPU fixes of ``configs.py`` (``apply_cpu_fixes``) on a machine without an
 accelerator; then 0.3's own ``Trainer`` trains it, as ``torchtitan.train.main`` does. At the end of
 training the R syncs still in flight land and every rank leaves together (as the 0.2.2 adapter's
-Trainer does, ``adapter/trainer.py``).
+Trainer does: ``shared/optimizers.leave_together``).
 """
 
 import os
-from typing import Any
 
-import torch
 import torch.distributed as dist
 
+from ..shared.optimizers import leave_together
 from .toml_config import TomlRun
 
 __all__ = ["run_toml"]
-
-
-def _leave_together(trainer: Any) -> None:
-    """Land the optimizer's R syncs still in flight, then a barrier: a gloo rank has been seen to
-    abort in teardown while a peer still trained (see ``adapter/trainer.py``)."""
-    flush = getattr(trainer.optimizers, "flush", None)
-    if flush is not None:  # our container (torchtitan's own has none)
-        flush()
-    if dist.is_initialized():
-        on_nccl = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
-        dist.barrier(device_ids=[torch.cuda.current_device()] if on_nccl else None)
 
 
 def run_toml(run: TomlRun) -> None:
@@ -59,7 +47,7 @@ def run_toml(run: TomlRun) -> None:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
-            _leave_together(trainer)
+            leave_together(trainer.optimizers)
     except Exception:
         if trainer:
             trainer.close()

@@ -36,7 +36,7 @@ from titan_commopt.options import ConfigError
 from ..adapter.data import register_datasets
 from ..config.parse import ParsedJob, _field_of, parse_with
 from ..config.sources import user_set_keys
-from ..config.torchtitan_keys import COMMOPT_SPEC, _dataset_problems
+from ..config.torchtitan_keys import COMMOPT_SPEC, text_dataset_problems
 from ..config.validate import resolve_job, run_warnings
 from ..shared.flavors import FLAVOR_SHAPES
 from .toml_schema import BY_HAND, SECTIONS_GONE, WIRING, Gone, key_of, schema_class
@@ -179,12 +179,7 @@ def _spec_problems(job_config: Any, lines_needed: int) -> list[str]:
     if model.flavor not in flavors:
         out.append(f"[model] flavor = {model.flavor!r}: allowed is one of {', '.join(flavors)} (model {model.name!r})")
     out += _tokenizer_problems(model)
-    training = job_config.training
-    out += _dataset_problems("training", training.dataset, training.dataset_path, lines_needed)
-    if job_config.validation.enable:
-        validation = job_config.validation
-        out += _dataset_problems("validation", validation.dataset, validation.dataset_path, lines_needed)
-    return out
+    return out + text_dataset_problems(job_config, lines_needed)
 
 
 # ---- the run --------------------------------------------------------------------------------------
