@@ -13,7 +13,22 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "debug_cpu.toml"
 
 
+def _on_03() -> bool:
+    from titan_commopt.titan.line import installed_version, line_of
+
+    return line_of(installed_version()) == "0.3"
+
+
 def flavor_args(flavor: str):
+    """The llama3 model config of ``flavor`` on the installed torchtitan line (0.2.2's
+    ``TransformerModelArgs``, 0.3's ``Llama3Model.Config``), as that line's training builds it: our CPU
+    flavors take the line's bundled tokenizer's vocabulary (0.2.2: SentencePiece, 1024 ids; 0.3 reads
+    only a HuggingFace ``tokenizer.json``: byte-level BPE, 2000 ids), so their embedding and head
+    differ between the lines; 0.3's attention also fuses wq/wk/wv into one ``wqkv``."""
+    if _on_03():
+        from titan_commopt.titan.v03.toml_config import model_spec
+
+        return model_spec(flavor).model
     from torchtitan.models.llama3 import llama3_args
 
     from titan_commopt.titan.adapter.spec import EXTRA_FLAVORS
@@ -22,6 +37,10 @@ def flavor_args(flavor: str):
 
 
 def flavor_names() -> list[str]:
+    if _on_03():
+        from titan_commopt.titan.v03.toml_config import flavor_names as names
+
+        return names()
     from torchtitan.models.llama3 import llama3_args
 
     from titan_commopt.titan.adapter.spec import EXTRA_FLAVORS
@@ -29,12 +48,22 @@ def flavor_names() -> list[str]:
     return list({**llama3_args, **EXTRA_FLAVORS})
 
 
-def param_shapes(flavor: str) -> list[tuple[str, tuple[int, ...]]]:
-    """(fqn, global shape) of every parameter of torchtitan's llama3 Transformer (meta device)."""
+def build_model(flavor: str) -> torch.nn.Module:
+    """torchtitan's llama3 model of ``flavor`` on the installed line, on the current default device
+    (``with torch.device("meta"): ...`` for shapes alone)."""
+    args = flavor_args(flavor)
+    if _on_03():
+        return args.build()
     from torchtitan.models.llama3 import Transformer
 
+    return Transformer(args)
+
+
+def param_shapes(flavor: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(fqn, global shape) of every parameter of torchtitan's llama3 model (meta device), as the
+    installed line trains it."""
     with torch.device("meta"):
-        model = Transformer(flavor_args(flavor))
+        model = build_model(flavor)
     return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
 
 

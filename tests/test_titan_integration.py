@@ -8,6 +8,7 @@ import pytest
 from tests.titan_utils import CONFIG, LOSS_LINE, ROOT, assert_ledger_is_the_comm_report, losses, run_train
 
 
+@pytest.mark.both_lines
 def test_hsdp_adamw_equals_stock_spec(tmp_path):
     """AdamW through llama3_commopt (our optimizer builder, parallelize wrapper, metrics) gives the
     same losses as torchtitan's stock llama3 spec on a 2x2 HSDP mesh."""

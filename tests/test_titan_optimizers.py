@@ -1,7 +1,11 @@
 """Every optimizer family through torchtitan's Trainer on a 2x2 HSDP mesh and on 2 replicas x 2-way
 tensor parallelism (4 CPU processes each): R left to the optimizer (FSDP2 over fsdp only), loss goes
 down, R bytes below AdamW-HSDP's; on HSDP the ledger's R and S bytes per step equal the comm report's
-formulas, on R x TP the replicas are checked every step where they must agree."""
+formulas, on R x TP the replicas are checked every step where they must agree.
+
+On torchtitan 0.3 (CI's ``-m both_lines`` run, through our TOML runner) one name per family runs on
+each mesh (:data:`BOTH_LINES_NAMES`): what differs between the lines is the adapter, which every
+name of a family goes through alike; the other names' code paths are the 0.2.2 run's."""
 
 import json
 import math
@@ -10,7 +14,7 @@ import pytest
 
 from titan_commopt.optim import available_names, family_of, resolve
 from scripts._bench_common import cli_overrides
-from tests.titan_utils import assert_ledger_is_the_comm_report, losses, read_texts, run_train
+from tests.titan_utils import TP_APPLIED, assert_ledger_is_the_comm_report, losses, read_texts, run_train
 
 # Each family on each mesh, and each base step of a family on one of them (the presets' numbers are
 # the equivalence tests' business; a launch here costs ~15 s of CI): every name runs through
@@ -26,6 +30,11 @@ EXTRA = {
     "SparseLoCo": {"sparseloco": {"H": 4}},
 }
 HSDP_STEPS = 8
+BOTH_LINES_NAMES = {"DeMo", "MT-DAO", "Dion", "SparseLoCo"}  # one per family, on each mesh (FlexDeMo: test_titan03)
+
+
+def _on_both_lines(names: list[str]) -> list:
+    return [pytest.param(n, marks=pytest.mark.both_lines) if n in BOTH_LINES_NAMES else n for n in names]
 
 
 # Presets whose code path a name above already runs through torchtitan on both meshes (same family,
@@ -33,7 +42,11 @@ HSDP_STEPS = 8
 COVERED_BY = {"DES-LOC-ADOPT": "MT-DAO", "MT-DAO-halflife": "MT-DAO"}
 
 
+@pytest.mark.both_lines
 def test_every_registered_name_is_covered():
+    families = {family_of(n).key for n in available_names() if n not in ("AdamW", "Adam")}
+    assert {family_of(n).key for n in BOTH_LINES_NAMES} == families and len(BOTH_LINES_NAMES) == len(families)
+    assert BOTH_LINES_NAMES <= set(HSDP_NAMES) & set(TP_NAMES)
     assert set(available_names()) - {"AdamW", "Adam"} == set(HSDP_NAMES) | set(TP_NAMES) | set(COVERED_BY)
     for names in (HSDP_NAMES, TP_NAMES):  # every family on every mesh
         assert {family_of(n).key for n in names} == {family_of(n).key for n in available_names() if n not in ("AdamW", "Adam")}
@@ -42,7 +55,7 @@ def test_every_registered_name_is_covered():
         assert resolve(name).options.base == resolve(runner).options.base
 
 
-@pytest.mark.parametrize("name", HSDP_NAMES)
+@pytest.mark.parametrize("name", _on_both_lines(HSDP_NAMES))
 def test_optimizer_trains_through_torchtitan_hsdp(tmp_path, name):
     proc, tb = run_train(
         tmp_path, 4, "--training.steps", str(HSDP_STEPS), "--parallelism.data_parallel_replicate_degree", "2",
@@ -75,7 +88,7 @@ EXTRA_TP = {
 }
 
 
-@pytest.mark.parametrize("name", TP_NAMES)
+@pytest.mark.parametrize("name", _on_both_lines(TP_NAMES))
 def test_optimizer_trains_through_torchtitan_replicas_x_tp(tmp_path, name):
     steps = 6
     proc, tb = run_train(
@@ -84,7 +97,7 @@ def test_optimizer_trains_through_torchtitan_replicas_x_tp(tmp_path, name):
         "--optimizer.lr", LR.get(name, "0.003"), "--commopt.check_replicas_every", "1",
         *cli_overrides(name, EXTRA_TP.get(name, {})),
     )
-    assert "Applied Tensor Parallelism" in proc.stdout and "Applied HSDP" not in proc.stdout
+    assert TP_APPLIED.search(proc.stdout) and "Applied HSDP" not in proc.stdout
     values = losses(tb)
     assert len(values) == steps and all(math.isfinite(v) for v in values)
     assert values[-1] < values[0]

@@ -41,7 +41,7 @@ from ..config.validate import resolve_job, run_warnings
 from ..shared.flavors import FLAVOR_SHAPES
 from .toml_schema import BY_HAND, SECTIONS_GONE, WIRING, Gone, key_of, schema_class
 
-__all__ = ["TomlRun", "parse_toml", "trainer_config", "MODEL_NAMES"]
+__all__ = ["TomlRun", "parse_toml", "trainer_config", "MODEL_NAMES", "flavor_names", "model_spec"]
 
 REFERENCE_SPEC = "llama3_reference"
 MODEL_NAMES = ("llama3", COMMOPT_SPEC, REFERENCE_SPEC)  # what [model] name may say on 0.3
@@ -129,7 +129,8 @@ def parse_toml(argv: list[str]) -> ParsedJob:
 
 
 # ---- model, tokenizer, data checks (0.3's counterpart of torchtitan_keys._spec_problems) ----------
-def _flavors() -> list[str]:
+def flavor_names() -> list[str]:
+    """Every flavor ``[model] flavor`` may name on 0.3: llama3's and ours (``shared/flavors.py``)."""
     from torchtitan.models.llama3 import llama3_configs
 
     return sorted(set(llama3_configs) | set(FLAVOR_SHAPES))
@@ -175,7 +176,7 @@ def _spec_problems(job_config: Any, lines_needed: int) -> list[str]:
             f"[model] name = {model.name!r} with [optimizer] name = {name!r}: allowed is {COMMOPT_SPEC!r} "
             f"(the TrainSpec that builds titan_commopt optimizers; {model.name!r} knows only AdamW and Adam)"
         )
-    flavors = _flavors()
+    flavors = flavor_names()
     if model.flavor not in flavors:
         out.append(f"[model] flavor = {model.flavor!r}: allowed is one of {', '.join(flavors)} (model {model.name!r})")
     out += _tokenizer_problems(model)
@@ -214,15 +215,18 @@ def _set(target: Any, dotted: str, value: Any) -> None:
     setattr(target, name, list(value) if isinstance(value, list) else value)
 
 
-def _model_spec(flavor: str, vocab_size: int) -> Any:
-    """0.3's ModelSpec of a llama3 flavor (0.3's registry, or :data:`FLAVOR_SHAPES` built alike)."""
+def model_spec(flavor: str, vocab_size: Optional[int] = None) -> Any:
+    """0.3's ModelSpec of a llama3 flavor (0.3's registry, or :data:`FLAVOR_SHAPES` built alike);
+    ``vocab_size`` of our CPU flavors: the bundled tokenizer's (``assets.VOCAB_SIZE``) unless given."""
     from torchtitan.models import llama3
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
 
     if flavor not in FLAVOR_SHAPES:
         return llama3.model_registry(flavor)
+    from . import assets
+
     shape = {**FLAVOR_SHAPES[flavor]}
-    vocab = shape.pop("vocab_size") or vocab_size
+    vocab = shape.pop("vocab_size") or vocab_size or assets.VOCAB_SIZE
     dim, n_heads = shape["dim"], shape["n_heads"]
     model = llama3.Llama3Model.Config(
         dim=dim,
@@ -314,7 +318,7 @@ def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
     cfg.hf_assets_path = (
         str(assets.tokenizer_dir(_corpus(training.dataset))) if _bundled(model.hf_assets_path) else model.hf_assets_path
     )
-    cfg.model_spec = _model_spec(model.flavor, assets.VOCAB_SIZE)
+    cfg.model_spec = model_spec(model.flavor)
     cfg.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(cfg.model_spec)))
     validation = job_config.validation
     cfg.dataloader.dataset, cfg.dataloader.dataset_path = training.dataset.lower(), training.dataset_path
