@@ -26,7 +26,13 @@ alike, reading only the ``.metadata`` file, the sizes of the data files and one 
 
 A refusal is one line from rank 0 and exit status 2 on every rank (``titan/platform/stop.py``); the way back
 it names is the same run settings, another checkpoint, or ``[checkpoint] exclude_from_loading =
-["optimizer"]`` (load only the model). Not detected: bytes changed inside a data file of the right
+["optimizer"]`` (load only the model).
+
+Both torchtitan lines lay checkpoints out alike; what differs (where the settings are, how the user
+writes them) is ``shared/checkpoint_settings.py``: each function takes a ``CheckpointSettings`` or
+a 0.2.2-shaped job config (``[job] dump_folder``, ``[checkpoint]``, ``[optimizer] name``). On 0.2.2
+the check runs in ``build_optimizers``, on 0.3 in the container's constructor (``v03/container.py``),
+both before the optimizers are built and before torchtitan loads anything. Not detected: bytes changed inside a data file of the right
 length (DCP keeps no checksums), e.g. a step folder saved a second time (after resuming from an
 earlier ``load_step``) whose save was cut short: its old ``.metadata`` stays until DCP replaces it.
 """
@@ -40,6 +46,7 @@ from typing import Any, Optional
 
 from ..adapter.replica_checkpoint import LEDGER_KEY, RESOLVED_KEY
 from ..platform.stop import RESUME_REFUSED, stop_run
+from ..shared.checkpoint_settings import CheckpointSettings, Spelling
 
 __all__ = [
     "check_resume", "checkpoint_to_load", "saved_replicas", "read_metadata", "read_record", "ledger_saved",
@@ -52,17 +59,23 @@ _REPLICA_KEY = re.compile(r"^optimizer\.replica(\d+)/")
 _STEP = re.compile(r"step-(\d+)")
 _DATALOADER_KEY = re.compile(r"^dataloader\.dp_rank_(\d+)$")
 TORCHTITAN_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state")  # loaded with the model after step 0
-MODEL_ONLY = 'load only the model: [checkpoint] exclude_from_loading = ["optimizer"]'
+
+
+def _model_only(spelling: Spelling) -> str:
+    return f'load only the model: {spelling.setting("checkpoint", "exclude_from_loading", ["optimizer"])}'
+
+
+def _settings(run: Any) -> CheckpointSettings:
+    return run if isinstance(run, CheckpointSettings) else CheckpointSettings.of_job_config(run)
 
 
 class CheckpointDamaged(Exception):
     """A file of a checkpoint cannot be what its ``.metadata`` says: the message names it."""
 
 
-def _folders(job_config: Any) -> tuple[dict[int, str], dict[int, str]]:
+def _folders(run: CheckpointSettings) -> tuple[dict[int, str], dict[int, str]]:
     """``(complete, incomplete)``: ``{step: path}`` of the step folders with / without ``.metadata``."""
-    ckpt = job_config.checkpoint
-    folder = os.path.join(job_config.job.dump_folder, ckpt.folder)
+    folder = os.path.join(run.dump_folder, run.folder)
     complete: dict[int, str] = {}
     incomplete: dict[int, str] = {}
     if not os.path.isdir(folder):
@@ -75,13 +88,14 @@ def _folders(job_config: Any) -> tuple[dict[int, str], dict[int, str]]:
     return complete, incomplete
 
 
-def checkpoint_to_load(job_config: Any) -> Optional[str]:
+def checkpoint_to_load(run: Any) -> Optional[str]:
     """The step folder torchtitan will load (its own rule), or None. Logs the newer folders it
-    skips because their save did not finish."""
-    if not job_config.checkpoint.enable:
+    skips because their save did not finish. ``run``: a ``CheckpointSettings`` or a job config."""
+    run = _settings(run)
+    if not run.enable:
         return None
-    complete, incomplete = _folders(job_config)
-    wanted = job_config.checkpoint.load_step
+    complete, incomplete = _folders(run)
+    wanted = run.load_step
     if wanted > 0:
         return complete.get(wanted)
     step = max(complete, default=-1)
@@ -166,7 +180,8 @@ def _changes(saved: dict[str, Any], ours: dict[str, Any]) -> list[str]:
     return [f"{k} {_show(saved[k])} -> {_show(ours[k])}" for k in sorted(ours) if k in saved and saved[k] != ours[k]]
 
 
-def _unloadable(path: str, keys: Any, excluded: list[str], dp_degree: Optional[int]) -> Optional[str]:
+def _unloadable(path: str, keys: Any, excluded: tuple[str, ...], dp_degree: Optional[int],
+                spelling: Spelling) -> Optional[str]:
     """What torchtitan would fail on inside DCP's load (a raw traceback on every rank), or None:
     a state it loads that the checkpoint lacks (the last step's checkpoint is model-only by default,
     ``[checkpoint] last_save_model_only``), or dataloader state saved for another data-parallel degree
@@ -177,12 +192,13 @@ def _unloadable(path: str, keys: Any, excluded: list[str], dp_degree: Optional[i
     keys = list(keys)
     missing = [c for c in TORCHTITAN_STATES if c not in excluded and not any(k.startswith(c + ".") for k in keys)]
     if missing:
-        later = ", ".join(f'"{c}"' for c in [*excluded, *missing] if c != "model")
+        later = [c for c in [*excluded, *missing] if c != "model"]
         return (
             f"cannot resume from {path}: it holds no {', '.join(missing)} state (only the model: torchtitan saves "
-            "the last step model-only, [checkpoint] last_save_model_only = true). Resume from an earlier "
-            "checkpoint ([checkpoint] load_step), start from its weights at step 1 with [checkpoint] "
-            f"exclude_from_loading = [{later}], or start afresh in another dump_folder"
+            f"the last step model-only, {spelling.setting('checkpoint', 'last_save_model_only', True)}). Resume from "
+            f"an earlier checkpoint ({spelling.key('checkpoint', 'load_step')}), start from its weights at step 1 "
+            f"with {spelling.setting('checkpoint', 'exclude_from_loading', later)}, or start afresh in another "
+            "dump_folder"
         )
     ranks = {int(m.group(1)) for k in keys if (m := _DATALOADER_KEY.match(k))}
     if dp_degree is not None and "dataloader" not in excluded and ranks and max(ranks) + 1 != dp_degree:
@@ -190,53 +206,59 @@ def _unloadable(path: str, keys: Any, excluded: list[str], dp_degree: Optional[i
             f"cannot resume from {path}: its dataloader state is for a data-parallel degree "
             f"(data_parallel_replicate_degree × data_parallel_shard_degree) of {max(ranks) + 1} and this run has "
             f"{dp_degree}, which torchtitan cannot reshard: resume with the same degrees, or "
-            'read the data from its start with [checkpoint] exclude_from_loading = ["dataloader"]'
+            f"read the data from its start with {spelling.setting('checkpoint', 'exclude_from_loading', ['dataloader'])}"
         )
     return None
 
 
-def resume_problem(job_config: Any, resolved: Any, replicas: int, dp_degree: Optional[int] = None) -> Optional[str]:
+def resume_problem(run: Any, resolved: Any, replicas: int, dp_degree: Optional[int] = None) -> Optional[str]:
     """What keeps this run from resuming the checkpoint torchtitan would load (one line), or None.
-    ``dp_degree``: this run's data-parallel degree (dp_replicate × dp_shard), None: not checked."""
-    path = checkpoint_to_load(job_config)
-    wanted = job_config.checkpoint.load_step
-    if path is None and job_config.checkpoint.enable and wanted > 0:
-        complete, incomplete = _folders(job_config)
+    ``run``: a ``CheckpointSettings`` or a job config; ``dp_degree``: this run's data-parallel degree
+    (dp_replicate × dp_shard), None: not checked."""
+    run = _settings(run)
+    spelling = run.spelling
+    path = checkpoint_to_load(run)
+    wanted = run.load_step
+    if path is None and run.enable and wanted > 0:
+        complete, incomplete = _folders(run)
         listing = f"complete checkpoints: {', '.join(f'step-{s}' for s in sorted(complete)) or 'none'}"
+        load_step = spelling.setting("checkpoint", "load_step", wanted)
         if wanted in incomplete:
             return (
-                f"[checkpoint] load_step = {wanted}: {incomplete[wanted]} has no .metadata, its save did not "
+                f"{load_step}: {incomplete[wanted]} has no .metadata, its save did not "
                 f"finish (a rank stopped while saving); {listing}"
             )
-        folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
+        folder = os.path.join(run.dump_folder, run.folder)
         # torchtitan: a missing folder means a first run, which loads initial_load_path if given
-        if os.path.isdir(folder) or not getattr(job_config.checkpoint, "initial_load_path", None):
+        if os.path.isdir(folder) or not run.initial_load_path:
             where = f"{folder} has no step-{wanted}" if os.path.isdir(folder) else f"{folder} does not exist"
-            return f"[checkpoint] load_step = {wanted}: {where}; {listing} (load_step = -1: the newest)"
+            newest = spelling.setting("checkpoint", "load_step", -1, short=True)
+            return f"{load_step}: {where}; {listing} ({newest}: the newest)"
     if path is None:
         return None
     try:
         metadata = read_metadata(path)
-        problem = _unloadable(path, metadata.state_dict_metadata, job_config.checkpoint.exclude_from_loading, dp_degree)
+        problem = _unloadable(path, metadata.state_dict_metadata, run.exclude_from_loading, dp_degree, spelling)
         if problem:
             return problem
-        optimizer_excluded = "optimizer" in job_config.checkpoint.exclude_from_loading
+        optimizer_excluded = "optimizer" in run.exclude_from_loading
         saved = None if optimizer_excluded else saved_replicas(metadata.state_dict_metadata)
         record = read_record(path, metadata) if saved else None
     except CheckpointDamaged as damaged:
         return (
-            f"cannot resume from {path}: {damaged}. Resume from an earlier checkpoint ([checkpoint] "
-            f"load_step, or delete {os.path.basename(path)}), or start afresh in another dump_folder"
+            f"cannot resume from {path}: {damaged}. Resume from an earlier checkpoint ("
+            f"{spelling.key('checkpoint', 'load_step')}, or delete {os.path.basename(path)}), or start afresh in "
+            "another dump_folder"
         )
     if saved is None:  # model-only checkpoint, or the optimizer is not loaded: nothing of ours to fit
         return None
-    name = job_config.optimizer.name
-    prefix = f"cannot resume [optimizer] name = {name!r} from {path}"
+    model_only = _model_only(spelling)
+    prefix = f"cannot resume {spelling.setting('optimizer', 'name', run.optimizer_name)} from {path}"
     if resolved is not None and saved == 0:
-        return f"{prefix}: it holds the state of torchtitan's own optimizer (AdamW/Adam); {MODEL_ONLY}"
+        return f"{prefix}: it holds the state of torchtitan's own optimizer (AdamW/Adam); {model_only}"
     if resolved is None and saved > 0:
         holder = f"{record['optimizer']!r} " if record else "a titan_commopt optimizer "
-        return f"{prefix}: it holds the per-replica state of {holder}for {saved} replicas; {MODEL_ONLY}"
+        return f"{prefix}: it holds the per-replica state of {holder}for {saved} replicas; {model_only}"
     if resolved is None:
         return None
     if saved != replicas:
@@ -244,25 +266,27 @@ def resume_problem(job_config: Any, resolved: Any, replicas: int, dp_degree: Opt
             f"{prefix}: it holds optimizer state for {saved} replicas and this run has {replicas}. Replica-local "
             "state (momenta, parameters between syncs) has no sound mapping onto another set of replicas: resume "
             "with the same data_parallel_replicate_degree (the shard degree may change when the dataloader state is "
-            'not loaded, exclude_from_loading = ["dataloader"]: DCP reshards the rest), or '
-            f"{MODEL_ONLY}"
+            f"not loaded, {spelling.setting('checkpoint', 'exclude_from_loading', ['dataloader'], short=True)}: DCP "
+            f"reshards the rest), or {model_only}"
         )
     if record is None:  # saved before records existed: the replica count is all we can check
         return None
     if record.get("family") != resolved.family.key:
+        saved_table = spelling.table(f"commopt.{record.get('family')}")
         return (
-            f"{prefix}: it holds the state of {record.get('optimizer')!r} ([commopt.{record.get('family')}]), "
-            f"another family than this run's ([{resolved.family.section}]) with other state: resume with "
-            f"[optimizer] name = {record.get('optimizer')!r}, or {MODEL_ONLY}"
+            f"{prefix}: it holds the state of {record.get('optimizer')!r} ({saved_table}), "
+            f"another family than this run's ({spelling.table(resolved.family.section)}) with other state: resume with "
+            f"{spelling.setting('optimizer', 'name', record.get('optimizer'))}, or {model_only}"
         )
     ours_shape = json.loads(json.dumps(dict(resolved.family.state_shape(resolved))))
     saved_shape = record.get("state_shape") or {}
     for key in ours_shape:
         if key in saved_shape and saved_shape[key] != ours_shape[key]:
+            section, saved_value = resolved.family.section, _show(saved_shape[key])
             return (
-                f"{prefix}: [{resolved.family.section}] {key} = {_show(saved_shape[key])} in the checkpoint, "
+                f"{prefix}: {spelling.shown(section, key, saved_value)} in the checkpoint, "
                 f"{_show(ours_shape[key])} in this run, and it shapes the optimizer state: resume with "
-                f"{key} = {_show(saved_shape[key])}, or {MODEL_ONLY}"
+                f"{spelling.shown(section, key, saved_value, short=True)}, or {model_only}"
             )
     _log_allowed_changes(path, record, resolved)
     return None
@@ -294,19 +318,21 @@ def _log_allowed_changes(path: str, record: dict[str, Any], resolved: Any) -> No
         )
 
 
-def check_resume(job_config: Any, resolved: Any, replicas: int, dp_degree: Optional[int] = None) -> None:
-    """Refuse (one line, exit status 2) a resume that cannot work; see the module docstring."""
-    problem = resume_problem(job_config, resolved, replicas, dp_degree)
+def check_resume(run: Any, resolved: Any, replicas: int, dp_degree: Optional[int] = None) -> None:
+    """Refuse (one line, exit status 2) a resume that cannot work; see the module docstring. ``run``:
+    a ``CheckpointSettings`` or a job config."""
+    problem = resume_problem(run, resolved, replicas, dp_degree)
     if problem is not None:
         stop_run(problem, RESUME_REFUSED)
 
 
-def ledger_saved(job_config: Any) -> bool:
+def ledger_saved(run: Any) -> bool:
     """Whether the optimizer state this run loads holds the comm ledger's totals (checkpoints
     written before they were saved do not: the ``comm/*_total`` scalars then count from the resume).
-    True when no optimizer state is loaded."""
-    path = checkpoint_to_load(job_config)
-    if path is None or "optimizer" in job_config.checkpoint.exclude_from_loading:
+    True when no optimizer state is loaded. ``run``: a ``CheckpointSettings`` or a job config."""
+    run = _settings(run)
+    path = checkpoint_to_load(run)
+    if path is None or "optimizer" in run.exclude_from_loading:
         return True
     keys = [k for k in read_metadata(path).state_dict_metadata if k.startswith("optimizer.")]
     if not keys or any(k.endswith("/" + LEDGER_KEY) or k == f"optimizer.{LEDGER_KEY}" for k in keys):

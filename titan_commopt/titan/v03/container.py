@@ -17,8 +17,16 @@ on the run's Topology (the parameters' meshes + the R mesh FSDP was kept off,
 that own R, skipping non-finite steps, the drift check, the metrics, each replica's checkpoint
 state and the ledger's totals — is the 0.2.2 adapter's container, unchanged
 (``adapter/container.py``): the methods torchtitan 0.3 calls have the same names and meaning.
+
+A resume is checked against the checkpoint before any optimizer is built (as on 0.2.2; torchtitan
+loads it after the container exists): ``titan/config/resume.py``, with the checkpoint settings of the
+Trainer that is building this container (:func:`trainer_building_us`). torchtitan 0.3 hands the
+container only its own config, whichever way the run was launched (our config module, our TOML
+runner, an ``@override`` of a stock config), and builds it inside ``Trainer.__init__``, after the
+Trainer has its ``config`` and ``parallel_dims``: the one place all three ways meet.
 """
 
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
@@ -33,15 +41,20 @@ from titan_commopt.options import ConfigError, problems
 
 from ..adapter import clipping
 from ..adapter.container import CommOptimizersContainer, Safeguards
+from ..config.resume import check_resume, ledger_saved
 from ..config.section import CommOpt
 from ..platform.stop import stop_run
+from ..shared.checkpoint_settings import CLI, CheckpointSettings, Spelling
 from ..shared.mesh import ParameterMeshes, topology_of
 from ..shared.optimizers import build_per_part, byte_estimates, itemsize
 from . import fsdp
 
-__all__ = ["CommOptimizers", "resolve_config", "refuse"]
+__all__ = ["CommOptimizers", "resolve_config", "refuse", "trainer_building_us", "checkpoint_settings"]
 
 BAD_INPUT = 2
+# How a refused resume names the settings: 0.3's command line, or the TOML for our TOML runner (it
+# sets this before building the Trainer).
+settings_spelling: Spelling = CLI
 
 
 def refuse(error: ConfigError) -> None:
@@ -56,6 +69,30 @@ def _given(name: str, commopt: Any, set_keys: list[str]) -> dict[str, Any]:
     table, defaults = getattr(commopt, family.key), family.options()
     return {f.name: getattr(table, f.name) for f in fields(table)
             if f.name in set_keys or getattr(table, f.name) != getattr(defaults, f.name)}
+
+
+def trainer_building_us() -> Optional[Any]:
+    """The torchtitan ``Trainer`` whose ``__init__`` is on the call stack (building the container), or
+    None (a container built outside a Trainer: no checkpoint of a run to check)."""
+    from torchtitan.trainer import Trainer
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer) and frame.f_code.co_name == "__init__":
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def checkpoint_settings(trainer_config: Any, optimizer_name: str) -> Optional[CheckpointSettings]:
+    """What the resume check reads of a 0.3 ``Trainer.Config``; None for a checkpointer other than
+    torchtitan's DCP one (another layout)."""
+    from torchtitan.components.checkpointer import CheckpointManager
+
+    if not isinstance(trainer_config.checkpoint, CheckpointManager.Config):
+        return None
+    return CheckpointSettings.of_trainer_config(trainer_config, optimizer_name, settings_spelling)
 
 
 def resolve_config(config: "CommOptimizers.Config") -> Optional[Resolved]:
@@ -120,6 +157,11 @@ class CommOptimizers(CommOptimizersContainer):
         self._check_replicate(param_mesh, owns_r)
         # AdamW/Adam: R is HSDP's dp_replicate on the parameters' mesh (its all-reduce is estimated).
         topology = topology_of(ParameterMeshes(param_mesh, fsdp.replicate_mesh() if owns_r else None))
+        trainer = trainer_building_us()
+        settings = None if trainer is None else checkpoint_settings(trainer.config, config.name)
+        if settings is not None:
+            dims = trainer.parallel_dims
+            check_resume(settings, resolved, topology.replicate_size, dims.dp_replicate * dims.dp_shard)
         ledger = comm.CommLedger()
         if resolved is None:
             optimizers = self._stock_optimizers(config, model_parts)
@@ -135,6 +177,7 @@ class CommOptimizers(CommOptimizersContainer):
         super().__init__(
             model_parts, optimizers, name=config.name, resolved=resolved, topology=topology, ledger=ledger,
             fsdp_traffic=traffic, adamw_reference_r_bytes=adamw_reference, safeguards=Safeguards.of(config.commopt),
+            ledger_in_checkpoint=True if settings is None else ledger_saved(settings),
         )
         if owns_r:
             clipping.install()

@@ -1,0 +1,155 @@
+"""The resume check on torchtitan 0.3 (``titan/config/resume.py``, run by the 0.3 container before any
+optimizer is built): 0.3's checkpoint layout is the one the check reads, and a resume that cannot
+work is refused with one line, exit status 2.
+
+One short run (Dion, 2 replicas, our config module) writes a real 0.3 checkpoint; the check is
+called on it directly with the settings each way of launching makes (config module + command line,
+``@override``, our TOML), and one launch shows the refusal end to end. That a resume with the same
+settings resumes exactly is ``test_titan03.py``'s ``test_resume_is_exact``.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_commopt.titan.line import installed_version, line_of
+
+pytestmark = [
+    pytest.mark.skipif(
+        line_of(installed_version()) != "0.3",
+        reason=f"torchtitan 0.3 is not installed (found {installed_version()}); this file tests the 0.3 line",
+    ),
+    pytest.mark.both_lines,  # CI's second-line run (-m both_lines) is where it runs when 0.2.2 is the default
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULE = "titan_commopt.titan.v03.configs"
+RUN = ["--optimizer.name", "Dion", "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "1"]
+RANK = 8  # Dion's rank in the saved run: it shapes the state (P and R per matrix)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return os.environ.get("TITAN_COMMOPT_CACHE") or str(tmp_path_factory.mktemp("cache"))
+
+
+def _launch(cache: str, dump: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "torchtitan.train", "--module", MODULE, "--config", "cpu_debugmodel", "--dump_folder", str(dump),
+           "--debug.seed", "0", *RUN, *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TITAN_COMMOPT_CACHE": cache}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory, cache):
+    """A 0.3 run's dump folder: Dion (rank 8), R = 2, checkpoints at steps 1 and 2."""
+    out = tmp_path_factory.mktemp("saved")
+    proc = _launch(cache, out, "--optimizer.commopt.dion.rank", str(RANK))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return out
+
+
+def _config(dump: Path, *args: str):
+    """The ``Trainer.Config`` our config module and 0.3's command line make (no process group)."""
+    from torchtitan.config.manager import ConfigManager
+
+    return ConfigManager().parse_args(
+        ["--module", MODULE, "--config", "cpu_debugmodel", "--dump_folder", str(dump), *RUN, *args])
+
+
+def _problem(config, replicas: int = 2, dp_degree: int = 2):
+    from titan_commopt.titan.config.resume import resume_problem
+    from titan_commopt.titan.v03.container import checkpoint_settings, resolve_config
+
+    settings = checkpoint_settings(config, config.optimizer.name)
+    return resume_problem(settings, resolve_config(config.optimizer), replicas, dp_degree)
+
+
+def test_the_checkpoint_is_laid_out_as_the_check_reads_it(dump):
+    from titan_commopt.titan.config.resume import checkpoint_to_load, read_metadata, read_record, saved_replicas
+    from titan_commopt.titan.v03.container import checkpoint_settings
+
+    config = _config(dump)
+    step2 = dump / "checkpoint" / "step-2"
+    assert checkpoint_to_load(checkpoint_settings(config, "Dion")) == str(step2)
+    metadata = read_metadata(str(step2))
+    keys = metadata.state_dict_metadata
+    assert saved_replicas(keys) == 2
+    for state in ("lr_scheduler", "train_state", "dataloader"):
+        assert any(k.startswith(state + ".") for k in keys), state
+    assert {"dataloader.dp_rank_0", "dataloader.dp_rank_1"} <= set(keys)
+    record = read_record(str(step2), metadata)
+    assert record["optimizer"] == "Dion" and record["state_shape"]["rank"] == RANK
+
+
+def test_the_same_settings_pass(dump):
+    assert _problem(_config(dump, "--optimizer.commopt.dion.rank", str(RANK))) is None
+
+
+def test_another_dion_rank_is_refused_naming_it(dump):
+    config = _config(dump, "--optimizer.commopt.dion.rank", "16")
+    problem = _problem(config)
+    assert problem is not None and "\n" not in problem
+    step2 = dump / "checkpoint" / "step-2"
+    assert problem.startswith(f"cannot resume --optimizer.name Dion from {step2}: --optimizer.commopt.dion.rank 8 "
+                              "in the checkpoint, 16 in this run"), problem
+    assert problem.endswith("resume with --optimizer.commopt.dion.rank 8, or load only the model: "
+                            "--checkpoint.exclude_from_loading optimizer"), problem
+    # the way back it names works
+    assert _problem(_config(dump, "--optimizer.commopt.dion.rank", "16",
+                            "--checkpoint.exclude_from_loading", "optimizer")) is None
+
+
+@pytest.mark.parametrize("args, replicas, expected", [
+    ([], 1, "it holds optimizer state for 2 replicas and this run has 1"),
+    (["--optimizer.name", "AdamW"], 2, "it holds the per-replica state of 'Dion' for 2 replicas"),
+    (["--optimizer.name", "DES-LOC"], 2, "it holds the state of 'Dion' (--optimizer.commopt.dion.*), another family"),
+    (["--checkpoint.load_step", "3"], 2, "--checkpoint.load_step 3: "),
+])
+def test_what_else_does_not_fit_is_refused(dump, args, replicas, expected):
+    problem = _problem(_config(dump, "--optimizer.commopt.dion.rank", str(RANK), *args), replicas=replicas)
+    assert problem is not None and expected in problem and "\n" not in problem, problem
+
+
+def test_the_override_and_the_toml_are_checked_alike(dump, monkeypatch):
+    """The settings an ``@override`` run and our TOML runner hand the check (the TOML runner's
+    refusals name the TOML's keys)."""
+    from torchtitan.components.optimizer import default_adamw
+
+    from titan_commopt.titan.shared.checkpoint_settings import TOML
+    from titan_commopt.titan.v03 import container
+    from titan_commopt.titan.v03.overrides import commopt
+    from titan_commopt.train import check_config
+
+    config = _config(dump)
+    config.optimizer = commopt(default_adamw(), name="Dion", rank=16)
+    assert "--optimizer.commopt.dion.rank 8 in the checkpoint, 16" in _problem(config)
+
+    toml = check_config(["--job.config_file", str(ROOT / "train_configs" / "debug_cpu.toml"),
+                         "--job.dump_folder", str(dump), "--checkpoint.enable", "true", "--optimizer.name", "Dion",
+                         "--commopt.dion.rank", "16"], 2)
+    monkeypatch.setattr(container, "settings_spelling", TOML)  # as the TOML runner sets it
+    problem = _problem(toml.trainer_config)
+    assert "cannot resume [optimizer] name = 'Dion'" in problem, problem
+    assert "[commopt.dion] rank = 8 in the checkpoint, 16 in this run" in problem, problem
+
+
+def test_a_refused_resume_is_one_line_exit_2(dump, cache, tmp_path):
+    """Through 0.3's own entry point under torchrun: rank 0 prints the line once, the workers exit
+    with status 2 (torchrun's failure summary quotes the line), nothing is loaded, no traceback
+    through our code."""
+    import shutil
+
+    shutil.copytree(dump / "checkpoint", tmp_path / "checkpoint")
+    proc = _launch(cache, tmp_path, "--optimizer.commopt.dion.rank", "16")
+    out = proc.stdout + proc.stderr
+    printed = [line for line in out.splitlines() if line.startswith("titan_commopt: cannot resume")]
+    assert len(printed) == 1, out[-4000:]
+    assert "--optimizer.commopt.dion.rank 8 in the checkpoint, 16 in this run" in printed[0]
+    assert proc.returncode != 0 and "exitcode  : 2" in out, out[-4000:]
+    assert "Loading the checkpoint" not in out  # refused before torchtitan loads anything
+    assert "titan_commopt/titan" not in out
