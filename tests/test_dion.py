@@ -298,6 +298,45 @@ def compare(model, ref):
     return max(float((full(p.detach()) - ref[name]).abs().max()) for name, p in model.named_parameters())
 
 
+def state_layout(opt):
+    """Each checkpointed state entry's (shape, dtype, placements), by parameter index and key."""
+    return {(i, k): (tuple(v.shape), v.dtype, tuple(getattr(v, "placements", ())))
+            for i, st in opt.state_dict()["state"].items() for k, v in st.items()}
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_state_is_eager_so_init_optim_state_is_a_no_op(mixed):
+    """torchtitan's init_optim_state and DCP's _init_optim_state step an optimizer whose state is empty
+    once, zero gradients at lr 0: for Dion a real step (P, R and the scalar gradients over R, one step
+    counted by AdamW's bias correction). Dion makes its state at construction, as the first step would
+    find it, so that step never runs: the same trajectory, bit for bit, with or without it."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    cfg = dion.Config(rank_fraction=0.25, mixed_precision=mixed)
+    model, ref_model = make_toy(), make_toy()
+    opt, ref = build(model.named_parameters(), Topology.single(), cfg), build(ref_model.named_parameters(), Topology.single(), cfg)
+    store = torch.bfloat16 if mixed else torch.float64
+    assert set(opt.state) == set(model.parameters())
+    for name, p in model.named_parameters():
+        st = opt.state[p]
+        lay = opt.layouts.get(name)
+        if lay is not None:  # Dion: M = 0, Q as seeded (n×r, m×r transposed)
+            assert set(st) == {"momentum", "Q"}
+            assert st["momentum"].dtype == store and st["momentum"].shape == p.shape and not st["momentum"].any()
+            assert torch.equal(st["Q"], dion.initial_q(name, lay.q_rows, lay.r, 0, store))
+        else:  # AdamW: no step counted, zero moments
+            assert set(st) == {"step", "exp_avg", "exp_avg_sq"} and float(st["step"]) == 0
+            assert all(st[k].dtype == store and not st[k].any() for k in ("exp_avg", "exp_avg_sq"))
+    initial = state_layout(opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    _init_optim_state(opt)
+    assert all(torch.equal(p, q) and p.grad is None for p, q in zip(model.parameters(), before))
+    train(model, opt)
+    train(ref_model, ref)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+    assert state_layout(opt) == initial  # a checkpoint before step 1 holds what one after does
+
+
 def test_routing_groups_and_log(caplog):
     model = make_toy()
     with caplog.at_level(logging.INFO, logger="titan_commopt.optim.dion"):
@@ -463,6 +502,16 @@ def demo_reference(cfg, flags, row_parts, replicas=2):
     return {k: v.detach() for k, v in model.named_parameters()}
 
 
+def _eager_state(opt, ledger):
+    """torchtitan's init_optim_state (DCP's, before a checkpoint) on the new optimizer: what it sent
+    (nothing: the state exists) and the checkpointed state's layout before step 1."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    ledger.reset()
+    _init_optim_state(opt)
+    return dict(init_traffic=ledger.end_step(), initial_layout=state_layout(opt))
+
+
 def _demo_run(topo, shard_mesh, dp_index, dp_count, cfg_kwargs):
     """A toy run with ``scalar_sync = "demo"``: its distance to :func:`demo_reference`, to the dense
     scalar sync (single process), its R bytes (sent and received) and the byte formula's."""
@@ -472,6 +521,7 @@ def _demo_run(topo, shard_mesh, dp_index, dp_count, cfg_kwargs):
         _fsdp(model, shard_mesh)
     opt = build(model.named_parameters(), topo, cfg, HP_DEMO)
     ledger = comm.get_ledger()
+    eager = _eager_state(opt, ledger)
     ledger.reset()
     sent, recv = [], []
     for step in range(STEPS):
@@ -490,6 +540,7 @@ def _demo_run(topo, shard_mesh, dp_index, dp_count, cfg_kwargs):
     parts = shard_mesh.size() if shard_mesh is not None else 1
     errors = {n for n, p in model.named_parameters() if "scalar_error" in opt.state[p]}
     return dict(
+        **eager, layout=state_layout(opt),
         diff=compare(model, demo_reference(cfg, flags, parts)),
         dense_diff=compare(model, reference(dataclasses.replace(cfg, scalar_sync="dense"), flags, HP_DEMO)),
         sent=sent, recv=recv, expected=(expected.sent, expected.recv), errors=errors,
@@ -518,13 +569,15 @@ def _toy_run(mesh, topo, shard_mesh, dp_index, dp_count, cfg_kwargs):
         _fsdp(model, shard_mesh)
     opt = build(model.named_parameters(), topo, cfg)
     ledger = comm.get_ledger()
+    eager = _eager_state(opt, ledger)
     ledger.reset()
     r_bytes, s_bytes = train(model, opt, part=(dp_index, dp_count), ledger=ledger)
     # FSDP2 shards every row over the shard mesh: R is split in |S| slices, this rank's is its index.
     split = (shard_mesh.get_local_rank(), shard_mesh.size()) if shard_mesh is not None else (0, 1)
     expected = r_sent(local_shapes(model, split), cfg, topo.replicate_size, itemsize=8)
     shards = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
-    return dict(diff=compare(model, reference(cfg, orientations(opt))), r_bytes=r_bytes, expected=expected,
+    return dict(**eager, layout=state_layout(opt),
+                diff=compare(model, reference(cfg, orientations(opt))), r_bytes=r_bytes, expected=expected,
                 s_bytes=s_bytes, shards=shards, transposed=orientations(opt))
 
 
@@ -639,6 +692,17 @@ def two_rank_results():
 @pytest.mark.parametrize("case", TWO_RANK_CASES)
 def test_distributed_dp_and_fsdp_equal_single_process(two_rank_results, case):
     _check(two_rank_results, case)
+
+
+def test_distributed_state_is_eager(two_rank_results):
+    """Dion's state exists from construction: torchtitan's init_optim_state before a checkpoint sends
+    nothing (lazy state made it a real step: P, R and the scalar gradients over R, an AdamW step
+    counted, so the runs compared above would differ), and a checkpoint before step 1 holds the same
+    entries (shapes, dtypes, DTensor placements) as one after."""
+    for rank, results in enumerate(two_rank_results):
+        for case, r in results.items():
+            assert r["init_traffic"] == {}, (rank, case, r["init_traffic"])
+            assert r["initial_layout"] == r["layout"], (rank, case)
 
 
 def test_distributed_dp_and_fsdp_orientation_and_traffic(two_rank_results):

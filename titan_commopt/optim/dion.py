@@ -328,12 +328,16 @@ _SCALAR_RULES = {"adamw": _ScalarRule(("exp_avg", "exp_avg_sq"), _adamw), "lion"
 def orient_(opt: "Dion", flags: dict[str, bool]) -> None:
     """Force the orientation of the unsharded matrices named in ``flags`` (fqn → transposed), before
     the first step: a single-process simulation of a sharded run under ``orientation = "reference"``
-    runs each matrix the way the sharded run oriented it."""
-    for p, lay in opt._layouts.items():
+    runs each matrix the way the sharded run oriented it. The state, still initial, is made again
+    (Q's rows follow the orientation)."""
+    if opt._stepped:
+        raise ValueError("Dion.orient_: the optimizer has already stepped or loaded a state")
+    for lay in opt._layouts.values():
         if lay.fqn in flags:
-            if lay.rows or lay.cols or opt.state[p]:
-                raise ValueError(f"Dion.orient_: {lay.fqn} is sharded or already has state")
+            if lay.rows or lay.cols:
+                raise ValueError(f"Dion.orient_: {lay.fqn} is sharded")
             lay.transposed = bool(flags[lay.fqn])
+    opt._init_state()
 
 
 def _oriented(t: torch.Tensor, lay: Layout) -> torch.Tensor:
@@ -413,6 +417,7 @@ def _report_converted_state(opt: "Dion", state_dict: dict) -> None:
 def _restore_storage_dtypes(opt: "Dion") -> None:
     """Load hook: torch's ``Optimizer.load_state_dict`` casts floating state to the parameter's dtype;
     put M, Q and the scalar moments back into this run's storage dtype."""
+    opt._stepped = True
     for p, st in opt.state.items():
         dtype = opt._storage_dtype(p)
         for k in _STORED:
@@ -478,6 +483,11 @@ class Dion(CommOptimizer):
             if self.topology.replicate_size > 1 else set()
         )
         self._replicators: dict[tuple, Any] = {}
+        self._stepped = False
+        # Eager state: torchtitan's init_optim_state (and DCP's _init_optim_state) would otherwise make
+        # it by one zero-gradient, lr-0 step, which for Dion is a real step: P, R and the scalar
+        # gradients cross R once, and the scalar optimizer counts a step (shifting Adam's bias correction).
+        self._init_state()
         self._log_routing(routed)
 
     def _log_routing(self, routed: dict[str, list[tuple[str, nn.Parameter]]]) -> None:
@@ -513,6 +523,20 @@ class Dion(CommOptimizer):
         """The dtype of p's optimizer state: bfloat16 under ``mixed_precision``, else p's."""
         return self._state_dtype if self._state_dtype is not None and p.is_floating_point() else p.dtype
 
+    def _init_state(self) -> None:
+        """Every trainable parameter's state as its first step would find it: Dion's M and Q, the
+        scalar optimizer's step and moments, and the error buffer of ``scalar_sync = "demo"``."""
+        self.state.clear()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                lay = self._layouts.get(p)
+                if lay is not None:
+                    self._init_dion_state(p, lay)
+                else:
+                    self._init_scalar_state(p)
+
     def _init_dion_state(self, p: torch.Tensor, lay: Layout) -> None:
         state = self.state[p]
         dtype = self._storage_dtype(p)
@@ -535,6 +559,8 @@ class Dion(CommOptimizer):
         dtype = self._storage_dtype(p)
         for key in self._scalar_rule.moments:
             state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        if p in self._demo_synced:  # the parameter dtype even under mixed_precision (module docstring)
+            state["scalar_error"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
     # -- step --------------------------------------------------------------------------------------
@@ -546,6 +572,7 @@ class Dion(CommOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._stepped = True
         matrices, scalars = self._gradients()
         # R collectives in the order they are needed (one process group runs them in issue order):
         # the gradients of uncompressed matrices, P and R of each shape batch, then the scalar
@@ -594,7 +621,7 @@ class Dion(CommOptimizer):
                    group_key(lay.cols), lay.q_placements, tuple(getattr(p, "placements", ())),
                    tuple(local(p).shape), p.dtype, p.device)
             found.setdefault(key, []).append((p, group, lay, g))
-            if not self.state[p]:  # the batch views M and Q: they exist from the first step on
+            if not self.state[p]:  # loaded from a checkpoint where this matrix had no state yet
                 self._init_dion_state(p, lay)
         members = sorted(found.values(), key=lambda ms: not ms[0][2].compressed)
         return [
@@ -728,7 +755,7 @@ class Dion(CommOptimizer):
         payloads, segments, offset = [], [], 0
         for p, group, g in demo:
             state = self.state[p] or self._init_scalar_state(p)
-            if "scalar_error" not in state:  # first step, or a state saved without it (one replica)
+            if "scalar_error" not in state:  # a state saved without it (one replica)
                 state["scalar_error"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             e = local(state["scalar_error"])
             if not e.numel():
