@@ -337,6 +337,84 @@ def test_state_is_eager_so_init_optim_state_is_a_no_op(mixed):
     assert state_layout(opt) == initial  # a checkpoint before step 1 holds what one after does
 
 
+def momentum_buffers(model, opt):
+    """The storages the toy's Dion momenta live in, by kind of block matrix (w1, w2, wo), per layer."""
+    buffers = {}
+    for name, p in model.named_parameters():
+        if name in opt.layouts:
+            buffers.setdefault(name.split(".", 2)[-1], []).append(
+                local_of(opt.state[p]["momentum"]).untyped_storage().data_ptr())
+    return buffers
+
+
+def one_buffer_per_batch(buffers):
+    return len(buffers) == 3 and all(len(b) == 2 and b[0] == b[1] for b in buffers.values()) and \
+        len({b[0] for b in buffers.values()}) == 3
+
+
+def local_of(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_shape_batch_momenta_share_one_buffer_and_resume_identically(mixed):
+    """The matrices of a shape batch (here each block's w1, w2 and wo: one batch per kind) keep their
+    momenta in one buffer, each M a view of its slice, so the batch's products run as one batched
+    product. A checkpoint holds each M as its own entry; a load puts them back into the buffer, and the
+    resumed run continues bit for bit, also at the lr set after the load."""
+    import io
+
+    cfg = dion.Config(rank_fraction=0.25, mixed_precision=mixed)
+    straight = make_toy()
+    opt = build(straight.named_parameters(), Topology.single(), cfg)
+    assert one_buffer_per_batch(momentum_buffers(straight, opt))
+    train(straight, opt)
+    saving = make_toy()
+    saved_opt = build(saving.named_parameters(), Topology.single(), cfg)
+    train(saving, saved_opt)
+    assert all(torch.equal(p, q) for p, q in zip(straight.parameters(), saving.parameters()))
+    file = io.BytesIO()
+    torch.save(saved_opt.state_dict(), file)
+    file.seek(0)
+    saved = torch.load(file)
+    by_index = [p for group in saved_opt.param_groups for p in group["params"]]
+    for i, entries in saved["state"].items():  # every M its own entry, of its matrix's shape
+        if "momentum" in entries:
+            assert set(entries) == {"momentum", "Q"} and entries["momentum"].shape == by_index[i].shape
+    resumed = make_toy()
+    resumed.load_state_dict(saving.state_dict())
+    opt2 = build(resumed.named_parameters(), Topology.single(), cfg)
+    opt2.load_state_dict(saved)
+    assert one_buffer_per_batch(momentum_buffers(resumed, opt2))
+    for o in (opt, opt2):  # as an lr schedule does, into the param groups the load made
+        for group in o.param_groups:
+            group["lr"] *= 0.5
+    train(straight, opt)
+    train(resumed, opt2)
+    assert all(torch.equal(p, q) for p, q in zip(straight.parameters(), resumed.parameters()))
+    assert all(torch.equal(opt.state[p][k], opt2.state[q][k]) for p, q in zip(straight.parameters(), resumed.parameters())
+               for k in opt.state[p])
+
+
+def test_shape_batch_member_without_gradient_is_left_alone():
+    """A matrix with no gradient this step (``grad is None``) is skipped as torch's optimizers skip it:
+    its M and X stay; its batch-mates step exactly as they would without it."""
+    torch.manual_seed(8)
+    X0, G = torch.randn(2, 9, 7, dtype=torch.float64), torch.randn(3, 9, 7, dtype=torch.float64)
+    a, b, alone = nn.Parameter(X0[0].clone()), nn.Parameter(X0[1].clone()), nn.Parameter(X0[0].clone())
+    pair, single = direct([("a", a), ("b", b)], rank=3, lr=0.05), direct([("a", alone)], rank=3, lr=0.05)
+    for step, g in enumerate(G):
+        a.grad, alone.grad = g.clone(), g.clone()
+        b.grad = g.clone() if step == 2 else None
+        pair.step()
+        single.step()
+        if step < 2:
+            assert torch.equal(b.detach(), X0[1]) and not pair.state[b]["momentum"].any()
+    assert torch.equal(a.detach(), alone.detach())
+    assert torch.equal(pair.state[a]["momentum"], single.state[alone]["momentum"])
+    assert not torch.equal(b.detach(), X0[1])  # b stepped once, with its batch-mate
+
+
 def test_routing_groups_and_log(caplog):
     model = make_toy()
     with caplog.at_level(logging.INFO, logger="titan_commopt.optim.dion"):
