@@ -396,13 +396,16 @@ def test_shape_batch_momenta_share_one_buffer_and_resume_identically(mixed):
                for k in opt.state[p])
 
 
-def test_shape_batch_member_without_gradient_is_left_alone():
+@pytest.mark.parametrize("shape,mixed", [((9, 7), False), ((7, 9), True)])  # (7, 9): transposed, bf16 M
+def test_shape_batch_member_without_gradient_is_left_alone(shape, mixed):
     """A matrix with no gradient this step (``grad is None``) is skipped as torch's optimizers skip it:
     its M and X stay; its batch-mates step exactly as they would without it."""
     torch.manual_seed(8)
-    X0, G = torch.randn(2, 9, 7, dtype=torch.float64), torch.randn(3, 9, 7, dtype=torch.float64)
+    X0, G = torch.randn(2, *shape, dtype=torch.float64), torch.randn(3, *shape, dtype=torch.float64)
     a, b, alone = nn.Parameter(X0[0].clone()), nn.Parameter(X0[1].clone()), nn.Parameter(X0[0].clone())
-    pair, single = direct([("a", a), ("b", b)], rank=3, lr=0.05), direct([("a", alone)], rank=3, lr=0.05)
+    pair = direct([("a", a), ("b", b)], rank=3, lr=0.05, mixed_precision=mixed)
+    single = direct([("a", alone)], rank=3, lr=0.05, mixed_precision=mixed)
+    assert pair.layouts["a"].transposed == (shape[0] < shape[1])
     for step, g in enumerate(G):
         a.grad, alone.grad = g.clone(), g.clone()
         b.grad = g.clone() if step == 2 else None
