@@ -298,6 +298,126 @@ def compare(model, ref):
     return max(float((full(p.detach()) - ref[name]).abs().max()) for name, p in model.named_parameters())
 
 
+def state_layout(opt):
+    """Each checkpointed state entry's (shape, dtype, placements), by parameter index and key."""
+    return {(i, k): (tuple(v.shape), v.dtype, tuple(getattr(v, "placements", ())))
+            for i, st in opt.state_dict()["state"].items() for k, v in st.items()}
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_state_is_eager_so_init_optim_state_is_a_no_op(mixed):
+    """torchtitan's init_optim_state and DCP's _init_optim_state step an optimizer whose state is empty
+    once, zero gradients at lr 0: for Dion a real step (P, R and the scalar gradients over R, one step
+    counted by AdamW's bias correction). Dion makes its state at construction, as the first step would
+    find it, so that step never runs: the same trajectory, bit for bit, with or without it."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    cfg = dion.Config(rank_fraction=0.25, mixed_precision=mixed)
+    model, ref_model = make_toy(), make_toy()
+    opt, ref = build(model.named_parameters(), Topology.single(), cfg), build(ref_model.named_parameters(), Topology.single(), cfg)
+    store = torch.bfloat16 if mixed else torch.float64
+    assert set(opt.state) == set(model.parameters())
+    for name, p in model.named_parameters():
+        st = opt.state[p]
+        lay = opt.layouts.get(name)
+        if lay is not None:  # Dion: M = 0, Q as seeded (n×r, m×r transposed)
+            assert set(st) == {"momentum", "Q"}
+            assert st["momentum"].dtype == store and st["momentum"].shape == p.shape and not st["momentum"].any()
+            assert torch.equal(st["Q"], dion.initial_q(name, lay.q_rows, lay.r, 0, store))
+        else:  # AdamW: no step counted, zero moments
+            assert set(st) == {"step", "exp_avg", "exp_avg_sq"} and float(st["step"]) == 0
+            assert all(st[k].dtype == store and not st[k].any() for k in ("exp_avg", "exp_avg_sq"))
+    initial = state_layout(opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    _init_optim_state(opt)
+    assert all(torch.equal(p, q) and p.grad is None for p, q in zip(model.parameters(), before))
+    train(model, opt)
+    train(ref_model, ref)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+    assert state_layout(opt) == initial  # a checkpoint before step 1 holds what one after does
+
+
+def momentum_buffers(model, opt):
+    """The storages the toy's Dion momenta live in, by kind of block matrix (w1, w2, wo), per layer."""
+    buffers = {}
+    for name, p in model.named_parameters():
+        if name in opt.layouts:
+            buffers.setdefault(name.split(".", 2)[-1], []).append(
+                local_of(opt.state[p]["momentum"]).untyped_storage().data_ptr())
+    return buffers
+
+
+def one_buffer_per_batch(buffers):
+    return len(buffers) == 3 and all(len(b) == 2 and b[0] == b[1] for b in buffers.values()) and \
+        len({b[0] for b in buffers.values()}) == 3
+
+
+def local_of(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_shape_batch_momenta_share_one_buffer_and_resume_identically(mixed):
+    """The matrices of a shape batch (here each block's w1, w2 and wo: one batch per kind) keep their
+    momenta in one buffer, each M a view of its slice, so the batch's products run as one batched
+    product. A checkpoint holds each M as its own entry; a load puts them back into the buffer, and the
+    resumed run continues bit for bit, also at the lr set after the load."""
+    import io
+
+    cfg = dion.Config(rank_fraction=0.25, mixed_precision=mixed)
+    straight = make_toy()
+    opt = build(straight.named_parameters(), Topology.single(), cfg)
+    assert one_buffer_per_batch(momentum_buffers(straight, opt))
+    train(straight, opt)
+    saving = make_toy()
+    saved_opt = build(saving.named_parameters(), Topology.single(), cfg)
+    train(saving, saved_opt)
+    assert all(torch.equal(p, q) for p, q in zip(straight.parameters(), saving.parameters()))
+    file = io.BytesIO()
+    torch.save(saved_opt.state_dict(), file)
+    file.seek(0)
+    saved = torch.load(file)
+    by_index = [p for group in saved_opt.param_groups for p in group["params"]]
+    for i, entries in saved["state"].items():  # every M its own entry, of its matrix's shape
+        if "momentum" in entries:
+            assert set(entries) == {"momentum", "Q"} and entries["momentum"].shape == by_index[i].shape
+    resumed = make_toy()
+    resumed.load_state_dict(saving.state_dict())
+    opt2 = build(resumed.named_parameters(), Topology.single(), cfg)
+    opt2.load_state_dict(saved)
+    assert one_buffer_per_batch(momentum_buffers(resumed, opt2))
+    for o in (opt, opt2):  # as an lr schedule does, into the param groups the load made
+        for group in o.param_groups:
+            group["lr"] *= 0.5
+    train(straight, opt)
+    train(resumed, opt2)
+    assert all(torch.equal(p, q) for p, q in zip(straight.parameters(), resumed.parameters()))
+    assert all(torch.equal(opt.state[p][k], opt2.state[q][k]) for p, q in zip(straight.parameters(), resumed.parameters())
+               for k in opt.state[p])
+
+
+@pytest.mark.parametrize("shape,mixed", [((9, 7), False), ((7, 9), True)])  # (7, 9): transposed, bf16 M
+def test_shape_batch_member_without_gradient_is_left_alone(shape, mixed):
+    """A matrix with no gradient this step (``grad is None``) is skipped as torch's optimizers skip it:
+    its M and X stay; its batch-mates step exactly as they would without it."""
+    torch.manual_seed(8)
+    X0, G = torch.randn(2, *shape, dtype=torch.float64), torch.randn(3, *shape, dtype=torch.float64)
+    a, b, alone = nn.Parameter(X0[0].clone()), nn.Parameter(X0[1].clone()), nn.Parameter(X0[0].clone())
+    pair = direct([("a", a), ("b", b)], rank=3, lr=0.05, mixed_precision=mixed)
+    single = direct([("a", alone)], rank=3, lr=0.05, mixed_precision=mixed)
+    assert pair.layouts["a"].transposed == (shape[0] < shape[1])
+    for step, g in enumerate(G):
+        a.grad, alone.grad = g.clone(), g.clone()
+        b.grad = g.clone() if step == 2 else None
+        pair.step()
+        single.step()
+        if step < 2:
+            assert torch.equal(b.detach(), X0[1]) and not pair.state[b]["momentum"].any()
+    assert torch.equal(a.detach(), alone.detach())
+    assert torch.equal(pair.state[a]["momentum"], single.state[alone]["momentum"])
+    assert not torch.equal(b.detach(), X0[1])  # b stepped once, with its batch-mate
+
+
 def test_routing_groups_and_log(caplog):
     model = make_toy()
     with caplog.at_level(logging.INFO, logger="titan_commopt.optim.dion"):
@@ -463,6 +583,16 @@ def demo_reference(cfg, flags, row_parts, replicas=2):
     return {k: v.detach() for k, v in model.named_parameters()}
 
 
+def _eager_state(opt, ledger):
+    """torchtitan's init_optim_state (DCP's, before a checkpoint) on the new optimizer: what it sent
+    (nothing: the state exists) and the checkpointed state's layout before step 1."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    ledger.reset()
+    _init_optim_state(opt)
+    return dict(init_traffic=ledger.end_step(), initial_layout=state_layout(opt))
+
+
 def _demo_run(topo, shard_mesh, dp_index, dp_count, cfg_kwargs):
     """A toy run with ``scalar_sync = "demo"``: its distance to :func:`demo_reference`, to the dense
     scalar sync (single process), its R bytes (sent and received) and the byte formula's."""
@@ -472,6 +602,7 @@ def _demo_run(topo, shard_mesh, dp_index, dp_count, cfg_kwargs):
         _fsdp(model, shard_mesh)
     opt = build(model.named_parameters(), topo, cfg, HP_DEMO)
     ledger = comm.get_ledger()
+    eager = _eager_state(opt, ledger)
     ledger.reset()
     sent, recv = [], []
     for step in range(STEPS):
@@ -490,6 +621,7 @@ def _demo_run(topo, shard_mesh, dp_index, dp_count, cfg_kwargs):
     parts = shard_mesh.size() if shard_mesh is not None else 1
     errors = {n for n, p in model.named_parameters() if "scalar_error" in opt.state[p]}
     return dict(
+        **eager, layout=state_layout(opt),
         diff=compare(model, demo_reference(cfg, flags, parts)),
         dense_diff=compare(model, reference(dataclasses.replace(cfg, scalar_sync="dense"), flags, HP_DEMO)),
         sent=sent, recv=recv, expected=(expected.sent, expected.recv), errors=errors,
@@ -518,13 +650,15 @@ def _toy_run(mesh, topo, shard_mesh, dp_index, dp_count, cfg_kwargs):
         _fsdp(model, shard_mesh)
     opt = build(model.named_parameters(), topo, cfg)
     ledger = comm.get_ledger()
+    eager = _eager_state(opt, ledger)
     ledger.reset()
     r_bytes, s_bytes = train(model, opt, part=(dp_index, dp_count), ledger=ledger)
     # FSDP2 shards every row over the shard mesh: R is split in |S| slices, this rank's is its index.
     split = (shard_mesh.get_local_rank(), shard_mesh.size()) if shard_mesh is not None else (0, 1)
     expected = r_sent(local_shapes(model, split), cfg, topo.replicate_size, itemsize=8)
     shards = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
-    return dict(diff=compare(model, reference(cfg, orientations(opt))), r_bytes=r_bytes, expected=expected,
+    return dict(**eager, layout=state_layout(opt),
+                diff=compare(model, reference(cfg, orientations(opt))), r_bytes=r_bytes, expected=expected,
                 s_bytes=s_bytes, shards=shards, transposed=orientations(opt))
 
 
@@ -639,6 +773,17 @@ def two_rank_results():
 @pytest.mark.parametrize("case", TWO_RANK_CASES)
 def test_distributed_dp_and_fsdp_equal_single_process(two_rank_results, case):
     _check(two_rank_results, case)
+
+
+def test_distributed_state_is_eager(two_rank_results):
+    """Dion's state exists from construction: torchtitan's init_optim_state before a checkpoint sends
+    nothing (lazy state made it a real step: P, R and the scalar gradients over R, an AdamW step
+    counted, so the runs compared above would differ), and a checkpoint before step 1 holds the same
+    entries (shapes, dtypes, DTensor placements) as one after."""
+    for rank, results in enumerate(two_rank_results):
+        for case, r in results.items():
+            assert r["init_traffic"] == {}, (rank, case, r["init_traffic"])
+            assert r["initial_layout"] == r["layout"], (rank, case)
 
 
 def test_distributed_dp_and_fsdp_orientation_and_traffic(two_rank_results):

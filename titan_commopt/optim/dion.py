@@ -80,17 +80,25 @@ below bf16's resolution would vanish), a DCT each way per step. The byte formula
 replicator's ``payload_bytes`` (``dion_layout.scalar_replicator``).
 
 GPU fitness and overlap. Matrices of the same param group, shape, rank and layout form a shape
-batch, computed stacked: everything r-sized (Grams, Cholesky factors, triangular solves, column
-norms, the new Q) is one kernel per batch, the large products (B Q, Bᵀ P and the two rank-r
-updates) one matmul per matrix written into the batch's stacked buffers. Why not one ``bmm`` per
-batch: B is M's storage, one tensor per parameter (a DTensor that checkpoints as the parameter
-does), so a batched product would first stack the batch's B — a copy of k·m·n values each way per
-product, more memory traffic than the k − 1 launches it saves, while each product is already an
-m×n×r GEMM that fills a GPU at the sizes Dion runs at. No Triton kernel either: the products are
-cuBLAS/rocBLAS GEMMs already; what they cost is their precision, which ``matmul_precision`` sets
-(fp32 by default, exact against microsoft/dion; tf32 or bf16 tensor cores). CholeskyQR2 keeps its
-failure flags on the device; one host synchronization per step reads them all (a step where some P
-needs the fallback synchronizes again for it). The R collectives are issued async in the order they
+batch. Its key depends on the layouts only, so the batches are known at construction, where the state
+is made (eagerly: torchtitan's and DCP's state init would otherwise run a real step), and each batch's
+momenta live in one stacked buffer ``[k, local rows, local columns]``: every matrix's
+``state["momentum"]`` is a view of its slice (a DTensor over it where the parameter is one, so a
+checkpoint still holds one entry per matrix; a load copies the entries back into the buffer). The
+large products therefore run as one batched product per batch over that buffer, without copying M:
+B = M + G one ``_foreach_add_`` into the views, P̂ = B̂ Q and R̂ = B̂ᵀ P one ``bmm`` each and the error
+feedback M = B − (1−μ) P Rᵀ one in-place ``baddbmm_`` (a transposed orientation is a transposed view
+of the buffer: strided-batched GEMMs, no copy). Everything r-sized (Grams, Cholesky factors,
+triangular solves, column norms, the new Q) is one kernel per batch as well. The update
+X −= η sqrt(m/n) P Qᵀ stays one ``addmm_`` per matrix: the X's are separate parameters (FSDP2's
+shards), and stacking them would copy k·m·n values each way. Under ``mixed_precision`` the products
+run on a converted copy of the batch (one conversion per product and batch). A member with no
+gradient in a step is left out as torch's optimizers leave it: the others' slices are copied out of
+the buffer and back. No Triton kernel: the products are cuBLAS/rocBLAS GEMMs already; what they cost
+is their precision, which ``matmul_precision`` sets (fp32 by default, exact against microsoft/dion;
+tf32 or bf16 tensor cores). CholeskyQR2 keeps its failure flags on the device; one host
+synchronization per step reads them all (a step where some P needs the fallback synchronizes again
+for it). The R collectives are issued async in the order they
 are needed, by tasks on the optimizer's ``runtime`` (``titan_commopt.overlap``): the uncompressed
 matrices' gradients, then each batch's P mean as soon as its P exists (a task per batch, yielding
 while it is in flight, so the next batches compute theirs meanwhile), each batch's R mean as soon as
@@ -328,18 +336,22 @@ _SCALAR_RULES = {"adamw": _ScalarRule(("exp_avg", "exp_avg_sq"), _adamw), "lion"
 def orient_(opt: "Dion", flags: dict[str, bool]) -> None:
     """Force the orientation of the unsharded matrices named in ``flags`` (fqn → transposed), before
     the first step: a single-process simulation of a sharded run under ``orientation = "reference"``
-    runs each matrix the way the sharded run oriented it."""
-    for p, lay in opt._layouts.items():
+    runs each matrix the way the sharded run oriented it. The state, still initial, is made again
+    (Q's rows follow the orientation)."""
+    if opt._stepped:
+        raise ValueError("Dion.orient_: the optimizer has already stepped or loaded a state")
+    for lay in opt._layouts.values():
         if lay.fqn in flags:
-            if lay.rows or lay.cols or opt.state[p]:
-                raise ValueError(f"Dion.orient_: {lay.fqn} is sharded or already has state")
+            if lay.rows or lay.cols:
+                raise ValueError(f"Dion.orient_: {lay.fqn} is sharded")
             lay.transposed = bool(flags[lay.fqn])
+    opt._init_state()
 
 
 def _oriented(t: torch.Tensor, lay: Layout) -> torch.Tensor:
-    """``t`` (X's local layout) as the matrix Dion runs on: its transpose (a view) where ``lay`` is
-    transposed."""
-    return t.T if lay.transposed else t
+    """``t`` (X's local layout, or a stack of them) as the matrix Dion runs on: its transpose (a view)
+    where ``lay`` is transposed."""
+    return t.mT if lay.transposed else t
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -371,27 +383,28 @@ class _Products:
 
     def _bf16_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        mm = torch.bmm if a.dim() == 3 else torch.mm
         if a.is_cuda and self._out_dtype_ok:
             try:
-                return torch.mm(a16, b16, out_dtype=torch.float32)
+                return mm(a16, b16, out_dtype=torch.float32)
             except (TypeError, RuntimeError):  # a torch without mm's out_dtype for this device
                 self._out_dtype_ok = False
-        return torch.mm(a16.to(torch.float32), b16.to(torch.float32))
+        return mm(a16.to(torch.float32), b16.to(torch.float32))
 
     def mm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        """out = a b."""
+        """out = a b: one matrix, or a stack of them (one batched product)."""
         if self.precision == "bf16" and a.dtype == torch.float32:
             out.copy_(self._bf16_mm(a, b))
             return
         with self._scope():
-            torch.mm(a, b, out=out)
+            (torch.bmm if a.dim() == 3 else torch.mm)(a, b, out=out)
 
     def addmm_(self, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
-        """c += alpha · a b."""
+        """c += alpha · a b: one matrix, or a stack of them (one batched product)."""
         if self.precision == "bf16" and a.dtype == torch.float32:
             return c.add_(self._bf16_mm(a, b), alpha=alpha)
         with self._scope():
-            return c.addmm_(a, b, alpha=alpha)
+            return c.baddbmm_(a, b, alpha=alpha) if c.dim() == 3 else c.addmm_(a, b, alpha=alpha)
 
 
 _STORED = ("momentum", "Q", "exp_avg", "exp_avg_sq")  # the state kept in the storage dtype
@@ -410,9 +423,13 @@ def _report_converted_state(opt: "Dion", state_dict: dict) -> None:
         )
 
 
-def _restore_storage_dtypes(opt: "Dion") -> None:
-    """Load hook: torch's ``Optimizer.load_state_dict`` casts floating state to the parameter's dtype;
-    put M, Q and the scalar moments back into this run's storage dtype."""
+def _restore_state(opt: "Dion") -> None:
+    """Load hook: torch's ``Optimizer.load_state_dict`` replaces the state's tensors, casting floating
+    ones to the parameter's dtype. Each M goes back into its shape batch's buffer (a view of it again,
+    in the storage dtype), Q and the scalar moments back into this run's storage dtype, and what the
+    checkpoint lacks (a parameter that had no state yet when it was saved) is made as at construction."""
+    opt._stepped = True
+    opt._fill_state()
     for p, st in opt.state.items():
         dtype = opt._storage_dtype(p)
         for k in _STORED:
@@ -421,16 +438,30 @@ def _restore_storage_dtypes(opt: "Dion") -> None:
 
 
 @dataclass
+class _Stack:
+    """A shape batch's momenta in one buffer (:meth:`Dion._init_state`): each member's
+    ``state["momentum"]`` is a view of its slice, so the batch's products are one batched product
+    over the buffer, without copying M."""
+
+    params: list[torch.Tensor]
+    lays: list[Layout]
+    buffer: torch.Tensor  # [k, local rows, local columns]: X's local layout, the storage dtype
+
+
+@dataclass
 class _Batch:
-    """Matrices computed together, stacked (:meth:`Dion._batches`): their views, and the stacked
-    r-sized quantities of this step, filled phase by phase."""
+    """The members of a shape batch that step now, computed together (:meth:`Dion._batches`): their
+    views, and the stacked quantities of this step, filled phase by phase."""
 
     params: list[torch.Tensor]
     lays: list[Layout]
     grads: list[torch.Tensor]  # this replica's G (the replica mean, for an uncompressed matrix, once reduced)
-    group: dict
-    B: list[torch.Tensor]  # M's storage, oriented: B = M + G in place, then rebuilt into the new M
+    group: dict  # the param group as it is now (a load replaces the group dicts)
+    stack: _Stack
+    index: Optional[torch.Tensor]  # their slots in the stack's buffer; None: all of them
+    momenta: list[torch.Tensor]  # their local M (views of the buffer)
     Q_stored: list[torch.Tensor]  # the local Q in its storage dtype
+    B: torch.Tensor = field(init=False)  # [k, rows, columns] oriented: the buffer, B = M + G, rebuilt into the new M
     Q: torch.Tensor = field(init=False)  # [k, q rows, r] in the parameter dtype
     P: torch.Tensor = field(init=False)  # [k, rows, r]
     R: torch.Tensor = field(init=False)  # [k, columns, r]
@@ -460,7 +491,7 @@ class Dion(CommOptimizer):
                         algorithm="dion")
         super().__init__(groups, topology, options, defaults, ledger=ledger)
         self.register_load_state_dict_pre_hook(_report_converted_state)
-        self.register_load_state_dict_post_hook(_restore_storage_dtypes)
+        self.register_load_state_dict_post_hook(_restore_state)
         self._state_dtype = torch.bfloat16 if cfg.mixed_precision else None  # None: the parameter's
         self._scalar_rule = _SCALAR_RULES[cfg.scalar_optimizer]
         self._orthonormalize = orthonormalizer(cfg.orthogonalize)
@@ -478,6 +509,11 @@ class Dion(CommOptimizer):
             if self.topology.replicate_size > 1 else set()
         )
         self._replicators: dict[tuple, Any] = {}
+        self._stepped = False
+        # Eager state: torchtitan's init_optim_state (and DCP's _init_optim_state) would otherwise make
+        # it by one zero-gradient, lr-0 step, which for Dion is a real step: P, R and the scalar
+        # gradients cross R once, and the scalar optimizer counts a step (shifting Adam's bias correction).
+        self._init_state()
         self._log_routing(routed)
 
     def _log_routing(self, routed: dict[str, list[tuple[str, nn.Parameter]]]) -> None:
@@ -513,29 +549,87 @@ class Dion(CommOptimizer):
         """The dtype of p's optimizer state: bfloat16 under ``mixed_precision``, else p's."""
         return self._state_dtype if self._state_dtype is not None and p.is_floating_point() else p.dtype
 
-    def _init_dion_state(self, p: torch.Tensor, lay: Layout) -> None:
-        state = self.state[p]
+    def _init_state(self) -> None:
+        """Every trainable parameter's state as its first step would find it: Dion's M (zero, a view of
+        its shape batch's buffer) and Q, the scalar optimizer's step and moments, and the error buffer of
+        ``scalar_sync = "demo"``. The shape batches are known now: their key depends on the layouts only."""
+        self.state.clear()
+        members: dict[tuple, list] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                lay = self._layouts.get(p)
+                if lay is not None and p.requires_grad:
+                    members.setdefault(self._batch_key(p, group, lay), []).append((p, lay))
+        self._stacks: list[_Stack] = []
+        self._slots: dict[torch.Tensor, tuple[_Stack, int]] = {}
+        for ms in members.values():
+            x = local(ms[0][0])
+            buffer = torch.zeros((len(ms), *x.shape), dtype=self._storage_dtype(x), device=x.device)
+            stack = _Stack([p for p, _ in ms], [lay for _, lay in ms], buffer)
+            self._stacks.append(stack)
+            self._slots.update({p: (stack, j) for j, (p, _) in enumerate(ms)})
+        self._fill_state()
+
+    def _fill_state(self) -> None:
+        """Make what is missing of every trainable parameter's state: all of it at construction, after a
+        load what the checkpoint did not have; each M (re)pointed at its slot of the batch buffer."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                if p in self._layouts:
+                    self._fill_dion_state(p)
+                else:
+                    self._fill_scalar_state(p)
+
+    def _batch_key(self, p: torch.Tensor, group: dict, lay: Layout) -> tuple:
+        """Matrices computed together, stacked: same param group, global shape, rank, R path, placements
+        and shard groups, hence the same local shape on this rank. The key is the same on every rank, so
+        batches (and the collectives issued per batch) agree across ranks."""
+        return (id(group), lay.m, lay.n, lay.r, lay.compressed, lay.transposed, group_key(lay.rows),
+                group_key(lay.cols), lay.q_placements, tuple(getattr(p, "placements", ())),
+                tuple(local(p).shape), p.dtype, p.device)
+
+    def _fill_dion_state(self, p: torch.Tensor) -> None:
+        stack, j = self._slots[p]
+        state, lay, slot = self.state[p], self._layouts[p], stack.buffer[j]
+        loaded = state.get("momentum")
+        if loaded is None:
+            slot.zero_()
+        else:  # converted to the storage dtype (torch's load cast it to the parameter's)
+            slot.copy_(local(loaded))
+        state["momentum"] = (
+            DTensor.from_local(slot, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+            if isinstance(p, DTensor) else slot
+        )
+        if "Q" not in state:
+            state["Q"] = self._initial_q(p, lay)
+
+    def _initial_q(self, p: torch.Tensor, lay: Layout) -> torch.Tensor:
         dtype = self._storage_dtype(p)
-        state["momentum"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         x = local(p)
         q_full = initial_q(lay.fqn, lay.q_rows, lay.r, self._seed, dtype=dtype)
         q_local_rows = x.shape[0] if lay.transposed else x.shape[1]
         q_local = q_full[lay.col_offset : lay.col_offset + q_local_rows].to(x.device).contiguous()
         if isinstance(p, DTensor):
-            state["Q"] = DTensor.from_local(
+            return DTensor.from_local(
                 q_local, p.device_mesh, lay.q_placements, run_check=False,
                 shape=torch.Size((lay.q_rows, lay.r)), stride=(lay.r, 1),
             )
-        else:
-            state["Q"] = q_local
+        return q_local
 
-    def _init_scalar_state(self, p: torch.Tensor) -> dict[str, Any]:
+    def _fill_scalar_state(self, p: torch.Tensor) -> None:
         state = self.state[p]
-        state["step"] = torch.tensor(0.0)
         dtype = self._storage_dtype(p)
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0)
         for key in self._scalar_rule.moments:
-            state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-        return state
+            if key not in state:
+                state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        if p in self._demo_synced and "scalar_error" not in state:
+            # the parameter dtype even under mixed_precision (module docstring); a checkpoint of one
+            # replica has none
+            state["scalar_error"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     # -- step --------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -546,6 +640,7 @@ class Dion(CommOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._stepped = True
         matrices, scalars = self._gradients()
         # R collectives in the order they are needed (one process group runs them in issue order):
         # the gradients of uncompressed matrices, P and R of each shape batch, then the scalar
@@ -583,26 +678,25 @@ class Dion(CommOptimizer):
         return replica_grad(p, self.topology, copy=copy, ledger=self.ledger)
 
     def _batches(self, matrices: list) -> list[_Batch]:
-        """``matrices`` computed together, stacked: same param group, global shape, rank, R path,
-        placements and shard groups, hence the same local shape on this rank. The key is the same on
-        every rank, so batches (and the collectives issued per batch) agree across ranks; their order
-        is first appearance in parameter order, compressed batches first (their P means go on the
-        wire while the others compute)."""
-        found: dict[tuple, list] = {}
+        """``matrices`` by shape batch (:meth:`_batch_key`), in the order of first appearance in parameter
+        order, compressed batches first (their P means go on the wire while the others compute). A
+        batch is its whole stack but where some member has no gradient this step: then only the others,
+        their rows of the buffer copied out and back (:meth:`_form_p`, :meth:`_update`)."""
+        found: dict[int, tuple[_Stack, list]] = {}
         for p, group, lay, g in matrices:
-            key = (id(group), lay.m, lay.n, lay.r, lay.compressed, lay.transposed, group_key(lay.rows),
-                   group_key(lay.cols), lay.q_placements, tuple(getattr(p, "placements", ())),
-                   tuple(local(p).shape), p.dtype, p.device)
-            found.setdefault(key, []).append((p, group, lay, g))
-            if not self.state[p]:  # the batch views M and Q: they exist from the first step on
-                self._init_dion_state(p, lay)
-        members = sorted(found.values(), key=lambda ms: not ms[0][2].compressed)
-        return [
-            _Batch(params=[p for p, _, _, _ in ms], lays=[lay for _, _, lay, _ in ms], grads=[g for *_, g in ms],
-                   group=ms[0][1], B=[_oriented(local(self.state[p]["momentum"]), lay) for p, _, lay, _ in ms],
-                   Q_stored=[local(self.state[p]["Q"]) for p, *_ in ms])
-            for ms in members
-        ]
+            stack, j = self._slots[p]
+            found.setdefault(id(stack), (stack, []))[1].append((j, p, group, lay, g))
+        batches = []
+        for stack, ms in sorted(found.values(), key=lambda sm: not sm[0].lays[0].compressed):
+            index = None
+            if len(ms) < len(stack.params):
+                index = torch.tensor([j for j, *_ in ms], device=stack.buffer.device)
+            batches.append(_Batch(
+                params=[p for _, p, *_ in ms], lays=[lay for *_, lay, _ in ms], grads=[g for *_, g in ms],
+                group=ms[0][2], stack=stack, index=index, momenta=[local(self.state[p]["momentum"]) for _, p, *_ in ms],
+                Q_stored=[local(self.state[p]["Q"]) for _, p, *_ in ms],
+            ))
+        return batches
 
     # -- the phases of the Dion step, in order -----------------------------------------------------
     def _form_and_reduce_p(self, batches: list[_Batch], full: "comm.Pending[None]") -> None:
@@ -621,14 +715,16 @@ class Dion(CommOptimizer):
         yield from self._reduce_p(b)
 
     def _form_p(self, b: _Batch) -> None:
-        """B = M + G (in M's storage), P̂ = B̂ Q: local rows, partial over the column shards. The
-        products run in the parameter dtype, whatever the storage dtype (mixed precision: bf16 M, Q)."""
+        """B = M + G (in M's storage), P̂ = B̂ Q: local rows, partial over the column shards, one batched
+        product. The products run in the parameter dtype, whatever the storage dtype (mixed precision:
+        bf16 M, Q; the batch converted at once)."""
         cd = b.params[0].dtype
+        torch._foreach_add_(b.momenta, b.grads)  # B = M + G (M is rebuilt from B in _update)
+        buffer = b.stack.buffer
+        b.B = _oriented(buffer if b.index is None else buffer.index_select(0, b.index), b.lay)
         b.Q = torch.stack(b.Q_stored).to(cd)
-        b.P = b.Q.new_empty(len(b.params), b.B[0].shape[0], b.Q.shape[-1])
-        for j, (B, g) in enumerate(zip(b.B, b.grads)):
-            B.add_(_oriented(g, b.lay))  # B = M + G (M is rebuilt from B in _update)
-            self._products.mm(_as(B, cd), b.Q[j], out=b.P[j])  # P̂ = B̂ Q
+        b.P = b.Q.new_empty(len(b.params), b.B.shape[1], b.Q.shape[-1])
+        self._products.mm(_as(b.B, cd), b.Q, out=b.P)  # P̂ = B̂ Q
 
     def _reduce_p(self, b: _Batch) -> Task:
         """E_DP[P̂] where P is compressed (one collective per batch, yielded while in flight)."""
@@ -659,9 +755,8 @@ class Dion(CommOptimizer):
     def _r_task(self, b: _Batch) -> Task:
         """R̂ = B̂ᵀ P (local columns, partial over the row shards), then R = E_DP[Σ_i B_iᵀ P_i]:
         the row sums now, the R mean yielded while in flight."""
-        b.R = b.P.new_empty(len(b.params), b.B[0].shape[1], b.P.shape[-1])
-        for j, B in enumerate(b.B):
-            self._products.mm(_as(B, b.P.dtype).T, b.P[j], out=b.R[j])  # R̂ = B̂ᵀ P
+        b.R = b.P.new_empty(len(b.params), b.B.shape[2], b.P.shape[-1])
+        self._products.mm(_as(b.B, b.P.dtype).mT, b.P, out=b.R)  # R̂ = B̂ᵀ P
         yield from reduce_r(list(b.R.unbind(0)), b.lays, self.topology.replicate,
                             self.topology.replicate_size > 1, self.ledger)
 
@@ -687,12 +782,14 @@ class Dion(CommOptimizer):
         Rm = torch.where(live, b.R, 0.0)
         Q = torch.where(live, (Rm / (norm + self._colnorm_eps)).to(b.Q.dtype), b.Q)  # a dead column keeps its direction
         torch._foreach_copy_(b.Q_stored, list(Q.unbind(0)))  # stored in Q's dtype
+        if b.B.dtype == P.dtype:
+            self._products.addmm_(b.B, P, Rm.mT, alpha=-(1 - mu))  # M = B − (1−μ) P Rᵀ (error feedback)
+        else:  # bf16 storage: the rank-r correction in the parameter dtype, then stored
+            b.B.copy_(self._products.addmm_(b.B.to(P.dtype), P, Rm.mT, alpha=-(1 - mu)))
+        if b.index is not None:  # the members that stepped: their rows back into the buffer
+            b.stack.buffer.index_copy_(0, b.index, _oriented(b.B, b.lay))
         scale = math.sqrt(b.lay.m / b.lay.n)  # X's m, n whatever the orientation
-        for j, (x, B) in enumerate(zip(b.params, b.B)):  # one matrix at a time: its B and X stay in cache
-            if B.dtype == P.dtype:
-                self._products.addmm_(B, P[j], Rm[j].T, alpha=-(1 - mu))  # M = B − (1−μ) P Rᵀ (error feedback)
-            else:  # bf16 storage: the rank-r correction in the parameter dtype, then stored
-                B.copy_(self._products.addmm_(B.to(P.dtype), P[j], Rm[j].T, alpha=-(1 - mu)))
+        for j, x in enumerate(b.params):  # X's are separate parameters: one product each
             x = _oriented(kernels.decoupled_decay_(local(x), lr, wd), b.lay)
             self._products.addmm_(x, P[j], Q[j].T, alpha=-lr * scale)  # X −= η sqrt(m/n) P Qᵀ
 
@@ -727,10 +824,7 @@ class Dion(CommOptimizer):
         receivers split it without a header). ``None`` when nothing is sent."""
         payloads, segments, offset = [], [], 0
         for p, group, g in demo:
-            state = self.state[p] or self._init_scalar_state(p)
-            if "scalar_error" not in state:  # first step, or a state saved without it (one replica)
-                state["scalar_error"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            e = local(state["scalar_error"])
+            e = local(self.state[p]["scalar_error"])
             if not e.numel():
                 continue
             rep = self._replicator(e)
@@ -751,7 +845,7 @@ class Dion(CommOptimizer):
             self._scalar_update(p, group, mean.to(local(p).dtype))
 
     def _scalar_update(self, p: torch.Tensor, group: dict, g: torch.Tensor) -> None:
-        state = self.state[p] or self._init_scalar_state(p)
+        state = self.state[p]
         x = local(p)
         stored = [local(state[key]) for key in self._scalar_rule.moments]
         work = [t if t.dtype == x.dtype else t.to(x.dtype) for t in stored]  # bf16 storage: compute in x's dtype
