@@ -51,15 +51,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from scripts._bench_common import flavor_args, human, param_shapes, parse_overrides, resolved_of, table  # noqa: E402
+from scripts._bench_common import build_model, human, param_shapes, parse_overrides, resolved_of, table  # noqa: E402
 
 
 def _model(flavor: str, device: torch.device):
-    from torchtitan.models.llama3 import Transformer
-
     torch.manual_seed(0)
     with device:
-        model = Transformer(flavor_args(flavor))
+        model = build_model(flavor)
     with torch.no_grad():
         model.init_weights()
     for p in model.parameters():
