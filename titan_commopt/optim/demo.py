@@ -251,6 +251,11 @@ class DeMo(CommOptimizer):
         self._chunkers64: dict[tuple, Chunker] = {}
         devices = {local(p).device for group in self.param_groups for p in group["params"]}
         self.fused = fused_of(cfg, options.kernels, devices)  # decided once: Triton kernels or torch
+        # Eager state: torchtitan's init_optim_state and DCP's _init_optim_state step an optimizer whose
+        # state is empty once (zero gradients, lr 0); for DeMo that is a real step: R traffic, and every
+        # step count one ahead. The zeros a first step would make, made now (the plan's too).
+        self._trainable = [(p, group) for group in self.param_groups for p in group["params"] if p.requires_grad]
+        self._init_all_state()
         logger.info("%s: %s", options.name, topology.describe())  # the options are logged once, resolved
 
     def replicator(self, p: torch.Tensor) -> Replicator:
@@ -282,6 +287,15 @@ class DeMo(CommOptimizer):
             for key in keys:
                 state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
         return state
+
+    def _init_all_state(self) -> None:
+        """Every trainable parameter's state as its first step would leave it before its update: the
+        step count, the base's zeros and, over R, the plan of all of them (the coefficient domain's
+        momentum rows; a loaded momentum is copied into them)."""
+        for p, _ in self._trainable:
+            self._init_state(p)
+        if self.topology.replicate_size > 1:
+            self._plan_for(self._trainable)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -370,7 +384,8 @@ class DeMo(CommOptimizer):
                 st["momentum"] = self._to_coefficient_domain(p, st["momentum"])
             state[key] = st
         super().load_state_dict({**state_dict, "state": state})
-        self._plan = None  # the next step re-batches the loaded momenta
+        self._plan = None  # re-batch the loaded momenta: the state is the new plan's rows, as after construction
+        self._init_all_state()
 
     def _chunker64(self, p: torch.Tensor) -> Chunker:
         x = local(p)
