@@ -28,7 +28,6 @@ CONFIGS = {  # name: (optimizer, [commopt.demo] keys, [commopt] kernels)
     "FlexDeMo_adamw": ("FlexDeMo", dict(chunk=4, topk=3, base="adamw"), "torch"),  # DTensor moments
     "FlexDeMo_random": ("FlexDeMo", dict(replicator="random", compression_rate=0.25), "torch"),  # step-seeded
     "DeMo_triton": ("DeMo", dict(chunk=8, topk=6), "triton"),  # Triton's interpreter on CPU
-    "FlexDeMo_triton": ("FlexDeMo", dict(chunk=4, topk=3, rule="identity"), "triton"),
 }
 FROZEN = "0.bias"  # requires_grad = False: no state, as no step would give it one
 
@@ -44,7 +43,6 @@ RECORDED = {
     # by the step count) were one step ahead: 54ea05d5...
     "FlexDeMo_random": "fa18a730420406f41def0febd7c460a91555f9aff7ad4267aea3f4c9c61360c2",
     "DeMo_triton": "f6be79e20b76ef27e72ae11f7ceccf3ee31c54068069cbe0915e6586deddf28e",
-    "FlexDeMo_triton": "bc8832bb8fd6e8671df7b5060adfd283a384e61c92cde86a3413e01f44f82c5f",
 }
 
 

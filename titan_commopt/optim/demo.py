@@ -222,7 +222,12 @@ class DeMo(CommOptimizer):
     eq. 8's subtraction is ``m_dct[sel] −= λ·m_dct[sel]``: one forward transform of the gradient and
     one inverse of the aggregate per step, batched over each shape group. :meth:`state_dict` writes it
     in the parameter domain, under the same key (torch's DCP rebuilds a flattened optimizer state
-    from the keys of the live state: they must be the checkpoint's)."""
+    from the keys of the live state: they must be the checkpoint's).
+
+    The state is made whole at construction (and after a load), as the first step would make it:
+    DCP's ``_init_optim_state`` and torchtitan 0.3's ``init_optim_state`` step an optimizer with an
+    empty state once (zero gradients, lr 0) before a checkpoint is written or read, which for DeMo
+    would be a real exchange over R and one step more on every count."""
 
     params_replica_local = False  # every replica applies the same aggregated Q: parameters agree
 
@@ -251,9 +256,7 @@ class DeMo(CommOptimizer):
         self._chunkers64: dict[tuple, Chunker] = {}
         devices = {local(p).device for group in self.param_groups for p in group["params"]}
         self.fused = fused_of(cfg, options.kernels, devices)  # decided once: Triton kernels or torch
-        # Eager state: torchtitan's init_optim_state and DCP's _init_optim_state step an optimizer whose
-        # state is empty once (zero gradients, lr 0); for DeMo that is a real step: R traffic, and every
-        # step count one ahead. The zeros a first step would make, made now (the plan's too).
+        # eager state: no init step of DCP / torchtitan (see the class docstring)
         self._trainable = [(p, group) for group in self.param_groups for p in group["params"] if p.requires_grad]
         self._init_all_state()
         logger.info("%s: %s", options.name, topology.describe())  # the options are logged once, resolved
@@ -289,9 +292,9 @@ class DeMo(CommOptimizer):
         return state
 
     def _init_all_state(self) -> None:
-        """Every trainable parameter's state as its first step would leave it before its update: the
-        step count, the base's zeros and, over R, the plan of all of them (the coefficient domain's
-        momentum rows; a loaded momentum is copied into them)."""
+        """Every trainable parameter's state as a first step finds it: the step count, the base's
+        zeros and, over R, the plan of all of them (the coefficient domain's momentum rows, into
+        which a loaded momentum is copied). A state already there is kept."""
         for p, _ in self._trainable:
             self._init_state(p)
         if self.topology.replicate_size > 1:
