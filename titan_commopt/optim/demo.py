@@ -342,7 +342,10 @@ class DeMo(CommOptimizer):
     def _plan_for(self, active: list[tuple[torch.Tensor, dict]]) -> Plan:
         key = tuple(id(p) for p, _ in active)
         if self._plan is None or self._plan.key != key:
-            self._plan = Plan(active, self.state, self.replicator, self.coefficient_domain, self._demo, self.fused)
+            plan = Plan(active, self.state, self.replicator, self.coefficient_domain, self._demo, self.fused)
+            if self._plan is not None:
+                self._plan.hand_over(plan)
+            self._plan = plan
         return self._plan
 
     # ---- checkpoints ---------------------------------------------------------------------------------

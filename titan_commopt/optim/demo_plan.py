@@ -159,6 +159,17 @@ class Plan:
                     rows.copy_(old.reshape(rows.shape))
                 st["momentum"] = rows  # a view: the state is the group buffer's rows (coefficients)
 
+    def hand_over(self, successor: "Plan") -> None:
+        """``successor`` replaces this plan (the set of parameters with gradients changed): a shard
+        that is not its member keeps its coefficient-domain momentum as a copy of its rows, so this
+        plan's buffers are freed instead of held by the rows of the shards left out."""
+        staying = set(successor.key)
+        for grp in self.groups:
+            if grp.momentum is not None:
+                for p, _, st in grp.members:
+                    if id(p) not in staying:
+                        st["momentum"] = st["momentum"].clone()
+
     # ---- send -------------------------------------------------------------------------------------
     def pack(self, rules: Rules, grad: Callable[[torch.Tensor], torch.Tensor],
              steps: Mapping[int, int]) -> tuple[Optional[torch.Tensor], Sent]:
