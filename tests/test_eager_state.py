@@ -153,6 +153,9 @@ def _worker(rank, world):
         model2.load_state_dict(model.state_dict())
         opt2.load_state_dict(copy.deepcopy(saved))  # a state dict shares the live moments: as if read from disk
         res["loaded"] = by_name(model2, opt2)
+        for o in (opt, opt2):  # as a scheduler does: the load replaced opt2's param groups, this is on the new ones
+            for group in o.param_groups:
+                group["lr"] = LR / 2
         train(model, opt, ledger, data[STEPS:])
         train(model2, opt2, comm.CommLedger(), data[STEPS:])
         res["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(params(model).values(), params(model2).values()))

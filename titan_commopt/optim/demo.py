@@ -256,9 +256,7 @@ class DeMo(CommOptimizer):
         self._chunkers64: dict[tuple, Chunker] = {}
         devices = {local(p).device for group in self.param_groups for p in group["params"]}
         self.fused = fused_of(cfg, options.kernels, devices)  # decided once: Triton kernels or torch
-        # eager state: no init step of DCP / torchtitan (see the class docstring)
-        self._trainable = [(p, group) for group in self.param_groups for p in group["params"] if p.requires_grad]
-        self._init_all_state()
+        self._init_all_state()  # eager state: no init step of DCP / torchtitan (see the class docstring)
         logger.info("%s: %s", options.name, topology.describe())  # the options are logged once, resolved
 
     def replicator(self, p: torch.Tensor) -> Replicator:
@@ -294,11 +292,13 @@ class DeMo(CommOptimizer):
     def _init_all_state(self) -> None:
         """Every trainable parameter's state as a first step finds it: the step count, the base's
         zeros and, over R, the plan of all of them (the coefficient domain's momentum rows, into
-        which a loaded momentum is copied). A state already there is kept."""
-        for p, _ in self._trainable:
+        which a loaded momentum is copied). A state already there is kept. The param groups are read
+        now: a load replaces them, and the plan keeps each shard's group (its lr, as the scheduler sets it)."""
+        trainable = [(p, group) for group in self.param_groups for p in group["params"] if p.requires_grad]
+        for p, _ in trainable:
             self._init_state(p)
         if self.topology.replicate_size > 1:
-            self._plan_for(self._trainable)
+            self._plan_for(trainable)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
