@@ -340,8 +340,7 @@ class DeMo(CommOptimizer):
         plan.apply(payloads, sent, self._rules.phi)
 
     def _plan_for(self, active: list[tuple[torch.Tensor, dict]]) -> Plan:
-        key = tuple(id(p) for p, _ in active)
-        if self._plan is None or self._plan.key != key:
+        if self._plan is None or self._plan.key != Plan.key_of(active):
             plan = Plan(active, self.state, self.replicator, self.coefficient_domain, self._demo, self.fused)
             if self._plan is not None:
                 self._plan.hand_over(plan)
