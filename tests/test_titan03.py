@@ -4,7 +4,8 @@ Skipped unless torchtitan 0.3 is installed: the normal suite runs on 0.2.2. Run 
 ``PYTHONPATH=. OMP_NUM_THREADS=1 /path/to/venv03/bin/python -m pytest -q tests/test_titan03.py``.
 One torchrun launch per fixture; the assertions read TensorBoard's event files and the console.
 Launches are shared (11): the config-module run (FlexDeMo on HSDP 2x2) is the first half of the
-resume pair, and the override run is FlexDeMo's R2 x TP2 run.
+resume pair, and the override run is FlexDeMo's R2 x TP2 run. The resumed run also prints every
+optimizer step (``tests/titan03_step_probe.py``, an override that changes nothing).
 """
 
 import json
