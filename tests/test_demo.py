@@ -350,7 +350,7 @@ def _ddp_worker(rank, world):
             x = torch.cat([data[t][rank][j][0] for j in range(2)])
             y = torch.cat([data[t][rank][j][1] for j in range(2)])
             _loss(model, x, y).backward()
-            with _no_host_reads() if t else contextlib.nullcontext():  # step 1 builds the plan
+            with _no_host_reads():  # the plan is built with the state, at construction
                 opt.step()
             opt.zero_grad()
         out[name] = {n: p.detach().clone() for n, p in model.named_parameters()}

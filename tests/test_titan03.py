@@ -4,7 +4,8 @@ Skipped unless torchtitan 0.3 is installed: the normal suite runs on 0.2.2. Run 
 ``PYTHONPATH=. OMP_NUM_THREADS=1 /path/to/venv03/bin/python -m pytest -q tests/test_titan03.py``.
 One torchrun launch per fixture; the assertions read TensorBoard's event files and the console.
 Launches are shared (11): the config-module run (FlexDeMo on HSDP 2x2) is the first half of the
-resume pair, and the override run is FlexDeMo's R2 x TP2 run.
+resume pair, and the override run is FlexDeMo's R2 x TP2 run. The resumed run also prints every
+optimizer step (``tests/titan03_step_probe.py``, an override that changes nothing).
 """
 
 import json
@@ -19,6 +20,9 @@ import pytest
 
 from titan_commopt.optim import available_names, family_of
 from titan_commopt.titan.line import installed_version, line_of
+
+if line_of(installed_version()) == "0.3":
+    from tests import titan03_step_probe as STEP_PROBE
 
 pytestmark = [
     pytest.mark.skipif(
@@ -93,7 +97,8 @@ def trained(tmp_path_factory, cache):
 def resumed(tmp_path_factory, cache, trained):
     dump = tmp_path_factory.mktemp("resumed")
     shutil.copytree(trained[0] / "checkpoint" / "step-2", dump / "checkpoint" / "step-2")
-    proc = train(cache, dump, MESHES["hsdp_2x2"][0], "--checkpoint.enable", "--checkpoint.interval", "2")
+    proc = train(cache, dump, MESHES["hsdp_2x2"][0], "--checkpoint.enable", "--checkpoint.interval", "2",
+                 "--override.imports", f"{STEP_PROBE.__name__}.show_steps")
     return dump, scalars(dump), proc
 
 
@@ -121,6 +126,15 @@ def test_resume_is_exact(trained, resumed, tag):
     the counters and the ledger's totals come back, and the load's state initialisation counts no bytes."""
     assert "Loading the checkpoint" in resumed[2].stdout + resumed[2].stderr
     assert resumed[1][tag] == trained[1][tag][2:]
+
+
+def test_load_runs_no_init_step(resumed):
+    """torchtitan's ``init_optim_state`` steps an optimizer whose state is empty (zero gradients, lr 0)
+    before the load reads it; FlexDeMo's state exists from construction, so the resumed run's optimizer
+    steps are its two training steps on each of the 4 ranks, none with lr 0: nothing sent, nothing
+    counted, no step count advanced before step 3."""
+    lines = [line for line in (resumed[2].stdout + resumed[2].stderr).splitlines() if STEP_PROBE.STEP_LINE in line]
+    assert len(lines) == 4 * 2 and all("DeMo lr" in line and "lr [0.0]" not in line for line in lines), lines
 
 
 # ---- the @override route on torchtitan's own optimizer config (FlexDeMo's R2 x TP2 run) ----------

@@ -222,7 +222,12 @@ class DeMo(CommOptimizer):
     eq. 8's subtraction is ``m_dct[sel] −= λ·m_dct[sel]``: one forward transform of the gradient and
     one inverse of the aggregate per step, batched over each shape group. :meth:`state_dict` writes it
     in the parameter domain, under the same key (torch's DCP rebuilds a flattened optimizer state
-    from the keys of the live state: they must be the checkpoint's)."""
+    from the keys of the live state: they must be the checkpoint's).
+
+    The state is made whole at construction (and after a load), as the first step would make it:
+    DCP's ``_init_optim_state`` and torchtitan 0.3's ``init_optim_state`` step an optimizer with an
+    empty state once (zero gradients, lr 0) before a checkpoint is written or read, which for DeMo
+    would be a real exchange over R and one step more on every count."""
 
     params_replica_local = False  # every replica applies the same aggregated Q: parameters agree
 
@@ -251,6 +256,7 @@ class DeMo(CommOptimizer):
         self._chunkers64: dict[tuple, Chunker] = {}
         devices = {local(p).device for group in self.param_groups for p in group["params"]}
         self.fused = fused_of(cfg, options.kernels, devices)  # decided once: Triton kernels or torch
+        self._init_all_state()  # eager state: no init step of DCP / torchtitan (see the class docstring)
         logger.info("%s: %s", options.name, topology.describe())  # the options are logged once, resolved
 
     def replicator(self, p: torch.Tensor) -> Replicator:
@@ -282,6 +288,17 @@ class DeMo(CommOptimizer):
             for key in keys:
                 state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
         return state
+
+    def _init_all_state(self) -> None:
+        """Every trainable parameter's state as a first step finds it: the step count, the base's
+        zeros and, over R, the plan of all of them (the coefficient domain's momentum rows, into
+        which a loaded momentum is copied). A state already there is kept. The param groups are read
+        now: a load replaces them, and the plan keeps each shard's group (its lr, as the scheduler sets it)."""
+        trainable = [(p, group) for group in self.param_groups for p in group["params"] if p.requires_grad]
+        for p, _ in trainable:
+            self._init_state(p)
+        if self.topology.replicate_size > 1:
+            self._plan_for(trainable)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -323,9 +340,11 @@ class DeMo(CommOptimizer):
         plan.apply(payloads, sent, self._rules.phi)
 
     def _plan_for(self, active: list[tuple[torch.Tensor, dict]]) -> Plan:
-        key = tuple(id(p) for p, _ in active)
-        if self._plan is None or self._plan.key != key:
-            self._plan = Plan(active, self.state, self.replicator, self.coefficient_domain, self._demo, self.fused)
+        if self._plan is None or self._plan.key != Plan.key_of(active):
+            plan = Plan(active, self.state, self.replicator, self.coefficient_domain, self._demo, self.fused)
+            if self._plan is not None:
+                self._plan.hand_over(plan)
+            self._plan = plan
         return self._plan
 
     # ---- checkpoints ---------------------------------------------------------------------------------
@@ -370,7 +389,8 @@ class DeMo(CommOptimizer):
                 st["momentum"] = self._to_coefficient_domain(p, st["momentum"])
             state[key] = st
         super().load_state_dict({**state_dict, "state": state})
-        self._plan = None  # the next step re-batches the loaded momenta
+        self._plan = None  # re-batch the loaded momenta: the state is the new plan's rows, as after construction
+        self._init_all_state()
 
     def _chunker64(self, p: torch.Tensor) -> Chunker:
         x = local(p)

@@ -118,7 +118,7 @@ class Plan:
 
     def __init__(self, active: list, state: Mapping[torch.Tensor, dict], replicator: Callable[[torch.Tensor], Replicator],
                  coefficient_domain: bool, demo: bool, fused: Optional[Fused] = None):
-        self.key = tuple(id(p) for p, _ in active)
+        self.key = self.key_of(active)
         self.demo = demo
         self.fused = fused if demo else None
         self.groups: list[_Group] = []
@@ -158,6 +158,23 @@ class Plan:
                 if old is not None and old.numel():
                     rows.copy_(old.reshape(rows.shape))
                 st["momentum"] = rows  # a view: the state is the group buffer's rows (coefficients)
+
+    @staticmethod
+    def key_of(active: list) -> tuple:
+        """What a plan is made for: its parameters and their param groups (a plan reads a group's lr
+        and weight decay at every step, so a group replaced, as a load does, needs a new plan)."""
+        return tuple((id(p), id(group)) for p, group in active)
+
+    def hand_over(self, successor: "Plan") -> None:
+        """``successor`` replaces this plan (the set of parameters with gradients changed): a shard
+        that is not its member keeps its coefficient-domain momentum as a copy of its rows, so this
+        plan's buffers are freed instead of held by the rows of the shards left out."""
+        staying = {pid for pid, _ in successor.key}
+        for grp in self.groups:
+            if grp.momentum is not None:
+                for p, _, st in grp.members:
+                    if id(p) not in staying:
+                        st["momentum"] = st["momentum"].clone()
 
     # ---- send -------------------------------------------------------------------------------------
     def pack(self, rules: Rules, grad: Callable[[torch.Tensor], torch.Tensor],
