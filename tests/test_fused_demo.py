@@ -183,6 +183,21 @@ def test_triton_on_cpu_without_the_interpreter_is_one_clear_line(monkeypatch):
     assert make("DeMo", model.named_parameters(), Topology(), BaseHParams(lr=0.1), kernels="auto").fused is None
 
 
+def test_dct_precision_reaches_the_kernels():
+    """``[commopt.demo] dct_precision`` is the kernels' product precision; its allowed values are the
+    kernels' own (the interpreter computes in fp32 either way: TF32 is checked only on a GPU)."""
+    import typing
+
+    from titan_commopt.fused import demo_dct
+
+    assert typing.get_args(demo.Config.__annotations__["dct_precision"]) == demo_dct.PRECISIONS
+    model = nn.Linear(4, 4)
+    for precision in demo_dct.PRECISIONS:
+        opt = make("DeMo", model.named_parameters(), Topology(), BaseHParams(lr=0.1), kernels="triton",
+                   dct_precision=precision)
+        assert opt.fused.precision == precision
+
+
 # ---- end to end: DeMo built with kernels = "triton" vs "torch", two gloo replicas ------------------------
 E2E_STEPS = 2
 E2E = {  # name -> (preset, options); the variants on FlexDeMo's 32 × 32 chunks (the interpreter is slow)

@@ -3,9 +3,11 @@
 Skipped unless torchtitan 0.3 is installed: the normal suite runs on 0.2.2. Run with the 0.3 venv:
 ``PYTHONPATH=. OMP_NUM_THREADS=1 /path/to/venv03/bin/python -m pytest -q tests/test_titan03.py``.
 One torchrun launch per fixture; the assertions read TensorBoard's event files and the console.
-Launches are shared (11): the config-module run (FlexDeMo on HSDP 2x2) is the first half of the
-resume pair, and the override run is FlexDeMo's R2 x TP2 run. The resumed run also prints every
-optimizer step (``tests/titan03_step_probe.py``, an override that changes nothing).
+Three launches: the config-module run (FlexDeMo on HSDP 2x2) is the first half of the resume pair,
+the override run is FlexDeMo's R2 x TP2 run. The resumed run also prints every optimizer step
+(``tests/titan03_step_probe.py``, an override that changes nothing). The other families on HSDP 2x2
+and R2 x TP2, and AdamW through our container against torchtitan's own, run on this line too, in
+``tests/test_titan_optimizers.py`` and ``tests/test_titan_integration.py`` (marked ``both_lines``).
 """
 
 import json
@@ -18,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from titan_commopt.optim import available_names, family_of
 from titan_commopt.titan.line import installed_version, line_of
 
 if line_of(installed_version()) == "0.3":
@@ -35,19 +36,11 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = "titan_commopt.titan.v03.configs"
 OVERRIDE = "titan_commopt.titan.v03.overrides"
-FAMILY_ARGS = {  # every family, a few steps; periodic ones sync within them
-    "FlexDeMo": [],
-    "MT-DAO": ["--optimizer.commopt.local.Kx", "2", "--optimizer.commopt.local.Ku", "2", "--optimizer.commopt.local.Kv", "2"],
-    "Dion": [],
-    "SparseLoCo": ["--optimizer.commopt.sparseloco.H", "2"],
-}
 MESHES = {  # name: (processes, flags)
     "hsdp_2x2": (4, []),
     "r2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
 }
 FAMILY_STEPS = 3
-# (family, mesh) trained by another fixture: the config-module run, the override run
-TRAINED_ELSEWHERE = {("FlexDeMo", "hsdp_2x2"), ("FlexDeMo", "r2_tp2")}
 
 
 @pytest.fixture(scope="module")
@@ -153,44 +146,6 @@ def test_override_puts_our_optimizer_into_a_stock_config(overridden):
     assert f"[Override] {OVERRIDE}.commopt" in log
     assert_trained_a_few_steps(tb)
     assert 0 < tb["comm/R_ratio_vs_adamw_hsdp"][-1] < 0.5
-
-
-# ---- AdamW through our container = torchtitan's own (R synced by HSDP) -----------------------
-@pytest.fixture(scope="module")
-def adamw_pair(tmp_path_factory, cache):
-    out = {}
-    for label, extra in (("stock", []), ("ours", ["--override.imports", f'{OVERRIDE}.commopt={{"name": "AdamW"}}'])):
-        dump = tmp_path_factory.mktemp(f"adamw_{label}")
-        train(cache, dump, 2, *extra, config="cpu_debugmodel_adamw")
-        out[label] = scalars(dump)
-    return out
-
-
-def test_adamw_through_our_container_equals_stock(adamw_pair):
-    assert losses(adamw_pair["ours"]) == losses(adamw_pair["stock"])  # bit for bit
-    assert len(losses(adamw_pair["ours"])) == 4
-
-
-# ---- every family on HSDP 2x2 and on R2 x TP2 -------------------------------------------------
-def test_every_family_on_every_mesh_is_trained():
-    runs = {(n, m) for m in MESHES for n in FAMILY_ARGS}
-    assert TRAINED_ELSEWHERE <= runs and {family_of(n).key for n in FAMILY_ARGS} == \
-        {family_of(n).key for n in available_names() if n not in ("AdamW", "Adam")}
-
-
-@pytest.fixture(scope="module", params=[(n, m) for m in MESHES for n in FAMILY_ARGS if (n, m) not in TRAINED_ELSEWHERE],
-                ids=lambda p: f"{p[0]}-{p[1]}")
-def family_run(request, tmp_path_factory, cache):
-    name, mesh = request.param
-    nproc, flags = MESHES[mesh]
-    dump = tmp_path_factory.mktemp(f"{name}_{mesh}")
-    train(cache, dump, nproc, "--optimizer.name", name, "--training.steps", str(FAMILY_STEPS), *flags,
-          *FAMILY_ARGS[name])
-    return scalars(dump)
-
-
-def test_every_family_trains_on_hsdp_and_tp(family_run):
-    assert_trained_a_few_steps(family_run)
 
 
 def assert_trained_a_few_steps(tb: dict) -> None:

@@ -32,9 +32,8 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Iterable, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Callable, Generic, Iterable, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -153,18 +152,6 @@ class CommLedger:
         self.totals = defaultdict(float)
         self.steps = 0
         self.last_step = {}
-
-    @contextmanager
-    def set_aside(self) -> Iterator["CommLedger"]:
-        """Drop what is recorded inside the block: traffic that is no training step's (a checkpoint's
-        lazy optimizer-state init steps the optimizers, which record on their own ledger, this one).
-        The open step's records are kept as they were."""
-        records, timers = self.records, self._device_timers
-        self.records, self._device_timers = [], []
-        try:
-            yield self
-        finally:
-            self.records, self._device_timers = records, timers
 
     def state_dict(self) -> dict[str, object]:
         """The cumulative totals and step count: saved with a checkpoint, so that ``comm/*_total``

@@ -114,6 +114,10 @@ class Config:
     overlap: bool = option(
         False, "All-gather step t's payload during step t+1's forward/backward and apply its update at the "
         "start of step t+1 (one step stale; off: applied within step t).")
+    dct_precision: Literal["ieee", "tf32"] = option(
+        "ieee", "Products of the DCT in the Triton kernels ([commopt] kernels = triton): ieee keeps them in fp32 "
+        "(within round-off of the torch path), tf32 runs them on TF32 tensor cores (about 1e-3 relative error "
+        "in the transform). The torch path always multiplies in fp32.")
     lr: float = option(
         -1.0, "Initial learning rate; negative = [optimizer] lr × lr_scale. Wins over lr_scale (and over "
         "the preset's lr_scale) when set.")
@@ -203,7 +207,7 @@ def fused_of(cfg: Config, kernels: str, devices: set) -> Optional[Fused]:
         return None
     from titan_commopt.fused import demo_dct  # only where Triton runs: its kernels are made on import
 
-    return Fused(demo_dct, sign={"sign": True, "identity": False}.get(cfg.rule))
+    return Fused(demo_dct, sign={"sign": True, "identity": False}.get(cfg.rule), precision=cfg.dct_precision)
 
 
 def _replica_grad32(p: torch.Tensor, topology: Topology, ledger: comm.CommLedger) -> torch.Tensor:

@@ -179,8 +179,9 @@ class CommOptimizersContainer(OptimizersContainer):
 
     # ---- checkpoints ----
     def state_dict(self) -> dict[str, Any]:
-        with self.ledger.set_aside():  # a lazy-state init steps the optimizers: not a training step
-            flat = super().state_dict()
+        # Every family makes its state at construction, so torch DCP's / torchtitan 0.3's lr = 0
+        # init step (run only on an empty state) never steps ours: nothing to set aside here.
+        flat = super().state_dict()
         ledger = self.ledger if self._ledger_in_checkpoint else None
         if not self.owns_replicate_sync:
             return replica_checkpoint.save_ledger(flat, ledger)
@@ -195,8 +196,7 @@ class CommOptimizersContainer(OptimizersContainer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not self.owns_replicate_sync:
             rest = replica_checkpoint.load_ledger(state_dict, self.ledger)
-            with self.ledger.set_aside():
-                super().load_state_dict(rest)
+            super().load_state_dict(rest)
         else:
             mine, counters = replica_checkpoint.load_replica(
                 state_dict, self.topology.replica_index, self.ledger, self._pending_params
@@ -206,8 +206,7 @@ class CommOptimizersContainer(OptimizersContainer):
             # torch restores the saved param groups' hyper-parameters; this run's own values win
             # (titan/config/resume.py allowed them to change and logged it), except the learning rate.
             ours = [[self._hyperparameters(g) for g in o.param_groups] for o in self.optimizers]
-            with self.ledger.set_aside():
-                super().load_state_dict(mine)
+            super().load_state_dict(mine)
             for optimizer, groups in zip(self.optimizers, ours):
                 for group, values in zip(optimizer.param_groups, groups):
                     group.update(values)
