@@ -471,7 +471,7 @@ def test_rank_compression_rule_and_bytes_formula():
     assert r_sent([(*wq, (1, 2))], dion.Config(rank_fraction=1.0), 2) == 4 * 128 * 256
     # scalar_sync = demo: the embedding (1024 x 256 local) goes as DeMo payloads: 64 x 64 chunks, 64 of
     # them, 32 bf16 values (2 B) and 32 twelve-bit indices each; an all-gather (recv = (W - 1) x sent).
-    demo = dion.Config(rank_fraction=0.25, scalar_sync="demo")
+    demo = dion.Config(rank_fraction=0.25, scalar_sync="demo", scalar_topk=32)
     payload = 64 * 32 * 2 + 64 * 32 * 12 // 8
     dense_rest = 4 * ((128 + 256) * 64 + 256 + (256 + 768) * 64)
     shards = [ShardShape(e[0], e[1], e[2] if len(e) > 2 else e[1]) for e in shapes]

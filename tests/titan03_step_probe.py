@@ -6,6 +6,7 @@ optimizer on the console: one line (``STEP_LINE``, the optimizer's class, its le
     --override.imports tests.titan03_step_probe.show_steps
 """
 
+import sys
 from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -19,7 +20,9 @@ STEP_LINE = "titan_commopt step probe:"
 
 def _print_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     if isinstance(optimizer, CommOptimizer):
-        print(STEP_LINE, type(optimizer).__name__, "lr", [g["lr"] for g in optimizer.param_groups], flush=True)
+        # one write of the whole line: four ranks share the console pipe, and a write this short is atomic
+        sys.stdout.write(f"{STEP_LINE} {type(optimizer).__name__} lr {[g['lr'] for g in optimizer.param_groups]}\n")
+        sys.stdout.flush()
 
 
 register_optimizer_step_pre_hook(_print_step)  # on import: every rank imports the override's module
