@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from titan_commopt import comm
-from titan_commopt.optim import BaseHParams, build_optimizer, resolve
+from titan_commopt.optim import BaseHParams, available_names, build_optimizer, make, resolve
 from titan_commopt.topology import Topology
 from tests.dist_utils import run_distributed
 
@@ -234,3 +234,15 @@ def test_a_parameter_without_gradient_frees_the_batch_it_left(results, name):
     replaced by the new batch's, and the rows are copied rather than holding it (the memory a lazy
     state had: a parameter's own state, never a second copy of its batch)."""
     assert all(res[name]["left_out_owns_its_state"] for res in results)
+
+
+@pytest.mark.parametrize("name", [n for n in available_names() if n not in ("AdamW", "Adam")])
+def test_every_registered_optimizer_makes_its_state_at_construction(name):
+    """The rule for every family (docs/architecture.md): a state for each trainable parameter and none
+    for a frozen one, before any step, so no DCP / torchtitan init step can run ours."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.Linear(16, 32))
+    model[1].bias.requires_grad_(False)
+    opt = make(name, model.named_parameters(), hparams=BaseHParams(lr=0.01))
+    trainable = {p for p in model.parameters() if p.requires_grad}
+    assert set(opt.state) == trainable and all(opt.state[p] for p in trainable)
