@@ -22,20 +22,15 @@ from pathlib import Path
 import pytest
 
 from titan_commopt.titan.line import installed_version, line_of
+from tests.titan_utils import ONLY_ON_03, V03_CONFIGS, launch_03
 
 if line_of(installed_version()) == "0.3":
     from tests import titan03_step_probe as STEP_PROBE
 
-pytestmark = [
-    pytest.mark.skipif(
-        line_of(installed_version()) != "0.3",
-        reason=f"torchtitan 0.3 is not installed (found {installed_version()}); this file tests the 0.3 line",
-    ),
-    pytest.mark.both_lines,  # CI's second-line run (-m both_lines) is where it runs when 0.2.2 is the default
-]
+pytestmark = ONLY_ON_03
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE = "titan_commopt.titan.v03.configs"
+MODULE = V03_CONFIGS
 OVERRIDE = "titan_commopt.titan.v03.overrides"
 MESHES = {  # name: (processes, flags)
     "hsdp_2x2": (4, []),
@@ -49,15 +44,8 @@ def cache(tmp_path_factory):
     return os.environ.get("TITAN_COMMOPT_CACHE") or str(tmp_path_factory.mktemp("cache"))
 
 
-def _env(cache: str) -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TITAN_COMMOPT_CACHE": cache}
-
-
 def train(cache, dump: Path, nproc: int, *args: str, config: str = "cpu_debugmodel", check: bool = True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "torchtitan.train", "--module", MODULE, "--config", config, "--dump_folder", str(dump),
-           "--metrics.enable_tensorboard", "--debug.seed", "0", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(cache), capture_output=True, text=True, timeout=600)
+    proc = launch_03(cache, dump, nproc, "--metrics.enable_tensorboard", *args, config=config)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc

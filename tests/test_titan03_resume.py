@@ -10,23 +10,16 @@ settings resumes exactly is ``test_titan03.py``'s ``test_resume_is_exact``.
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from titan_commopt.titan.line import installed_version, line_of
+from tests.titan_utils import ONLY_ON_03, V03_CONFIGS, launch_03
 
-pytestmark = [
-    pytest.mark.skipif(
-        line_of(installed_version()) != "0.3",
-        reason=f"torchtitan 0.3 is not installed (found {installed_version()}); this file tests the 0.3 line",
-    ),
-    pytest.mark.both_lines,  # CI's second-line run (-m both_lines) is where it runs when 0.2.2 is the default
-]
+pytestmark = ONLY_ON_03
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE = "titan_commopt.titan.v03.configs"
+MODULE = V03_CONFIGS
 RUN = ["--optimizer.name", "Dion", "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "1"]
 RANK = 8  # Dion's rank in the saved run: it shapes the state (P and R per matrix)
 
@@ -37,11 +30,7 @@ def cache(tmp_path_factory):
 
 
 def _launch(cache: str, dump: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "torchtitan.train", "--module", MODULE, "--config", "cpu_debugmodel", "--dump_folder", str(dump),
-           "--debug.seed", "0", *RUN, *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TITAN_COMMOPT_CACHE": cache}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return launch_03(cache, dump, 2, *RUN, *args)
 
 
 @pytest.fixture(scope="module")

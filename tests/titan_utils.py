@@ -7,9 +7,32 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from titan_commopt.titan.line import installed_version, line_of
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# The marks of a file that tests the torchtitan 0.3 line: skipped on 0.2.2, run by CI's second-line
+# run (-m both_lines), where 0.2.2 is the default line.
+ONLY_ON_03 = [
+    pytest.mark.skipif(
+        line_of(installed_version()) != "0.3",
+        reason=f"torchtitan 0.3 is not installed (found {installed_version()}); this file tests the 0.3 line",
+    ),
+    pytest.mark.both_lines,
+]
+V03_CONFIGS = "titan_commopt.titan.v03.configs"
+
+
+def launch_03(cache: str, dump: Path, nproc: int, *args: str, config: str = "cpu_debugmodel") -> subprocess.CompletedProcess:
+    """torchtitan 0.3's ``torchtitan.train`` with our config module on ``nproc`` CPU processes (seed 0,
+    one thread each, the bundled assets cached in ``cache``); the finished process, not checked."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "torchtitan.train", "--module", V03_CONFIGS, "--config", config, "--dump_folder", str(dump),
+           "--debug.seed", "0", *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TITAN_COMMOPT_CACHE": cache}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 CONFIG = ROOT / "train_configs" / "debug_cpu.toml"
 LINE = line_of(installed_version())  # the installed torchtitan line: "0.2" or "0.3"
 # Rank 0's console once tensor parallelism is applied. 0.3 logs no line of its own for it (its llama3
