@@ -175,6 +175,114 @@ def test_decode_equals_torch(kernels, shape, s, W, sign, mean_selected, dtype, w
             torch.testing.assert_close(p, r, atol=1e-6, rtol=1e-5)
 
 
+# (local shape, chunk, k): an Elias–Fano rank, a bitmap (k = 48 of 256), l = 0, k = 1, a vector
+WIRE_SHAPES = [((64, 32), 32, 16), ((7, 30), 8, 5), ((16, 16), 16, 48), ((12, 10), 4, 1), ((48,), 32, 3)]
+# (sign_before_sync, pack, wire, transfer dtype): every way DeMoReplicator writes a selection
+WIRE_CODECS = [(True, True, "compact", torch.float32), (False, True, "compact", torch.bfloat16),
+               (False, True, "compact", torch.float16), (True, True, "packed", torch.float32),
+               (False, True, "packed", torch.bfloat16), (False, False, "packed", torch.float16),
+               (True, False, "packed", torch.bfloat16)]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.parametrize("shape,s,k", WIRE_SHAPES)
+@pytest.mark.parametrize("sign,pack,wire,dtype", WIRE_CODECS)
+def test_encode_writes_the_bytes_the_codecs_write(kernels, shape, s, k, sign, pack, wire, dtype):
+    """The encode kernel's wire bytes are the replicator's ``write`` of the same selection, byte for
+    byte, for shards at odd byte offsets of one buffer (neighbouring runs share words), with an
+    all-zero shard and chunks with fewer than k non-zeros (the compact sign code's marks)."""
+    from titan_commopt.compress.packing import ValueCodec
+    from titan_commopt.compress.replicators import DeMoReplicator
+
+    torch.manual_seed(0)
+    rep = DeMoReplicator(shape, ValueCodec(sign, dtype, pack), s, k, pack, wire=wire, device=DEVICE)
+    spec = kernels.wire_of(rep, DEVICE)
+    assert spec is not None and spec.compact == (wire == "compact")
+    ch, G = rep.chunker, 3
+    xs = [torch.randn(shape) for _ in range(G)]
+    xs[1].zero_()
+    xs[2].view(-1)[::3] = 0
+    xs[0].view(-1)[:5] = torch.tensor([1e6, -1e-30, 3.0, -3.0, 2.5])  # rounding and subnormals in the wire dtype
+    rows = G * ch.n_chunks
+    vals, idx = torch.empty(rows, rep.k), torch.empty(rows, rep.k, dtype=torch.int64)
+    value_byte = 3
+    index_byte = value_byte + G * rep.value_bytes + 1
+    total = index_byte + G * rep.index_bytes + 2
+    words = torch.zeros(kernels.words_for(total), dtype=torch.int32)
+    kernels.encode(ch, xs, rep.k, vals, idx, wire=spec, words=words, value_byte=value_byte, index_byte=index_byte)
+    expected = torch.zeros(total, dtype=torch.uint8)
+    rep.write(vals, idx, expected[value_byte: value_byte + G * rep.value_bytes].view(G, -1),
+              expected[index_byte: index_byte + G * rep.index_bytes].view(G, -1))
+    got = words.view(torch.uint8)[:total]
+    assert torch.equal(got, expected), f"bytes differ at {(got != expected).nonzero().flatten()[:8].tolist()}"
+    # the raw selection is what encode gives without the wire, and the kernels' top-k (checked above)
+    vals2, idx2 = torch.empty_like(vals), torch.empty_like(idx)
+    kernels.encode(ch, xs, rep.k, vals2, idx2)
+    assert torch.equal(vals2, vals) and torch.equal(idx2, idx)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.parametrize("shape,s,k", WIRE_SHAPES)
+@pytest.mark.parametrize("codec", range(len(WIRE_CODECS)))
+def test_decode_reads_the_wire_as_the_codecs_do(kernels, shape, s, k, codec):
+    """Decoding the replicas' wire bytes inside the kernel updates the shards bit for bit as decoding
+    them with the codecs (``DeMoReplicator.received``) and handing the kernel the pairs; chunks with
+    fewer than k non-zeros (none at all, one, two) exercise the compact sign code's marks.
+    Every other codec averages over the replicas that selected (``mean_selected``)."""
+    from titan_commopt.compress.packing import ValueCodec
+    from titan_commopt.compress.replicators import DeMoReplicator
+
+    (sign, pack, wire, dtype), mean_selected = WIRE_CODECS[codec], codec % 2 == 1
+    torch.manual_seed(1)
+    rep = DeMoReplicator(shape, ValueCodec(sign, dtype, pack), s, k, pack, wire=wire, device=DEVICE,
+                         mean_selected=mean_selected)
+    spec = kernels.wire_of(rep, DEVICE)
+    ch, G, W = rep.chunker, 2, 3
+    value_byte = 1
+    index_byte = value_byte + G * rep.value_bytes + 3
+    total = index_byte + G * rep.index_bytes
+    payloads = torch.zeros(W, total, dtype=torch.uint8)
+    rows = G * ch.n_chunks
+    for w in range(W):  # each replica's selection written by the codecs
+        idx = torch.rand(rows, ch.L).argsort(-1)[:, : rep.k].contiguous()
+        vals = torch.randn(rows, rep.k)
+        for r in range(min(rows - 1, 3)):  # chunks with 0, 1 and 2 non-zeros (the compact sign code's repeats)
+            vals[r + w % 2, r:] = 0
+        rep.write(vals, idx, payloads[w, value_byte: value_byte + G * rep.value_bytes].view(G, -1),
+                  payloads[w, index_byte: index_byte + G * rep.index_bytes].view(G, -1))
+    params = [torch.randn(shape) for _ in range(G)]
+    lrs, wds = [0.1, 0.05], [0.0, 0.1]
+    from_bytes = [p.clone() for p in params]
+    dense, count = torch.empty(rows * ch.L), torch.empty(rows * ch.L)
+    kernels.decode(ch, None, None, from_bytes, lrs, wds, sign=not sign, wire=spec, payloads=payloads,
+                   value_byte=value_byte, index_byte=index_byte, mean_selected=rep.mean_selected, dense=dense,
+                   count=count)
+    values = payloads[:, value_byte: value_byte + G * rep.value_bytes].view(W, G, -1)
+    indices = payloads[:, index_byte: index_byte + G * rep.index_bytes].view(W, G, -1)
+    vals, idx, selected = rep.received(values, indices)
+    # the kernel's sum over replicas is the torch path's, bit for bit (a zero sent as a repeated
+    # position adds nothing, however the kernel's lanes meet at that position)
+    assert torch.equal(dense.view(rows, ch.L), accumulate_chunks_(torch.zeros(rows, ch.L), idx, vals))
+    if mean_selected:
+        assert torch.equal(count.view(rows, ch.L), accumulate_chunks_(torch.zeros(rows, ch.L), idx, selected))
+    from_pairs = [p.clone() for p in params]
+    kernels.decode(ch, vals, idx, from_pairs, lrs, wds, sign=not sign, selected=selected)
+    for got, expected, before in zip(from_bytes, from_pairs, params):
+        assert not torch.equal(expected, before)
+        assert torch.equal(got, expected)
+
+
+def test_wire_left_to_the_codecs_where_the_kernel_cannot_write_it(kernels):
+    """k above ``wire.MAX_TK`` (or a run too long for the register tile): no wire, the codecs pack."""
+    from titan_commopt.compress.packing import ValueCodec
+    from titan_commopt.compress.replicators import DeMoReplicator
+
+    assert kernels.wire_of(DeMoReplicator((64, 64), ValueCodec(True, torch.float32, True), 64, 128, True),
+                           DEVICE) is None
+    assert kernels.wire_of(DeMoReplicator((8, 8), ValueCodec(False, torch.float32, False), 8, 64, False,
+                                          wire="packed"), DEVICE) is None  # 64 int64 indices: 4096 bits a run
+
+
 def test_triton_on_cpu_without_the_interpreter_is_one_clear_line(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     model = nn.Linear(4, 4)
@@ -238,7 +346,8 @@ def _e2e_worker(rank, world):
             out[name, kernels] = dict(
                 params={n: p.detach().clone() for n, p in model.named_parameters()},
                 momentum={k: st["momentum"] for k, st in opt.state_dict()["state"].items() if "momentum" in st},
-                fused=opt.fused is not None)
+                fused=opt.fused is not None,
+                wired=[grp.wire is not None for grp in opt._plan.groups] if opt.fused is not None else [])
     return out
 
 
@@ -253,6 +362,7 @@ def test_triton_optimizer_equals_torch(e2e, name):
         torch_run, triton_run = res[name, "torch"], res[name, "triton"]
         assert triton_run["fused"] == (E2E[name][1].get("replicator", "demo") == "demo")
         assert not torch_run["fused"]
+        assert all(triton_run["wired"]), f"{name}: the kernel writes every group's wire bytes itself"
         for n, p in torch_run["params"].items():
             torch.testing.assert_close(triton_run["params"][n], p, atol=2e-6, rtol=1e-5, msg=f"{name} {n}")
         for key, m in torch_run["momentum"].items():  # a different selection would differ by O(1)

@@ -144,8 +144,9 @@ class DeMoReplicator(Replicator):
         rows = G * self.chunker.n_chunks
         sent = None  # which decoded pairs are selections (None: all)
         if self.compact is None:
-            vals = self.value_codec.decode(value_data, n).view(W, rows, k)
-            idx = self.index_codec.decode(index_data, n).view(W, rows, k)
+            # reshape: a row's fields are cut from whole bytes (a ternary row of n % 4 ≠ 0 is a strided view)
+            vals = self.value_codec.decode(value_data, n).reshape(W, rows, k)
+            idx = self.index_codec.decode(index_data, n).reshape(W, rows, k)
         else:
             vals, idx, sent = self.compact.decode(value_data, index_data, self.chunker.n_chunks)
             vals, idx = vals.view(W, rows, k), idx.view(W, rows, k)

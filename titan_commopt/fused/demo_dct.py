@@ -28,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["PRECISIONS", "encode", "decode"]
+from .wire import read_selection, wire_of, words_for, write_selection
+
+__all__ = ["PRECISIONS", "encode", "decode", "wire_of", "words_for"]
 
 PRECISIONS = ("ieee", "tf32")
 
@@ -43,9 +45,14 @@ def _warps(t0: int, t1: int) -> int:
 
 
 @triton.jit
-def _encode_kernel(x_ptr, b0_ptr, b1_ptr, m_ptr, val_ptr, idx_ptr, rest, n1, beta, lam,
+def _encode_kernel(x_ptr, b0_ptr, b1_ptr, m_ptr, val_ptr, idx_ptr, words_ptr, table_ptr, value_bit, index_bit,
+                   rest, n1, beta, lam,
                    C0: tl.constexpr, C1: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, K: tl.constexpr,
-                   MOMENTUM: tl.constexpr, PRECISION: tl.constexpr):
+                   TK: tl.constexpr, MOMENTUM: tl.constexpr, PRECISION: tl.constexpr, RAW: tl.constexpr,
+                   WIRE: tl.constexpr, VALUES: tl.constexpr, FLOAT_BITS: tl.constexpr, BF16: tl.constexpr,
+                   SIGN: tl.constexpr, INDEX_BITS: tl.constexpr, COMPACT: tl.constexpr, EF_LOW: tl.constexpr,
+                   EF_RANKED: tl.constexpr, EF_HIGH_BITS: tl.constexpr, EF_H: tl.constexpr, LOW_BYTES: tl.constexpr,
+                   TW_V: tl.constexpr, TW_I: tl.constexpr, TW_H: tl.constexpr):
     chunk = tl.program_id(0).to(tl.int64)
     i0, i1 = chunk // n1, chunk % n1
     a, b = tl.arange(0, T0), tl.arange(0, T1)
@@ -62,26 +69,40 @@ def _encode_kernel(x_ptr, b0_ptr, b1_ptr, m_ptr, val_ptr, idx_ptr, rest, n1, bet
         c = c + beta * tl.load(m_ptr + row + pos, mask=inside, other=0.0)
     # NaN counts as the largest magnitude, as in torch.topk (and every round then finds a position)
     mag = tl.where(inside, tl.where(c != c, float("inf"), tl.abs(c)), -1.0)
+    lane = tl.arange(0, TK)
+    sel_v = tl.zeros((TK,), tl.float32)  # the selection, kept in registers for the wire
+    sel_i = tl.zeros((TK,), tl.int64)
     for j in range(K):  # k rounds of max-and-mask: the largest magnitude, ties to the smallest position
         best = tl.max(tl.max(mag, 1), 0)
         at = tl.min(tl.min(tl.where(mag == best, pos, C0 * C1), 1), 0)
         hit = pos == at
         v = tl.sum(tl.sum(tl.where(hit, c, 0.0), 1), 0)
-        tl.store(val_ptr + chunk * K + j, v)
-        tl.store(idx_ptr + chunk * K + j, at.to(tl.int64))
+        if RAW:
+            tl.store(val_ptr + chunk * K + j, v)
+            tl.store(idx_ptr + chunk * K + j, at.to(tl.int64))
+        if WIRE:
+            sel_v = tl.where(lane == j, v, sel_v)
+            sel_i = tl.where(lane == j, at.to(tl.int64), sel_i)
         mag = tl.where(hit, -1.0, mag)
         if MOMENTUM:  # eq. 8: m[sel] −= λ·m[sel], as the torch path's scatter_add_ of −λ·values
             c = tl.where(hit, c + v * (-lam), c)
     if MOMENTUM:
         tl.store(m_ptr + row + pos, c, mask=inside)
+    if WIRE:  # the selection's wire bytes, straight into the send buffer (``fused.wire``)
+        write_selection(words_ptr, table_ptr, value_bit, index_bit, chunk, sel_v, sel_i, lane < K, K, C0 * C1,
+                        VALUES, FLOAT_BITS, BF16, SIGN, INDEX_BITS, COMPACT, EF_LOW, EF_RANKED, EF_HIGH_BITS, EF_H,
+                        LOW_BYTES, TW_V, TW_I, TW_H)
 
 
 @triton.jit
-def _decode_kernel(val_ptr, idx_ptr, weight_ptr, dense_ptr, count_ptr, b0_ptr, b1_ptr, p_ptr,
-                   W, replica_stride, rest, n1, lr, decay,
+def _decode_kernel(val_ptr, idx_ptr, weight_ptr, bytes_ptr, table_ptr, value_bit, index_bit, dense_ptr, count_ptr,
+                   b0_ptr, b1_ptr, p_ptr, W, replicas, replica_stride, rest, n1, lr, decay,
                    C0: tl.constexpr, C1: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, K: tl.constexpr,
                    TK: tl.constexpr, MEAN_SELECTED: tl.constexpr, SIGN: tl.constexpr, DECAY: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, WIRE: tl.constexpr, VALUES: tl.constexpr, FLOAT_BITS: tl.constexpr,
+                   BF16: tl.constexpr, WIRE_SIGN: tl.constexpr, INDEX_BITS: tl.constexpr, COMPACT: tl.constexpr,
+                   EF_LOW: tl.constexpr, EF_RANKED: tl.constexpr, EF_HIGH_BITS: tl.constexpr, EF_H: tl.constexpr,
+                   LOW_BYTES: tl.constexpr, TN: tl.constexpr):
     chunk = tl.program_id(0).to(tl.int64)
     i0, i1 = chunk // n1, chunk % n1
     a, b = tl.arange(0, T0), tl.arange(0, T1)
@@ -95,14 +116,30 @@ def _decode_kernel(val_ptr, idx_ptr, weight_ptr, dense_ptr, count_ptr, b0_ptr, b
     j = tl.arange(0, TK)
     sel = j < K
     tl.debug_barrier()
+    replica_bytes = bytes_ptr  # replica w's row of the gathered bytes (pointer arithmetic is 64-bit)
     for w in range(W):  # replica order: ((0 + q₀) + q₁) + …, as compress.dct.accumulate_chunks_
-        pair = w * replica_stride + chunk * K + j
-        at = tl.load(idx_ptr + pair, mask=sel, other=0)
-        v = tl.load(val_ptr + pair, mask=sel, other=0.0)
-        tl.store(dense_ptr + row + at, tl.load(dense_ptr + row + at, mask=sel, other=0.0) + v, mask=sel)
+        if WIRE:  # replica w's bytes of this chunk, read in place (``fused.wire``)
+            v, at, n = read_selection(replica_bytes, table_ptr, value_bit, index_bit, chunk, j, K, VALUES, FLOAT_BITS,
+                                      BF16, WIRE_SIGN, INDEX_BITS, COMPACT, EF_LOW, EF_RANKED, EF_HIGH_BITS, EF_H,
+                                      LOW_BYTES, TN)
+            replica_bytes += replica_stride
+            if not MEAN_SELECTED:  # eq. 6: each replica's values divided by W, as the torch path
+                v = tl.math.div_rn(v, replicas)
+        else:
+            pair = w * replica_stride + chunk * K + j
+            at = tl.load(idx_ptr + pair, mask=sel, other=0)
+            v = tl.load(val_ptr + pair, mask=sel, other=0.0)
+            if MEAN_SELECTED:
+                n = tl.load(weight_ptr + pair, mask=sel, other=0.0)
+        # Only the pairs that add something: the compact sign code sends a chunk's zeros as repeats of
+        # one position, and lanes that store to one address keep one lane's sum, not all of them.
+        # The rest of a replica's positions are distinct (and adding 0 changes no bit of the sum).
         if MEAN_SELECTED:
-            n = tl.load(weight_ptr + pair, mask=sel, other=0.0)
-            tl.store(count_ptr + row + at, tl.load(count_ptr + row + at, mask=sel, other=0.0) + n, mask=sel)
+            adds = sel & ((v != 0) | (n != 0))
+            tl.store(count_ptr + row + at, tl.load(count_ptr + row + at, mask=adds, other=0.0) + n, mask=adds)
+        else:
+            adds = sel & (v != 0)
+        tl.store(dense_ptr + row + at, tl.load(dense_ptr + row + at, mask=adds, other=0.0) + v, mask=adds)
         tl.debug_barrier()  # a replica's positions are distinct; the next replica may hit the same ones
     dense = tl.load(dense_ptr + row + pos, mask=inside, other=0.0)
     if MEAN_SELECTED:  # eq. 6 over the replicas that selected the coefficient
@@ -139,11 +176,16 @@ def _bases(chunker) -> tuple[torch.Tensor, torch.Tensor]:
     return chunker.bases[0], chunker.bases[1]
 
 
-def encode(chunker, xs, k: int, values: torch.Tensor, indices: torch.Tensor,
-           momentum: torch.Tensor | None = None, beta: float = 0.0, lam: float = 0.0,
-           precision: str = "ieee") -> None:
-    """Shards ``xs`` (each ``chunker.shape``, contiguous, float32 or bf16) → their chunks' top-``k``
-    into ``values`` (float32) and ``indices`` (int64), each ``(len(xs)·n_chunks, k)``.
+def encode(chunker, xs, k: int, values: torch.Tensor | None = None, indices: torch.Tensor | None = None,
+           momentum: torch.Tensor | None = None, beta: float = 0.0, lam: float = 0.0, precision: str = "ieee",
+           wire=None, words: torch.Tensor | None = None, value_byte: int = 0, index_byte: int = 0) -> None:
+    """Shards ``xs`` (each ``chunker.shape``, contiguous, float32 or bf16) → their chunks' top-``k``.
+
+    Where it goes: ``values`` (float32) and ``indices`` (int64), each ``(len(xs)·n_chunks, k)``, get
+    the selection itself; ``wire`` (a ``fused.wire.Wire`` of the shards' replicator) with ``words``
+    (the send buffer as int32 words, zeroed) gets its wire bytes — shard ``i``'s values at byte
+    ``value_byte + i·wire.value_bytes``, its indices at ``index_byte + i·wire.index_bytes`` — what the
+    replicator's ``write`` would put there for that selection. Either or both.
 
     ``momentum``: DeMo-SGD's coefficient-domain momentum ``(len(xs)·n_chunks, L)``, float32: updated in
     place (``β·m + DCT(x)``), the top-k taken of it, then ``λ`` times the selection subtracted (eq. 8);
@@ -151,41 +193,79 @@ def encode(chunker, xs, k: int, values: torch.Tensor, indices: torch.Tensor,
     rest, n1, c0, c1 = _geometry(chunker)
     b0, b1 = _bases(chunker)
     n = chunker.n_chunks
+    raw = values is not None
+    if not raw and wire is None:
+        raise ValueError("encode writes the selection somewhere: give values and indices, or a wire and its words")
+    spec = wire.constexprs() if wire is not None else dict(
+        VALUES=0, FLOAT_BITS=32, BF16=False, SIGN=False, INDEX_BITS=0, COMPACT=False, EF_LOW=0, EF_RANKED=False,
+        EF_HIGH_BITS=0, EF_H=0, LOW_BYTES=0, TW_V=1, TW_I=1, TW_H=1)
     for i, x in enumerate(xs):
         _check(x, chunker.shape)
-        m = momentum[i * n: (i + 1) * n] if momentum is not None else values  # (unused without momentum)
-        _encode_kernel[(n,)](x, b0, b1, m, values[i * n: (i + 1) * n], indices[i * n: (i + 1) * n], rest, n1,
-                             float(beta), float(lam), C0=c0, C1=c1, T0=_tile(c0), T1=_tile(c1), K=k,
-                             MOMENTUM=momentum is not None, PRECISION=precision, num_warps=_warps(_tile(c0), _tile(c1)))
+        rows = slice(i * n, (i + 1) * n)
+        m = momentum[rows] if momentum is not None else x  # (unused without momentum)
+        vals, idx = (values[rows], indices[rows]) if raw else (x, x)  # (unused without raw)
+        table = wire.table if wire is not None and wire.table is not None else x  # (unused without a rank)
+        value_bit = 8 * (value_byte + i * wire.value_bytes) if wire is not None else 0
+        index_bit = 8 * (index_byte + i * wire.index_bytes) if wire is not None else 0
+        _encode_kernel[(n,)](x, b0, b1, m, vals, idx, words if wire is not None else x, table, value_bit, index_bit,
+                             rest, n1, float(beta), float(lam), C0=c0, C1=c1, T0=_tile(c0), T1=_tile(c1), K=k,
+                             TK=max(2, triton.next_power_of_2(k)), MOMENTUM=momentum is not None, PRECISION=precision,
+                             RAW=raw, WIRE=wire is not None, **spec, num_warps=_warps(_tile(c0), _tile(c1)))
 
 
-def decode(chunker, values: torch.Tensor, indices: torch.Tensor, params, lrs, weight_decays,
+def decode(chunker, values: torch.Tensor | None, indices: torch.Tensor | None, params, lrs, weight_decays,
            sign: bool, selected: torch.Tensor | None = None, dense: torch.Tensor | None = None,
-           count: torch.Tensor | None = None, precision: str = "ieee") -> None:
+           count: torch.Tensor | None = None, precision: str = "ieee", wire=None, payloads: torch.Tensor | None = None,
+           value_byte: int = 0, index_byte: int = 0, mean_selected: bool = False) -> None:
     """Every replica's selection → eq. 7 on each shard of ``params``.
 
-    ``values`` (float32) and ``indices`` (int64): ``(W, len(params)·n_chunks, k)``, replica order; for
-    the plain mean (eq. 6) the values come already divided by ``W``. ``selected``: with
-    ``mean_selected``, ``(W, rows, k)`` float32 weights (1 where a pair is a selection), and the sum
-    is divided by the number of replicas that selected each coefficient. ``params``: the contiguous
-    local shards (float32/bf16/fp16, ``chunker.shape``), updated in place with their own ``lrs`` and
-    ``weight_decays``; ``sign``: φ = sign, else identity. ``dense`` (and ``count``, with ``selected``):
-    optional float32 scratch of at least ``rows·L`` elements for the dense chunks (and their counts)."""
+    The selection comes either decoded — ``values`` (float32) and ``indices`` (int64), ``(W,
+    len(params)·n_chunks, k)``, replica order; for the plain mean (eq. 6) the values already divided
+    by ``W``; ``selected``: with ``mean_selected``, ``(W, rows, k)`` float32 weights (1 where a pair is
+    a selection), and the sum is divided by the number of replicas that selected each coefficient —
+    or as wire bytes: ``wire`` (a ``fused.wire.Wire``) and ``payloads`` (``(W, bytes)`` uint8, every
+    replica's send buffer), shard ``i``'s values at byte ``value_byte + i·wire.value_bytes`` and its
+    indices at ``index_byte + i·wire.index_bytes`` of each row, read inside the kernel
+    (``mean_selected`` says which mean). ``params``: the contiguous local shards
+    (float32/bf16/fp16, ``chunker.shape``), updated in place with their own ``lrs`` and
+    ``weight_decays``; ``sign``: φ = sign, else identity. ``dense`` (and ``count``, with the
+    selected mean): optional float32 scratch of at least ``rows·L`` elements for the dense chunks (and
+    their counts)."""
     rest, n1, c0, c1 = _geometry(chunker)
     b0, b1 = _bases(chunker)
-    W, rows, k = values.shape
     n, L = chunker.n_chunks, chunker.L
-    dense = _scratch(dense, rows * L, values.device)
-    count = _scratch(count, rows * L, values.device) if selected is not None else dense  # (unused then)
-    values, indices = values.contiguous(), indices.contiguous()
+    if wire is not None:
+        W, k, rows = payloads.shape[0], wire.k, len(params) * n
+        mean_selected, stride = bool(mean_selected), payloads.stride(0)
+        payloads = payloads if payloads.stride(1) == 1 else payloads.contiguous()
+        spec = wire.constexprs()
+        spec = dict(WIRE_SIGN=spec.pop("SIGN"), **{key: val for key, val in spec.items()
+                                                  if key not in ("TW_V", "TW_I", "TW_H")})
+        tn = triton.next_power_of_2(k + wire.ef_H) if wire.compact else 1
+        table = wire.table if wire.table is not None else payloads
+    else:
+        W, rows, k = values.shape
+        mean_selected, stride = selected is not None, rows * k
+        values, indices = values.contiguous(), indices.contiguous()
+        spec = dict(VALUES=0, FLOAT_BITS=32, BF16=False, WIRE_SIGN=False, INDEX_BITS=0, COMPACT=False, EF_LOW=0,
+                    EF_RANKED=False, EF_HIGH_BITS=0, EF_H=0, LOW_BYTES=0)
+        tn, table = 1, values
+    dense = _scratch(dense, rows * L, params[0].device)
+    count = _scratch(count, rows * L, params[0].device) if mean_selected else dense  # (unused then)
     weights = selected.contiguous() if selected is not None else values  # (unused without selected)
     for i, (p, lr, wd) in enumerate(zip(params, lrs, weight_decays)):
         _check(p, chunker.shape)
         span, cells = slice(i * n, (i + 1) * n), slice(i * n * L, (i + 1) * n * L)
-        _decode_kernel[(n,)](values[:, span], indices[:, span], weights[:, span], dense[cells], count[cells], b0, b1,
-                             p, W, rows * k, rest, n1, float(lr), 1.0 - lr * wd, C0=c0, C1=c1, T0=_tile(c0),
-                             T1=_tile(c1), K=k, TK=triton.next_power_of_2(k), MEAN_SELECTED=selected is not None,
-                             SIGN=sign, DECAY=wd != 0, PRECISION=precision, num_warps=_warps(_tile(c0), _tile(c1)))
+        if wire is not None:  # (the decoded-selection pointers are unused)
+            pointers = (payloads, payloads, payloads, payloads, table, 8 * (value_byte + i * wire.value_bytes),
+                        8 * (index_byte + i * wire.index_bytes))
+        else:
+            pointers = (values[:, span], indices[:, span], weights[:, span], values, table, 0, 0)
+        _decode_kernel[(n,)](*pointers, dense[cells], count[cells], b0, b1, p, W, float(W), stride, rest, n1, float(lr),
+                             1.0 - lr * wd, C0=c0, C1=c1, T0=_tile(c0), T1=_tile(c1), K=k,
+                             TK=max(2, triton.next_power_of_2(k)), MEAN_SELECTED=mean_selected, SIGN=sign,
+                             DECAY=wd != 0, PRECISION=precision, WIRE=wire is not None, TN=tn, **spec,
+                             num_warps=_warps(_tile(c0), _tile(c1)))
 
 
 def _scratch(buf: torch.Tensor | None, n: int, device) -> torch.Tensor:

@@ -85,15 +85,19 @@ def descend_shard(p: torch.Tensor, update: torch.Tensor, lr: float, weight_decay
 class _Group:
     """Same-shape shards of the DeMo replicator, transformed, selected and packed as one batch."""
 
-    def __init__(self, members: list, rep: DeMoReplicator, coefficient_domain: bool, device, fused: bool):
+    def __init__(self, members: list, rep: DeMoReplicator, coefficient_domain: bool, device,
+                 fused: Optional["Fused"]):
         self.members, self.rep = members, rep  # members: [(p, param group, state)]
         self.G = len(members)
         self.rows = self.G * rep.chunker.n_chunks
         self.numel = self.G * rep.chunker.numel
         self.momentum = (torch.zeros(self.rows, rep.chunker.L, device=device) if coefficient_domain else None)
-        # the encode kernel's output: each step's selection, until the codecs have packed it
+        # the encode kernel writes the wire bytes itself (``fused.wire``) or, where it cannot, the
+        # selection for the codecs to pack
+        self.wire = fused.kernels.wire_of(rep, device) if fused is not None else None
         self.selection = ((torch.empty(self.rows, rep.k, device=device),
-                           torch.empty(self.rows, rep.k, dtype=torch.int64, device=device)) if fused else None)
+                           torch.empty(self.rows, rep.k, dtype=torch.int64, device=device))
+                          if fused is not None and self.wire is None else None)
         self.device = device
         self.value_offset = self.index_offset = 0
 
@@ -138,8 +142,7 @@ class Plan:
             per = max(1, GROUP_NUMEL // max(1, math.prod(shape)))
             for start in range(0, len(members), per):
                 part = members[start: start + per]
-                self.groups.append(_Group(part, replicator(part[0][0]), coefficient_domain, device,
-                                          self.fused is not None))
+                self.groups.append(_Group(part, replicator(part[0][0]), coefficient_domain, device, self.fused))
         offset = 0
         for grp in self.groups:
             grp.value_offset, offset = offset, offset + grp.G * grp.rep.value_bytes
@@ -187,13 +190,23 @@ class Plan:
     def _pack_demo(self, rules: Rules, grad, steps) -> tuple[Optional[torch.Tensor], Sent]:
         if not self.groups:
             return None, Sent([], [])
-        send = torch.empty(self.send_bytes, dtype=torch.uint8, device=self.groups[0].device)
+        device, words = self.groups[0].device, None
+        if self.fused is not None:  # the kernels OR their bits into zeroed 32-bit words
+            words = torch.zeros(self.fused.kernels.words_for(self.send_bytes), dtype=torch.int32, device=device)
+            send = words.view(torch.uint8)[: self.send_bytes]
+        else:
+            send = torch.empty(self.send_bytes, dtype=torch.uint8, device=device)
         groups = []
         for grp in self.groups:
             rep, ch = grp.rep, grp.rep.chunker
             tmp, out, work = self.scratch[grp.device]
+            members = [(p, group["lr"], group["weight_decay"]) for p, group, _ in grp.members]
             if self.fused is not None:
-                vals, idx = self._encode_fused(grp, rules, grad, steps)
+                selection = self._encode_fused(grp, rules, grad, steps, words)
+                if selection is None:  # the wire bytes are written
+                    groups.append(members)
+                    continue
+                vals, idx = selection
             elif grp.momentum is not None:  # DeMo-SGD: eq. 2 in the coefficient domain, m_dct ← β·m_dct + DCT(g)
                 coeffs = ch.blocks_to_chunk_major(ch.forward([grad(p) for p, _, _ in grp.members], out=out, tmp=tmp))
                 beta, lam = grp.members[0][1]["beta"], grp.members[0][1]["lam"]
@@ -210,21 +223,25 @@ class Plan:
                 vals, idx = rep.select(dense.view(grp.rows, ch.L), work=tmp)
             rep.write(vals, idx, send[grp.value_offset: grp.value_offset + grp.G * rep.value_bytes].view(grp.G, -1),
                       send[grp.index_offset: grp.index_offset + grp.G * rep.index_bytes].view(grp.G, -1))
-            groups.append([(p, group["lr"], group["weight_decay"]) for p, group, _ in grp.members])
+            groups.append(members)
         return send, Sent(groups, [])
 
-    def _encode_fused(self, grp: _Group, rules: Rules, grad, steps) -> tuple[torch.Tensor, torch.Tensor]:
-        """The torch branches of :meth:`_pack_demo` in one kernel pass per chunk (eq. 2, top-k, eq. 8)."""
-        vals, idx = grp.selection
+    def _encode_fused(self, grp: _Group, rules: Rules, grad, steps,
+                      words: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The torch branches of :meth:`_pack_demo` in one kernel pass per chunk (eq. 2, top-k, eq. 8,
+        and the wire bytes into ``words``, the send buffer). Returns ``None``, or the selection where
+        the kernel cannot write this group's wire (``fused.wire.wire_of``) and the codecs pack it."""
+        raw = grp.selection if grp.wire is None else (None, None)
+        where = dict(wire=grp.wire, words=words, value_byte=grp.value_offset, index_byte=grp.index_offset)
         if grp.momentum is not None:
             xs = [grad(p).contiguous() for p, _, _ in grp.members]
             group = grp.members[0][1]
-            self.fused.kernels.encode(grp.rep.chunker, xs, grp.rep.k, vals, idx, momentum=grp.momentum,
-                                      beta=group["beta"], lam=group["lam"], precision=self.fused.precision)
+            self.fused.kernels.encode(grp.rep.chunker, xs, grp.rep.k, *raw, momentum=grp.momentum,
+                                      beta=group["beta"], lam=group["lam"], precision=self.fused.precision, **where)
         else:
             xs = [rules.direction(st, group, grad(p), steps[id(p)]).contiguous() for p, group, st in grp.members]
-            self.fused.kernels.encode(grp.rep.chunker, xs, grp.rep.k, vals, idx, precision=self.fused.precision)
-        return vals, idx
+            self.fused.kernels.encode(grp.rep.chunker, xs, grp.rep.k, *raw, precision=self.fused.precision, **where)
+        return grp.selection
 
     def _pack_flat(self, rules: Rules, grad, steps) -> tuple[Optional[torch.Tensor], Sent]:
         sizes = [rep.payload_bytes(steps[id(p)]) for p, _, _, rep in self.flats]  # shapes and step only
@@ -252,7 +269,7 @@ class Plan:
             tmp, out, work = self.scratch[grp.device]
             values = payloads[:, grp.value_offset: grp.value_offset + grp.G * rep.value_bytes].view(W, grp.G, -1)
             indices = payloads[:, grp.index_offset: grp.index_offset + grp.G * rep.index_bytes].view(W, grp.G, -1)
-            if self._decode_fused(grp, members, values, indices):
+            if self._decode_fused(grp, members, payloads, values, indices):
                 continue
             dense = rep.mean_coefficients(values, indices, out=work)  # eq. 6, chunk-major
             Q = ch.inverse(dense, out=out, tmp=tmp)  # (rows, L) chunk-major, parameter domain
@@ -277,19 +294,27 @@ class Plan:
         for p, rep, t, offset, n, lr, wd in sent.flats:
             descend_shard(p, phi.shard(rep.aggregate(payloads[:, offset: offset + n], t)), lr, wd)
 
-    def _decode_fused(self, grp: _Group, members: list, values: torch.Tensor, indices: torch.Tensor) -> bool:
-        """The receiving side of one group in one kernel pass per chunk (the sum over replicas in
-        replica order, eq. 6, the inverse, φ, eq. 7), where the kernel can: φ elementwise and every
-        shard contiguous. ``False``: the caller runs the torch path."""
+    def _decode_fused(self, grp: _Group, members: list, payloads: torch.Tensor, values: torch.Tensor,
+                      indices: torch.Tensor) -> bool:
+        """The receiving side of one group in one kernel pass per chunk (every replica's bytes read
+        in place where the kernel writes the group's wire, the sum over replicas in replica order,
+        eq. 6, the inverse, φ, eq. 7), where the kernel can: φ elementwise and every shard contiguous.
+        ``False``: the caller runs the torch path."""
         fused = self.fused
         if fused is None or fused.sign is None:
             return False
         shards = [local(p) for p, _, _ in members]
         if not all(x.is_contiguous() for x in shards):
             return False
-        vals, idx, selected = grp.rep.received(values, indices)
-        tmp, out, work = self.scratch[grp.device]
-        fused.kernels.decode(grp.rep.chunker, vals, idx, shards, [lr for _, lr, _ in members],
-                             [wd for _, _, wd in members], fused.sign, selected=selected, dense=work,
+        rep, (tmp, out, work) = grp.rep, self.scratch[grp.device]
+        lrs, wds = [lr for _, lr, _ in members], [wd for _, _, wd in members]
+        if grp.wire is not None:
+            fused.kernels.decode(rep.chunker, None, None, shards, lrs, wds, fused.sign, dense=work, count=tmp,
+                                 precision=fused.precision, wire=grp.wire, payloads=payloads,
+                                 value_byte=grp.value_offset, index_byte=grp.index_offset,
+                                 mean_selected=rep.mean_selected)
+            return True
+        vals, idx, selected = rep.received(values, indices)
+        fused.kernels.decode(rep.chunker, vals, idx, shards, lrs, wds, fused.sign, selected=selected, dense=work,
                              count=tmp if selected is not None else None, precision=fused.precision)
         return True
