@@ -45,14 +45,9 @@ def _warps(t0: int, t1: int) -> int:
 
 
 @triton.jit
-def _encode_kernel(x_ptr, b0_ptr, b1_ptr, m_ptr, val_ptr, idx_ptr, words_ptr, table_ptr, value_bit, index_bit,
-                   rest, n1, beta, lam,
+def _encode_kernel(x_ptr, b0_ptr, b1_ptr, m_ptr, val_ptr, idx_ptr, rest, n1, beta, lam,
                    C0: tl.constexpr, C1: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, K: tl.constexpr,
-                   TK: tl.constexpr, MOMENTUM: tl.constexpr, PRECISION: tl.constexpr, RAW: tl.constexpr,
-                   WIRE: tl.constexpr, VALUES: tl.constexpr, FLOAT_BITS: tl.constexpr, BF16: tl.constexpr,
-                   SIGN: tl.constexpr, INDEX_BITS: tl.constexpr, COMPACT: tl.constexpr, EF_LOW: tl.constexpr,
-                   EF_RANKED: tl.constexpr, EF_HIGH_BITS: tl.constexpr, EF_H: tl.constexpr, LOW_BYTES: tl.constexpr,
-                   TW_V: tl.constexpr, TW_I: tl.constexpr, TW_H: tl.constexpr):
+                   MOMENTUM: tl.constexpr, PRECISION: tl.constexpr):
     chunk = tl.program_id(0).to(tl.int64)
     i0, i1 = chunk // n1, chunk % n1
     a, b = tl.arange(0, T0), tl.arange(0, T1)
@@ -69,29 +64,37 @@ def _encode_kernel(x_ptr, b0_ptr, b1_ptr, m_ptr, val_ptr, idx_ptr, words_ptr, ta
         c = c + beta * tl.load(m_ptr + row + pos, mask=inside, other=0.0)
     # NaN counts as the largest magnitude, as in torch.topk (and every round then finds a position)
     mag = tl.where(inside, tl.where(c != c, float("inf"), tl.abs(c)), -1.0)
-    lane = tl.arange(0, TK)
-    sel_v = tl.zeros((TK,), tl.float32)  # the selection, kept in registers for the wire
-    sel_i = tl.zeros((TK,), tl.int64)
     for j in range(K):  # k rounds of max-and-mask: the largest magnitude, ties to the smallest position
         best = tl.max(tl.max(mag, 1), 0)
         at = tl.min(tl.min(tl.where(mag == best, pos, C0 * C1), 1), 0)
         hit = pos == at
         v = tl.sum(tl.sum(tl.where(hit, c, 0.0), 1), 0)
-        if RAW:
-            tl.store(val_ptr + chunk * K + j, v)
-            tl.store(idx_ptr + chunk * K + j, at.to(tl.int64))
-        if WIRE:
-            sel_v = tl.where(lane == j, v, sel_v)
-            sel_i = tl.where(lane == j, at.to(tl.int64), sel_i)
+        tl.store(val_ptr + chunk * K + j, v)
+        tl.store(idx_ptr + chunk * K + j, at.to(tl.int64))
         mag = tl.where(hit, -1.0, mag)
         if MOMENTUM:  # eq. 8: m[sel] −= λ·m[sel], as the torch path's scatter_add_ of −λ·values
             c = tl.where(hit, c + v * (-lam), c)
     if MOMENTUM:
         tl.store(m_ptr + row + pos, c, mask=inside)
-    if WIRE:  # the selection's wire bytes, straight into the send buffer (``fused.wire``)
-        write_selection(words_ptr, table_ptr, value_bit, index_bit, chunk, sel_v, sel_i, lane < K, K, C0 * C1,
-                        VALUES, FLOAT_BITS, BF16, SIGN, INDEX_BITS, COMPACT, EF_LOW, EF_RANKED, EF_HIGH_BITS, EF_H,
-                        LOW_BYTES, TW_V, TW_I, TW_H)
+
+
+@triton.jit
+def _wire_kernel(val_ptr, idx_ptr, words_ptr, table_ptr, value_bit, index_bit, n_chunks, shard_value_bits,
+                 shard_index_bits, K: tl.constexpr, TK: tl.constexpr, L: tl.constexpr, VALUES: tl.constexpr,
+                 FLOAT_BITS: tl.constexpr, BF16: tl.constexpr, SIGN: tl.constexpr, INDEX_BITS: tl.constexpr,
+                 COMPACT: tl.constexpr, EF_LOW: tl.constexpr, EF_RANKED: tl.constexpr, EF_HIGH_BITS: tl.constexpr,
+                 EF_H: tl.constexpr, LOW_BYTES: tl.constexpr, TW_V: tl.constexpr, TW_I: tl.constexpr,
+                 TW_H: tl.constexpr):
+    """One chunk's selection (``K`` pairs of the encode kernel's output) → its wire bytes."""
+    row = tl.program_id(0).to(tl.int64)
+    shard, chunk = row // n_chunks, row % n_chunks
+    lane = tl.arange(0, TK)
+    valid = lane < K
+    vals = tl.load(val_ptr + row * K + lane, mask=valid, other=0.0)
+    idx = tl.load(idx_ptr + row * K + lane, mask=valid, other=0)
+    write_selection(words_ptr, table_ptr, value_bit + shard * shard_value_bits, index_bit + shard * shard_index_bits,
+                    chunk, vals, idx, valid, K, L, VALUES, FLOAT_BITS, BF16, SIGN, INDEX_BITS, COMPACT, EF_LOW,
+                    EF_RANKED, EF_HIGH_BITS, EF_H, LOW_BYTES, TW_V, TW_I, TW_H)
 
 
 @triton.jit
@@ -176,41 +179,35 @@ def _bases(chunker) -> tuple[torch.Tensor, torch.Tensor]:
     return chunker.bases[0], chunker.bases[1]
 
 
-def encode(chunker, xs, k: int, values: torch.Tensor | None = None, indices: torch.Tensor | None = None,
+def encode(chunker, xs, k: int, values: torch.Tensor, indices: torch.Tensor,
            momentum: torch.Tensor | None = None, beta: float = 0.0, lam: float = 0.0, precision: str = "ieee",
            wire=None, words: torch.Tensor | None = None, value_byte: int = 0, index_byte: int = 0) -> None:
-    """Shards ``xs`` (each ``chunker.shape``, contiguous, float32 or bf16) → their chunks' top-``k``.
-
-    Where it goes: ``values`` (float32) and ``indices`` (int64), each ``(len(xs)·n_chunks, k)``, get
-    the selection itself; ``wire`` (a ``fused.wire.Wire`` of the shards' replicator) with ``words``
-    (the send buffer as int32 words, zeroed) gets its wire bytes — shard ``i``'s values at byte
-    ``value_byte + i·wire.value_bytes``, its indices at ``index_byte + i·wire.index_bytes`` — what the
-    replicator's ``write`` would put there for that selection. Either or both.
+    """Shards ``xs`` (each ``chunker.shape``, contiguous, float32 or bf16) → their chunks' top-``k``
+    into ``values`` (float32) and ``indices`` (int64), each ``(len(xs)·n_chunks, k)``.
 
     ``momentum``: DeMo-SGD's coefficient-domain momentum ``(len(xs)·n_chunks, L)``, float32: updated in
     place (``β·m + DCT(x)``), the top-k taken of it, then ``λ`` times the selection subtracted (eq. 8);
-    ``None``: the top-k of ``DCT(x)`` itself (the decoupled AdamW base)."""
+    ``None``: the top-k of ``DCT(x)`` itself (the decoupled AdamW base).
+
+    ``wire`` (a ``fused.wire.Wire`` of the shards' replicator) with ``words`` (the send buffer as
+    int32 words, zeroed): the selection's wire bytes written there too — shard ``i``'s values at byte
+    ``value_byte + i·wire.value_bytes``, its indices at ``index_byte + i·wire.index_bytes`` — what the
+    replicator's ``write`` puts there, by a second, light kernel that reads the ``k`` pairs per chunk
+    back (see the module docstring for why not inside the first)."""
     rest, n1, c0, c1 = _geometry(chunker)
     b0, b1 = _bases(chunker)
     n = chunker.n_chunks
-    raw = values is not None
-    if not raw and wire is None:
-        raise ValueError("encode writes the selection somewhere: give values and indices, or a wire and its words")
-    spec = wire.constexprs() if wire is not None else dict(
-        VALUES=0, FLOAT_BITS=32, BF16=False, SIGN=False, INDEX_BITS=0, COMPACT=False, EF_LOW=0, EF_RANKED=False,
-        EF_HIGH_BITS=0, EF_H=0, LOW_BYTES=0, TW_V=1, TW_I=1, TW_H=1)
     for i, x in enumerate(xs):
         _check(x, chunker.shape)
-        rows = slice(i * n, (i + 1) * n)
-        m = momentum[rows] if momentum is not None else x  # (unused without momentum)
-        vals, idx = (values[rows], indices[rows]) if raw else (x, x)  # (unused without raw)
-        table = wire.table if wire is not None and wire.table is not None else x  # (unused without a rank)
-        value_bit = 8 * (value_byte + i * wire.value_bytes) if wire is not None else 0
-        index_bit = 8 * (index_byte + i * wire.index_bytes) if wire is not None else 0
-        _encode_kernel[(n,)](x, b0, b1, m, vals, idx, words if wire is not None else x, table, value_bit, index_bit,
-                             rest, n1, float(beta), float(lam), C0=c0, C1=c1, T0=_tile(c0), T1=_tile(c1), K=k,
-                             TK=max(2, triton.next_power_of_2(k)), MOMENTUM=momentum is not None, PRECISION=precision,
-                             RAW=raw, WIRE=wire is not None, **spec, num_warps=_warps(_tile(c0), _tile(c1)))
+        m = momentum[i * n: (i + 1) * n] if momentum is not None else values  # (unused without momentum)
+        _encode_kernel[(n,)](x, b0, b1, m, values[i * n: (i + 1) * n], indices[i * n: (i + 1) * n], rest, n1,
+                             float(beta), float(lam), C0=c0, C1=c1, T0=_tile(c0), T1=_tile(c1), K=k,
+                             MOMENTUM=momentum is not None, PRECISION=precision, num_warps=_warps(_tile(c0), _tile(c1)))
+    if wire is not None:
+        _wire_kernel[(len(xs) * n,)](values, indices, words, wire.table if wire.table is not None else words,
+                                     8 * value_byte, 8 * index_byte, n, 8 * wire.value_bytes, 8 * wire.index_bytes,
+                                     K=k, TK=max(2, triton.next_power_of_2(k)), L=chunker.L, **wire.constexprs(),
+                                     num_warps=1)
 
 
 def decode(chunker, values: torch.Tensor | None, indices: torch.Tensor | None, params, lrs, weight_decays,

@@ -92,12 +92,11 @@ class _Group:
         self.rows = self.G * rep.chunker.n_chunks
         self.numel = self.G * rep.chunker.numel
         self.momentum = (torch.zeros(self.rows, rep.chunker.L, device=device) if coefficient_domain else None)
-        # the encode kernel writes the wire bytes itself (``fused.wire``) or, where it cannot, the
-        # selection for the codecs to pack
+        # the encode kernels' selection, then packed into the send buffer by the wire kernel
+        # (``fused.wire``) or, where it cannot, by the codecs
         self.wire = fused.kernels.wire_of(rep, device) if fused is not None else None
         self.selection = ((torch.empty(self.rows, rep.k, device=device),
-                           torch.empty(self.rows, rep.k, dtype=torch.int64, device=device))
-                          if fused is not None and self.wire is None else None)
+                           torch.empty(self.rows, rep.k, dtype=torch.int64, device=device)) if fused is not None else None)
         self.device = device
         self.value_offset = self.index_offset = 0
 
@@ -231,17 +230,17 @@ class Plan:
         """The torch branches of :meth:`_pack_demo` in one kernel pass per chunk (eq. 2, top-k, eq. 8,
         and the wire bytes into ``words``, the send buffer). Returns ``None``, or the selection where
         the kernel cannot write this group's wire (``fused.wire.wire_of``) and the codecs pack it."""
-        raw = grp.selection if grp.wire is None else (None, None)
         where = dict(wire=grp.wire, words=words, value_byte=grp.value_offset, index_byte=grp.index_offset)
         if grp.momentum is not None:
             xs = [grad(p).contiguous() for p, _, _ in grp.members]
             group = grp.members[0][1]
-            self.fused.kernels.encode(grp.rep.chunker, xs, grp.rep.k, *raw, momentum=grp.momentum,
+            self.fused.kernels.encode(grp.rep.chunker, xs, grp.rep.k, *grp.selection, momentum=grp.momentum,
                                       beta=group["beta"], lam=group["lam"], precision=self.fused.precision, **where)
         else:
             xs = [rules.direction(st, group, grad(p), steps[id(p)]).contiguous() for p, group, st in grp.members]
-            self.fused.kernels.encode(grp.rep.chunker, xs, grp.rep.k, *raw, precision=self.fused.precision, **where)
-        return grp.selection
+            self.fused.kernels.encode(grp.rep.chunker, xs, grp.rep.k, *grp.selection, precision=self.fused.precision,
+                                      **where)
+        return grp.selection if grp.wire is None else None
 
     def _pack_flat(self, rules: Rules, grad, steps) -> tuple[Optional[torch.Tensor], Sent]:
         sizes = [rep.payload_bytes(steps[id(p)]) for p, _, _, rep in self.flats]  # shapes and step only
