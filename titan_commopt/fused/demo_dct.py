@@ -5,11 +5,15 @@
   (two ``tl.dot``), DeMo-SGD's momentum ``m ← β·m + DCT(g)`` in place (eq. 2, coefficient
   domain), the ``k`` largest magnitudes by ``k`` rounds of max-and-mask (no sort), eq. 8's
   ``m[sel] ← m[sel] − λ·m[sel]``, and the selection (values, int64 positions in the chunk) written to
-  ``(n_chunks, k)`` buffers that the wire codecs (``compress.packing``) pack.
-- :func:`decode`: per chunk — every replica's ``k`` pairs summed into the dense chunk in replica order
-  (the same bits on every replica), the mean (over all replicas, or over those that selected), the
-  inverse DCT ``B₀ᵀ C B₁``, φ (sign or identity) and eq. 7 ``p ← p·(1 − η·wd) − η·φ(Q)`` on the
-  parameter's chunk.
+  ``(n_chunks, k)`` buffers; then, given the replicator's wire (``fused.wire``), a second kernel (one
+  warp per chunk) reads each chunk's ``k`` pairs back and writes their wire bytes into the send
+  buffer — byte for byte what the codecs (``compress.packing``) write. Not inside the first kernel:
+  its 64 × 64 tiles and rounds already fill the registers (``scripts/kernel_report.py``), and the
+  pairs written and read back are 1–3 % of the bytes it moves per chunk (gradient, momentum twice).
+- :func:`decode`: per chunk — every replica's ``k`` pairs (read from its wire bytes in place, or
+  given decoded) summed into the dense chunk in replica order (the same bits on every replica), the
+  mean (over all replicas, or over those that selected), the inverse DCT ``B₀ᵀ C B₁``, φ (sign or
+  identity) and eq. 7 ``p ← p·(1 − η·wd) − η·φ(Q)`` on the parameter's chunk.
 
 A vector is the matrix ``(1, numel)`` with chunks ``1 × c`` (``B₀ = [1]``), as ``Chunker`` treats it.
 Chunk sizes need not be powers of two: tiles are padded to one (at least 16, what ``tl.dot`` takes)

@@ -39,10 +39,12 @@ batched: one transform, one top-k, one packing per shape group, written straight
 buffer. The step reads no tensor value on the host (per-parameter step counts are Python ints).
 
 ``[commopt] kernels``: where it runs Triton (chosen once at construction, :func:`fused_of`), the DCT
-replicator's send side — transform, momentum, top-k, eq. 8 — is one kernel pass per chunk and its
-receive side — the replica-order sum, the inverse, φ (sign / identity), eq. 7 — another
-(``titan_commopt.fused.demo_dct``); the codecs still pack and unpack. The other replicators, and the
-receive side of ``rule = "muon"``, stay on torch.
+replicator's send side — transform, momentum, top-k, eq. 8 — is one kernel pass per chunk, then a
+light kernel writes the selection's wire bytes into the send buffer, and its receive side — every
+replica's bytes read in place, the replica-order sum, the inverse, φ (sign / identity), eq. 7 —
+another (``titan_commopt.fused.demo_dct``, ``fused.wire``). Where ``k`` is too large for the wire
+kernel's register tiles (``fused.wire.wire_of``) the codecs pack and unpack. The other replicators,
+and the receive side of ``rule = "muon"``, stay on torch.
 
 ``overlap``: step t's exchange (a task of the optimizer's ``runtime``, see ``titan_commopt.overlap``)
 is left parked at its all-gather at the end of ``step()`` and completed — its update applied — at the
