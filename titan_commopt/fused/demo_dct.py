@@ -58,14 +58,22 @@ def _encode_kernel(x_ptr, b0_ptr, b1_ptr, m_ptr, val_ptr, idx_ptr, rest, n1, bet
     in0, in1 = a < C0, b < C1
     inside = in0[:, None] & in1[None, :]
     x = tl.load(x_ptr + (i0 * C0 + a)[:, None] * rest + (i1 * C1 + b)[None, :], mask=inside, other=0.0)
-    b0 = tl.load(b0_ptr + a[:, None] * C0 + a[None, :], mask=in0[:, None] & in0[None, :], other=0.0)
+    b0t = tl.load(b0_ptr + a[None, :] * C0 + a[:, None], mask=in0[:, None] & in0[None, :], other=0.0)
     b1t = tl.load(b1_ptr + b[None, :] * C1 + b[:, None], mask=in1[:, None] & in1[None, :], other=0.0)
     xb = tl.dot(x.to(tl.float32), b1t, input_precision=PRECISION)  # X B₁ᵀ
-    c = tl.dot(b0, xb, input_precision=PRECISION)  # B₀ X B₁ᵀ: the chunk's DCT-II
+    # B₀ X B₁ᵀ, the chunk's DCT-II, as ((X B₁ᵀ)ᵀ B₀ᵀ)ᵀ: the same products summed in the same order,
+    # with the fresh X B₁ᵀ as first operand. The operands are read from shared memory first one,
+    # then the other: a B₀ read first stays live across the barrier before X B₁ᵀ can be read
+    # (sm_90, 8 warps: 104 B stack with B₀ · X B₁ᵀ, none so).
+    c = tl.trans(tl.dot(tl.trans(xb), b0t, input_precision=PRECISION))
     pos = a[:, None] * C1 + b[None, :]  # position in the chunk-major row of L = C0·C1
     row = chunk * (C0 * C1)
-    if MOMENTUM:  # eq. 2 in the coefficient domain: m ← β·m + DCT(g)
-        c = c + beta * tl.load(m_ptr + row + pos, mask=inside, other=0.0)
+    if MOMENTUM:  # eq. 2 in the coefficient domain: m ← β·m + DCT(g), one fma as torch.add(c, m, alpha=β)
+        # An fma after the dot, not c + β·m, which Triton folds into the dot's accumulator: m's layout
+        # conversion (a barrier) then sits between the dot's operand reads from shared memory and its
+        # products, holding the 512 operand values per thread across it (sm_90, 8 warps: 64
+        # registers and 2960 B stack, 255 and 0 B so).
+        c = tl.fma(tl.load(m_ptr + row + pos, mask=inside, other=0.0), beta, c)
     # NaN counts as the largest magnitude, as in torch.topk (and every round then finds a position)
     mag = tl.where(inside, tl.where(c != c, float("inf"), tl.abs(c)), -1.0)
     for j in range(K):  # k rounds of max-and-mask: the largest magnitude, ties to the smallest position
@@ -151,9 +159,12 @@ def _decode_kernel(val_ptr, idx_ptr, weight_ptr, bytes_ptr, table_ptr, value_bit
     dense = tl.load(dense_ptr + row + pos, mask=inside, other=0.0)
     if MEAN_SELECTED:  # eq. 6 over the replicas that selected the coefficient
         dense = dense / tl.maximum(tl.load(count_ptr + row + pos, mask=inside, other=1.0), 1.0)
-    b0t = tl.load(b0_ptr + a[None, :] * C0 + a[:, None], mask=in0[:, None] & in0[None, :], other=0.0)
+    b0 = tl.load(b0_ptr + a[:, None] * C0 + a[None, :], mask=in0[:, None] & in0[None, :], other=0.0)
     b1 = tl.load(b1_ptr + b[:, None] * C1 + b[None, :], mask=in1[:, None] & in1[None, :], other=0.0)
-    q = tl.dot(b0t, tl.dot(dense, b1, input_precision=PRECISION), input_precision=PRECISION)  # B₀ᵀ C B₁
+    cb = tl.dot(dense, b1, input_precision=PRECISION)  # C B₁
+    # B₀ᵀ C B₁ as ((C B₁)ᵀ B₀)ᵀ, the fresh C B₁ first, as in the encode kernel (sm_90, 8 warps: 255
+    # registers and 168 B stack with B₀ᵀ · C B₁, 80 and none so)
+    q = tl.trans(tl.dot(tl.trans(cb), b0, input_precision=PRECISION))
     if SIGN:  # φ = sign (torch.sign: 0 stays 0)
         q = tl.where(q > 0, 1.0, tl.where(q < 0, -1.0, 0.0))
     at_p = p_ptr + (i0 * C0 + a)[:, None] * rest + (i1 * C1 + b)[None, :]
