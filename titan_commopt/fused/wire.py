@@ -31,8 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["VALUE_FLOAT", "VALUE_TERNARY", "VALUE_SIGN_BITS", "FLOAT_BITS", "Wire", "wire_of", "put_run",
-           "float_field", "rank_in_chunk"]
+__all__ = ["VALUE_FLOAT", "VALUE_TERNARY", "VALUE_SIGN_BITS", "FLOAT_BITS", "MAX_TK", "Wire", "wire_of",
+           "words_for", "put_run", "float_field", "rank_in_chunk", "write_selection", "get_fields", "float_of",
+           "read_selection"]
 
 # how the values travel (a constexpr of the kernels)
 VALUE_FLOAT, VALUE_TERNARY, VALUE_SIGN_BITS = 0, 1, 2
@@ -70,7 +71,6 @@ class Wire:
     low_bytes: int
     table: Optional[torch.Tensor]
     tiles: tuple[int, int, int]  # TW of the value, index (or low-bit) and high runs: see put_run
-
 
     def constexprs(self) -> dict[str, Any]:
         return dict(VALUES=self.values, FLOAT_BITS=self.float_bits, BF16=self.bf16, SIGN=self.sign,
@@ -112,6 +112,9 @@ def wire_of(rep, device) -> Optional[Wire]:
     tiles = tuple(_words_tile(bits) for bits, _ in runs)
     if any(tw * tk > MAX_RUN_CELLS for tw in tiles):
         return None
+    bitmap = compact is not None and not compact.positions.ranked
+    if bitmap and tk * triton.next_power_of_2(k + compact.positions.H) > MAX_RUN_CELLS:
+        return None  # the bitmap's positions are read back with a (k × (k + H)) count
     return Wire(k=k, value_bytes=rep.value_bytes, index_bytes=rep.index_bytes, tiles=tiles, **fields)
 
 
