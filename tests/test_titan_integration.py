@@ -32,9 +32,13 @@ def test_hsdp_adamw_equals_stock_spec(tmp_path, tmp_path_factory):
     assert len(LOSS_LINE.findall(ours.stdout)) == 8
 
 
+# The debug TOML as it is on 2 processes (FSDP, one replica); on 0.3 also test_titan03_toml.py's quickstart run.
+FSDP_TWO = ["--training.steps", "8", "--model.flavor", "cpu_tiny"]
+
+
 @pytest.mark.both_lines
-def test_fsdp_two_processes_trains(tmp_path):
-    proc, tb = run_train(tmp_path, 2, "--training.steps", "8", "--model.flavor", "cpu_tiny")
+def test_fsdp_two_processes_trains(tmp_path_factory):
+    _, proc, tb = shared_run(tmp_path_factory, 2, *FSDP_TWO)
     values = losses(tb)
     assert len(values) == 8 and values[-1] < values[0] - 0.5
     assert "R_ratio" not in " ".join(tb)  # one replica: nothing to compare on R
