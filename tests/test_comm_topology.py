@@ -1,3 +1,4 @@
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -86,9 +87,21 @@ def _async_collectives(rank, world_size):
     return run(sync_ledger, False), run(async_ledger, True)
 
 
-def test_async_collectives_equal_sync_and_are_counted_once():
+def _two_rank_world(rank, world_size):
+    """Both 2-rank checks of this file in one spawn (the second builds its own mesh and groups)."""
+    return {"async": _async_collectives(rank, world_size),
+            "r_own_group": _r_in_flight_and_a_world_collective(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results():
+    # a deadlock (R sharing the world's group) fails the spawn at its timeout
+    return run_distributed(_two_rank_world, 2, timeout=180)
+
+
+def test_async_collectives_equal_sync_and_are_counted_once(two_rank_results):
     for (sync_out, sync_fused, _, sync_step), (async_out, async_fused, at_issue, async_step) in \
-            run_distributed(_async_collectives, 2):
+            (out["async"] for out in two_rank_results):
         for a, b in zip(sync_out + sync_fused, async_out + async_fused):
             assert torch.equal(a, b)
         assert at_issue["R_sent"] == async_step["R_sent"] == sync_step["R_sent"]
@@ -116,7 +129,7 @@ def _r_in_flight_and_a_world_collective(rank, world_size):
                 big=big[:3].tolist(), small=small.tolist())
 
 
-def test_r_gets_its_own_group_when_it_spans_the_world():
-    for o in run_distributed(_r_in_flight_and_a_world_collective, 2, timeout=120):
+def test_r_gets_its_own_group_when_it_spans_the_world(two_rank_results):
+    for o in (out["r_own_group"] for out in two_rank_results):
         assert o["own"] and o["ranks"] == [0, 1]
         assert o["big"] == [3.0, 3.0, 3.0] and o["small"] == [30.0]

@@ -242,9 +242,30 @@ def _sgd_reference(name):
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
+def _four_rank_world(rank, world, root):
+    """Every 2x2 HSDP check of this file in one spawn: the simulation equalities, then the checkpoint
+    resume (each on its own mesh, models and optimizers)."""
+    return {"hsdp": _hsdp_worker(rank, world), "resume": _resume_worker(rank, world, root)}
+
+
 @pytest.fixture(scope="module")
-def hsdp_results():
-    return run_distributed(_hsdp_worker, 4)
+def four_rank_results(tmp_path_factory):
+    return run_distributed(_four_rank_world, 4, str(tmp_path_factory.mktemp("demo_resume")))
+
+
+@pytest.fixture(scope="module")
+def hsdp_results(four_rank_results):
+    return [out["hsdp"] for out in four_rank_results]
+
+
+def _two_rank_world(rank, world):
+    """Both 2-replica checks (|S| = 1) in one spawn: DDP-style DeMo, then the striding regression."""
+    return {"ddp": _ddp_worker(rank, world), "striding": _striding_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results():
+    return run_distributed(_two_rank_world, 2)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -376,8 +397,8 @@ def _no_host_reads():
             setattr(torch.Tensor, n, f)
 
 
-def test_ddp_style_equals_simulation():
-    results = run_distributed(_ddp_worker, 2)
+def test_ddp_style_equals_simulation(two_rank_results):
+    results = [out["ddp"] for out in two_rank_results]
     for name in DDP_CONFIGS:
         ref = _simulate(name, n_shards=1)
         for res in results:
@@ -409,10 +430,10 @@ def _striding_worker(rank, world):
                 params={n: p.detach().clone() for n, p in params.items()}, sent=sent, formula=formula)
 
 
-def test_striding_syncs_every_entry_and_keeps_momentum_bounded():
+def test_striding_syncs_every_entry_and_keeps_momentum_bounded(two_rank_results):
     """Regression: striding used to skip the last ``numel mod 64`` entries of a shard, which were never
     updated and whose momentum grew towards g/(1 − β) (≈ 473·g after 640 steps)."""
-    results = run_distributed(_striding_worker, 2)
+    results = [out["striding"] for out in two_rank_results]
     bound = 2.0 * sum(0.999**k for k in range(64))  # every entry is subtracted once per 64 steps; |g| <= 2
     for res in results:
         for n in ("w", "b"):
@@ -499,8 +520,8 @@ def _resume_worker(rank, world, root):
     return out
 
 
-def test_checkpoint_resume_is_exact_and_old_checkpoints_convert(tmp_path):
-    results = run_distributed(_resume_worker, 4, str(tmp_path))
+def test_checkpoint_resume_is_exact_and_old_checkpoints_convert(four_rank_results):
+    results = [out["resume"] for out in four_rank_results]
     for name in RESUME_CONFIGS:
         for rank, res in enumerate(results):
             res = res[name]

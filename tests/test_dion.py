@@ -830,9 +830,19 @@ def test_distributed_demo_scalar_sync_everything_kept_equals_dense(two_rank_resu
     assert r["dp/demo"]["expected"][0] < r["dp/low"]["expected"]
 
 
+def _four_rank_world(rank, world):
+    """Both 4-process worlds' checks in one spawn: HSDP and TP, then FSDP over TP (each its own meshes)."""
+    return {"four_ranks": _four_ranks(rank, world), "tp_fsdp": _tp_fsdp(rank, world)}
+
+
 @pytest.fixture(scope="module")
-def four_rank_results():
-    return run_distributed(_four_ranks, 4)
+def four_rank_world():
+    return run_distributed(_four_rank_world, 4)
+
+
+@pytest.fixture(scope="module")
+def four_rank_results(four_rank_world):
+    return [out["four_ranks"] for out in four_rank_world]
 
 
 @pytest.mark.parametrize("case", FOUR_RANK_CASES)
@@ -925,8 +935,8 @@ def _tp_fsdp(rank, world):
 
 
 @pytest.fixture(scope="module")
-def tp_fsdp_results():
-    return run_distributed(_tp_fsdp, 4)
+def tp_fsdp_results(four_rank_world):
+    return [out["tp_fsdp"] for out in four_rank_world]
 
 
 @pytest.mark.parametrize("case", [*CONFIGS, "nested"])

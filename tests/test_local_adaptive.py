@@ -443,9 +443,21 @@ def _two_replicas(rank, world):
     return out
 
 
+def _two_rank_world(rank, world):
+    """Every 2-process check of this file in one spawn: two replicas, streaming sync, the norm clip
+    over a TP mesh (each on its own optimizers, groups and mesh)."""
+    return {"two_replicas": _two_replicas(rank, world), "streaming": _streaming(rank, world),
+            "tp_norm_clip": _tp_norm_clip(rank, world)}
+
+
 @pytest.fixture(scope="module")
-def two_replicas():
-    return run_distributed(_two_replicas, 2)
+def two_rank_results():
+    return run_distributed(_two_rank_world, 2)
+
+
+@pytest.fixture(scope="module")
+def two_replicas(two_rank_results):
+    return [out["two_replicas"] for out in two_rank_results]
 
 
 def test_two_replicas_sgdm_with_period_1_is_dp_sgd_momentum(two_replicas):
@@ -583,8 +595,8 @@ def _streaming(rank, world):
 
 
 @pytest.fixture(scope="module")
-def streaming_results():
-    return run_distributed(_streaming, 2)
+def streaming_results(two_rank_results):
+    return [out["streaming"] for out in two_rank_results]
 
 
 @pytest.mark.parametrize("label, kw", STREAM_CONFIGS, ids=[label for label, _ in STREAM_CONFIGS])
@@ -768,8 +780,8 @@ def _tp_norm_clip(rank, world):
     return [p.full_tensor() for p in ps], sum(float(g.norm() ** 2) for g in data[0][0]) ** 0.5
 
 
-def test_norm_clip_over_tp_shards_equals_single_process():
-    res = run_distributed(_tp_norm_clip, 2)
+def test_norm_clip_over_tp_shards_equals_single_process(two_rank_results):
+    res = [out["tp_norm_clip"] for out in two_rank_results]
     shapes = [(4, 3), (5,), (2, 6)]
     init = [torch.randn(s, dtype=F64, generator=torch.Generator().manual_seed(20 + i)) for i, s in enumerate(shapes)]
     ps = [t.clone().requires_grad_() for t in init]

@@ -5,7 +5,7 @@ does that restart by itself when its rendezvous store is not shared across resta
 titan_commopt.run`` sets it).
 
 The kill comes from ``tests/save_crash_hook/sitecustomize.py``: rank 1 SIGKILLs itself when DCP
-hands it step 20's data to write, so step-20 never gets its ``.metadata``.
+hands it step 4's data to write, so step-4 never gets its ``.metadata``.
 """
 
 import os
@@ -26,8 +26,8 @@ def _launch(dump: Path, *extra: str, kill_save: str = "", env: dict = {},
         "--rdzv-endpoint", "localhost:0", "--monitor-interval", "0.5", *extra,
         "-m", "titan_commopt.train", "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
         "--model.flavor", "cpu_tiny", "--parallelism.data_parallel_replicate_degree", "2",
-        "--optimizer.name", "Dion", "--training.steps", "30", "--checkpoint.enable",
-        "--checkpoint.interval", "10", "--metrics.log_freq", "10", "--comm.train_timeout_seconds", "30",
+        "--optimizer.name", "Dion", "--training.steps", "6", "--checkpoint.enable",
+        "--checkpoint.interval", "2", "--metrics.log_freq", "2", "--comm.train_timeout_seconds", "30",
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
     if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env:
@@ -45,22 +45,22 @@ def _complete(dump: Path) -> list[int]:
 
 def test_rank_killed_while_saving_exits_and_the_previous_checkpoint_resumes(tmp_path):
     dump = tmp_path / "out"
-    proc = _launch(dump, kill_save="step-20:1:0")
+    proc = _launch(dump, kill_save="step-4:1:0")
     out, _ = proc.communicate(timeout=300)
     exited = time.time()
     assert proc.returncode != 0
-    killed_at = float((dump / "checkpoint" / "step-20.killed").read_text())
+    killed_at = float((dump / "checkpoint" / "step-4.killed").read_text())
     assert exited - killed_at < 60, "the job took too long to notice the lost rank"
     assert "SIGKILL" in out  # torchrun's failure summary names what happened to the rank
-    assert (dump / "checkpoint" / "step-20").is_dir() and _complete(dump) == [10]
+    assert (dump / "checkpoint" / "step-4").is_dir() and _complete(dump) == [2]
 
-    # The same command again skips the unfinished step-20 (with a line) and resumes from step 10.
+    # The same command again skips the unfinished step-4 (with a line) and resumes from step 2.
     proc = _launch(dump)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-4000:]
-    assert "skipping checkpoint folder(s) step-20: no .metadata" in out
-    assert "Training starts at step 11" in out and "Training completed" in out
-    assert _complete(dump) == [10, 20, 30]
+    assert "skipping checkpoint folder(s) step-4: no .metadata" in out
+    assert "Training starts at step 3" in out and "Training completed" in out
+    assert _complete(dump) == [2, 4, 6]
 
 
 def test_torchrun_max_restarts_resumes_by_itself(tmp_path):
@@ -68,14 +68,14 @@ def test_torchrun_max_restarts_resumes_by_itself(tmp_path):
     restarts (plain torchrun needs it exported: the same variable, read by the same torchrun code)."""
     dump = tmp_path / "out"
     start = time.monotonic()
-    proc = _launch(dump, "--max-restarts", "1", kill_save="step-20:1:0", launcher="titan_commopt.run")
+    proc = _launch(dump, "--max-restarts", "1", kill_save="step-4:1:0", launcher="titan_commopt.run")
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out[-4000:]
     assert time.monotonic() - start < 300
-    assert out.count("Training starts at step 1\n") >= 1 and "Training starts at step 11" in out
-    assert "skipping checkpoint folder(s) step-20" in out and "Training completed" in out
+    assert out.count("Training starts at step 1\n") >= 1 and "Training starts at step 3" in out
+    assert "skipping checkpoint folder(s) step-4" in out and "Training completed" in out
     assert "reuses the rendezvous store" not in out
-    assert _complete(dump) == [10, 20, 30]
+    assert _complete(dump) == [2, 4, 6]
 
 
 def test_restart_with_shared_rendezvous_store_warns(monkeypatch, capsys):

@@ -1,25 +1,31 @@
 """Checkpoint/resume through torchtitan's DCP checkpointing on a 2x2 HSDP mesh (4 CPU processes).
 
-Each optimizer: one uninterrupted 8-step run saving at step 4; the step-8 checkpoint is removed and
-the same command resumes from step 4. Steps 5..8 must give exactly the same losses, and the same
-cumulative bytes (the comm ledger's totals travel with the checkpoint).
+Each optimizer: one uninterrupted 8-step run saving at step 4; the same command resumes from a copy
+of the step-4 checkpoint in a fresh dump folder. Steps 5..8 must give exactly the same losses, and the
+same cumulative bytes (the comm ledger's totals travel with the checkpoint). The uninterrupted runs of
+FlexDeMo and Dion are ``tests/test_titan_optimizers.py``'s HSDP launches (one launch per session).
 """
 
 import shutil
 
 import pytest
 
-from tests.titan_utils import losses, run_train
+from tests.test_titan_optimizers import RESUMED, hsdp_args, hsdp_run
+from tests.titan_utils import losses, run_train, shared_run
 
 STEPS = ["--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "4",
          "--parallelism.data_parallel_replicate_degree", "2", "--model.flavor", "cpu_tiny"]
 
+# The uninterrupted AdamW run is also test_titan_integration.py's run through our container (one launch).
+ADAMW_HSDP = [*STEPS, "--optimizer.name", "AdamW"]
+
 # One preset per family plus the baseline (each costs two 4-process runs); the local-adaptive family's
 # is DES-LOC with periods short enough to sync within the run, streaming, a fragment in flight.
+# FlexDeMo and Dion run with test_titan_optimizers.py's HSDP arguments (its launch is the first run).
 CASES = {
     "AdamW": [],
-    "FlexDeMo": [],
-    "Dion": ["--optimizer.lr", "0.02"],
+    "FlexDeMo": None,
+    "Dion": None,
     # streaming sync with a fragment in flight at the step-4 checkpoint (merged before saving)
     "DES-LOC streaming": ["--commopt.local.Kx", "4", "--commopt.local.Ku", "4", "--commopt.local.Kv", "4",
                           "--commopt.local.fragments", "2", "--commopt.local.sync_delay", "1"],
@@ -32,21 +38,29 @@ def _saved_keys(path):
     return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
-def _resume_pair(tmp_path, name, extra):
-    name = name.split()[0]
-    _, first = run_train(tmp_path, 4, *STEPS, "--optimizer.name", name, *extra)
-    if name != "AdamW":  # each replica's state records the resolved options it was trained with
-        keys = _saved_keys(tmp_path / "out" / "checkpoint" / "step-4")
+def _args(name, extra):
+    if name in RESUMED:
+        return hsdp_args(name)
+    return [*STEPS, "--optimizer.name", name.split()[0], *extra]
+
+
+def _resume_pair(tmp_path, tmp_path_factory, args):
+    """The uninterrupted run (launched once per session) and the same command resumed from its step-4
+    checkpoint, copied into ``tmp_path``."""
+    dump, _, first = shared_run(tmp_path_factory, 4, *args)
+    if "AdamW" not in args:  # each replica's state records the resolved options it was trained with
+        keys = _saved_keys(dump / "checkpoint" / "step-4")
         assert {f"optimizer.replica{r}/commopt_resolved" for r in (0, 1)} <= keys
-    shutil.rmtree(tmp_path / "out" / "checkpoint" / "step-8")
-    shutil.rmtree(tmp_path / "out" / "tb")
-    _, second = run_train(tmp_path, 4, *STEPS, "--optimizer.name", name, *extra)
+    shutil.copytree(dump / "checkpoint" / "step-4", tmp_path / "out" / "checkpoint" / "step-4")
+    _, second = run_train(tmp_path, 4, *args)
     return first, second
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.both_lines) if n == "FlexDeMo" else n for n in CASES])
-def test_resume_equals_uninterrupted(tmp_path, name):
-    first, second = _resume_pair(tmp_path, name, CASES[name])
+# Dion on both lines: its first run is test_titan_optimizers.py's HSDP launch, also both_lines (FlexDeMo's
+# resume on 0.3 is test_titan03.py's test_resume_is_exact).
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.both_lines) if n == "Dion" else n for n in CASES])
+def test_resume_equals_uninterrupted(tmp_path, tmp_path_factory, name):
+    first, second = _resume_pair(tmp_path, tmp_path_factory, _args(name, CASES[name]))
     uninterrupted, resumed = losses(first), losses(second)
     assert len(uninterrupted) == 8 and len(resumed) == 4
     assert resumed == uninterrupted[4:]
@@ -56,15 +70,16 @@ def test_resume_equals_uninterrupted(tmp_path, name):
     assert sorted(first[total])[3][1] > 0
 
 
-def test_resume_with_other_replica_count_fails_clearly(tmp_path):
-    """A refused resume: one line, printed once (rank 0), exit status 2 on every rank, no traceback."""
-    two = ["--training.steps", "5", "--checkpoint.enable", "--checkpoint.interval", "4", "--model.flavor", "cpu_tiny",
-           "--optimizer.name", "Dion"]
-    run_train(tmp_path, 2, *two, "--parallelism.data_parallel_replicate_degree", "2")
-    shutil.rmtree(tmp_path / "out" / "checkpoint" / "step-5")  # model-only (last step): keep step 4
-    proc, _ = run_train(
-        tmp_path, 2, *two, "--parallelism.data_parallel_replicate_degree", "1", check=False, all_ranks=True
-    )
+def test_resume_with_other_replica_count_fails_clearly(tmp_path, tmp_path_factory):
+    """A refused resume: one line, printed once (rank 0), exit status 2 on every rank, no traceback.
+    The checkpoint: step 4 of the Dion HSDP run (2 replicas x 2 shards); resumed on 2 processes with 1
+    replica, the dataloader state (per data-parallel rank) left out so that the replicas are what differs."""
+    dump, _, _ = hsdp_run(tmp_path_factory, "Dion")
+    shutil.copytree(dump / "checkpoint" / "step-4", tmp_path / "out" / "checkpoint" / "step-4")
+    one = ["--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "4", "--model.flavor", "cpu_tiny",
+           "--optimizer.name", "Dion", "--optimizer.lr", "0.02", "--parallelism.data_parallel_replicate_degree", "1",
+           "--checkpoint.exclude_from_loading", "dataloader"]
+    proc, _ = run_train(tmp_path, 2, *one, check=False, all_ranks=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     lines = [line for line in out.splitlines() if "titan_commopt: cannot resume" in line]
@@ -202,8 +217,8 @@ def test_damaged_or_incomplete_checkpoints_are_named(tmp_path, caplog):
 TP = ["--parallelism.tensor_parallel_degree", "2"]
 
 
-def test_resume_equals_uninterrupted_with_tp(tmp_path):
-    first, second = _resume_pair(tmp_path, "DES-LOC", TP)
+def test_resume_equals_uninterrupted_with_tp(tmp_path, tmp_path_factory):
+    first, second = _resume_pair(tmp_path, tmp_path_factory, _args("DES-LOC", TP))
     uninterrupted, resumed = losses(first), losses(second)
     assert len(uninterrupted) == 8 and len(resumed) == 4
     assert resumed == uninterrupted[4:]
@@ -266,15 +281,18 @@ def _last_line(proc) -> str:
     return lines[-1] if lines else ""
 
 
-def test_refused_resumes_end_the_launchers_output_and_the_shard_degree_may_change(tmp_path):
+def test_refused_resumes_end_the_launchers_output_and_the_shard_degree_may_change(tmp_path, tmp_path_factory):
     """Through titan_commopt.run: a refused resume is the last line, once, exit status 2, no
     traceback (torchrun's failure summary replaced); 2 replicas × 2 shards → 2 × 1 resumes once the
-    dataloader state (per data-parallel rank, not reshardable) is left out."""
-    assert _launch(tmp_path, 4, "--training.steps", "3").returncode == 0
+    dataloader state (per data-parallel rank, not reshardable) is left out. The checkpoints: the
+    FlexDeMo HSDP run's (2 replicas x 2 shards, 8 steps: step-4, and step-8 model-only as the last step)."""
+    dump, _, _ = hsdp_run(tmp_path_factory, "FlexDeMo")
     checkpoint = tmp_path / "out" / "checkpoint"
+    shutil.copytree(dump / "checkpoint", checkpoint)
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["step-4", "step-8"]
 
     def refused(*args: str) -> str:
-        proc = _launch(tmp_path, 2, "--training.steps", "4", *args)
+        proc = _launch(tmp_path, 2, "--training.steps", "9", *args)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 2, out[-3000:]
         line = _last_line(proc)
@@ -284,9 +302,9 @@ def test_refused_resumes_end_the_launchers_output_and_the_shard_degree_may_chang
 
     # the last step's checkpoint is model-only (torchtitan's default): named, not a DCP missing-key traceback
     # (every other refusal's line is checked without a launch, by resume_problem, above)
-    assert "step-3: it holds no optimizer, lr_scheduler, dataloader, train_state state" in refused()
-    shutil.rmtree(checkpoint / "step-3")
+    assert "step-8: it holds no optimizer, lr_scheduler, dataloader, train_state state" in refused()
+    shutil.rmtree(checkpoint / "step-8")
     assert "dataloader state is for a data-parallel degree" in refused()
-    proc = _launch(tmp_path, 2, "--training.steps", "4", "--checkpoint.exclude_from_loading", "dataloader")
+    proc = _launch(tmp_path, 2, "--training.steps", "5", "--checkpoint.exclude_from_loading", "dataloader")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert "Training starts at step 3" in proc.stdout + proc.stderr
+    assert "Training starts at step 5" in proc.stdout + proc.stderr

@@ -205,10 +205,22 @@ def _runtime(rank, world_size):
     return out
 
 
+def _two_rank_world(rank, world_size):
+    """Every 2-rank check of this file in one spawn: the runtime rules, the end-of-training flush of an
+    overlapped update, and the ledger's totals in a checkpoint (each on its own mesh or topology)."""
+    return {"runtime": _runtime(rank, world_size), "flush": _flush_at_end(rank, world_size),
+            "ledger": _ledger_in_checkpoint(rank, world_size)}
+
+
 @pytest.fixture(scope="module")
-def runtime_results():
-    """One 2-replica world (one spawn) for every runtime rule below: each rank's results."""
-    return run_distributed(_runtime, 2)
+def two_rank_results():
+    """One 2-process world (one spawn) for every 2-rank check below: each rank's results."""
+    return run_distributed(_two_rank_world, 2)
+
+
+@pytest.fixture(scope="module")
+def runtime_results(two_rank_results):
+    return [out["runtime"] for out in two_rank_results]
 
 
 def _expected_norm(out):
@@ -304,8 +316,8 @@ def _flush_at_end(rank, world_size):
     return {k: v for k, v in out.items() if isinstance(k, str)}
 
 
-def test_flush_at_end_of_training_applies_the_overlapped_update():
-    for out in run_distributed(_flush_at_end, 2):
+def test_flush_at_end_of_training_applies_the_overlapped_update(two_rank_results):
+    for out in (rank["flush"] for rank in two_rank_results):
         # overlap leaves step 1's update in flight; the end-of-training flush applies it, giving
         # the parameters of the non-overlapped run
         assert out == {"moved_by_step_False": True, "moved_by_step_True": False, "equal": True}
@@ -335,6 +347,6 @@ def _ledger_in_checkpoint(rank, world_size):
             "totals": ledger.totals["R_sent"]}
 
 
-def test_a_checkpoint_without_ledger_totals_loads_and_the_next_save_has_them():
-    (out,) = run_distributed(_ledger_in_checkpoint, 1)
-    assert out == {"saved": True, "asked": False, "after": True, "totals": 5}
+def test_a_checkpoint_without_ledger_totals_loads_and_the_next_save_has_them(two_rank_results):
+    for out in (rank["ledger"] for rank in two_rank_results):  # Topology.single() on each rank: no collective
+        assert out == {"saved": True, "asked": False, "after": True, "totals": 5}

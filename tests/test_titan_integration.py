@@ -5,34 +5,40 @@ import sys
 
 import pytest
 
-from tests.titan_utils import CONFIG, LOSS_LINE, ROOT, assert_ledger_is_the_comm_report, losses, run_train
+from tests.test_resume import ADAMW_HSDP
+from tests.titan_utils import (
+    CONFIG, LOSS_LINE, ROOT, assert_ledger_is_the_comm_report, losses, run_train, shared_run,
+)
 
 
 @pytest.mark.both_lines
-def test_hsdp_adamw_equals_stock_spec(tmp_path):
+def test_hsdp_adamw_equals_stock_spec(tmp_path, tmp_path_factory):
     """AdamW through llama3_commopt (our optimizer builder, parallelize wrapper, metrics) gives the
-    same losses as torchtitan's stock llama3 spec on a 2x2 HSDP mesh."""
-    common = ["--training.steps", "6", "--parallelism.data_parallel_replicate_degree", "2",
-              "--model.flavor", "cpu_tiny", "--optimizer.name", "AdamW"]
-    ours, ours_tb = run_train(tmp_path / "ours", 4, *common)
-    _, ref_tb = run_train(tmp_path / "ref", 4, *common, "--model.name", "llama3_reference")
-    assert len(losses(ours_tb)) == 6
+    same losses as torchtitan's stock llama3 spec on a 2x2 HSDP mesh. Ours is test_resume.py's
+    uninterrupted AdamW run (8 steps, a checkpoint at step 4; one launch for both files)."""
+    _, ours, ours_tb = shared_run(tmp_path_factory, 4, *ADAMW_HSDP)
+    _, ref_tb = run_train(tmp_path / "ref", 4, *ADAMW_HSDP, "--model.name", "llama3_reference")
+    assert len(losses(ours_tb)) == 8
     assert losses(ours_tb) == losses(ref_tb)  # bit for bit (float32 as TensorBoard stores it)
     assert losses(ours_tb)[-1] < losses(ours_tb)[0]
     # The comm scalars exist and AdamW-HSDP's R figure is the fp32 gradient shard per step.
     r_sent = [v for _, v in ours_tb["comm/R_sent_bytes"]]
     assert r_sent and all(v == r_sent[0] > 0 for v in r_sent)
-    assert [v for _, v in ours_tb["comm/R_ratio_vs_adamw_hsdp"]] == [1.0] * 6
-    assert ours_tb["comm/R_sent_bytes_total"][-1][1] == pytest.approx(6 * r_sent[0])
+    assert [v for _, v in ours_tb["comm/R_ratio_vs_adamw_hsdp"]] == [1.0] * 8
+    assert ours_tb["comm/R_sent_bytes_total"][-1][1] == pytest.approx(8 * r_sent[0])
     assert ours_tb["comm/S_bytes"][-1][1] > 0
-    assert_ledger_is_the_comm_report(ours_tb, "AdamW", 6)
+    assert_ledger_is_the_comm_report(ours_tb, "AdamW", 8)
     # The console shows R bytes next to the loss.
-    assert len(LOSS_LINE.findall(ours.stdout)) == 6
+    assert len(LOSS_LINE.findall(ours.stdout)) == 8
+
+
+# The debug TOML as it is on 2 processes (FSDP, one replica); on 0.3 also test_titan03_toml.py's quickstart run.
+FSDP_TWO = ["--training.steps", "8", "--model.flavor", "cpu_tiny"]
 
 
 @pytest.mark.both_lines
-def test_fsdp_two_processes_trains(tmp_path):
-    proc, tb = run_train(tmp_path, 2, "--training.steps", "8", "--model.flavor", "cpu_tiny")
+def test_fsdp_two_processes_trains(tmp_path_factory):
+    _, proc, tb = shared_run(tmp_path_factory, 2, *FSDP_TWO)
     values = losses(tb)
     assert len(values) == 8 and values[-1] < values[0] - 0.5
     assert "R_ratio" not in " ".join(tb)  # one replica: nothing to compare on R

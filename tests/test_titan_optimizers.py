@@ -14,7 +14,9 @@ import pytest
 
 from titan_commopt.optim import available_names, family_of, resolve
 from scripts._bench_common import cli_overrides
-from tests.titan_utils import TP_APPLIED, assert_ledger_is_the_comm_report, losses, read_texts, run_train
+from tests.titan_utils import (
+    TP_APPLIED, assert_ledger_is_the_comm_report, losses, read_texts, run_train, shared_run,
+)
 
 # Each family on each mesh, and each base step of a family on one of them (the presets' numbers are
 # the equivalence tests' business; a launch here costs ~15 s of CI): every name runs through
@@ -55,13 +57,28 @@ def test_every_registered_name_is_covered():
         assert resolve(name).options.base == resolve(runner).options.base
 
 
+# tests/test_resume.py resumes these names' HSDP runs from their step-4 checkpoint instead of launching
+# uninterrupted runs of its own: one launch serves both files (saving a checkpoint sends nothing over R
+# or S, so this file's checks hold on it unchanged).
+RESUMED = {"FlexDeMo", "Dion"}
+
+
+def hsdp_args(name: str) -> list[str]:
+    """The HSDP run's arguments for ``name`` (4 processes, 2 replicas x 2 shards)."""
+    return ["--training.steps", str(HSDP_STEPS), "--parallelism.data_parallel_replicate_degree", "2",
+            "--model.flavor", "cpu_tiny", "--optimizer.name", name, "--optimizer.lr", LR.get(name, "0.003"),
+            *cli_overrides(name, EXTRA.get(name, {})),  # no replica check: its fingerprints are R bytes too
+            *(["--checkpoint.enable", "--checkpoint.interval", "4"] if name in RESUMED else [])]
+
+
+def hsdp_run(tmp_path_factory, name: str):
+    """(dump folder, process, scalars) of ``name``'s HSDP run, launched once per session."""
+    return shared_run(tmp_path_factory, 4, *hsdp_args(name))
+
+
 @pytest.mark.parametrize("name", _on_both_lines(HSDP_NAMES))
-def test_optimizer_trains_through_torchtitan_hsdp(tmp_path, name):
-    proc, tb = run_train(
-        tmp_path, 4, "--training.steps", str(HSDP_STEPS), "--parallelism.data_parallel_replicate_degree", "2",
-        "--model.flavor", "cpu_tiny", "--optimizer.name", name, "--optimizer.lr", LR.get(name, "0.003"),
-        *cli_overrides(name, EXTRA.get(name, {})),  # no replica check: its fingerprints are R bytes too
-    )
+def test_optimizer_trains_through_torchtitan_hsdp(tmp_path_factory, name):
+    dump, proc, tb = hsdp_run(tmp_path_factory, name)
     assert "Applied FSDP to the model" in proc.stdout and "Applied HSDP" not in proc.stdout
     values = losses(tb)
     assert len(values) == HSDP_STEPS and all(math.isfinite(v) for v in values)
@@ -71,7 +88,7 @@ def test_optimizer_trains_through_torchtitan_hsdp(tmp_path, name):
     assert tb["commopt/skipped_steps"][-1][1] == 0
     assert_ledger_is_the_comm_report(tb, name, HSDP_STEPS, EXTRA.get(name))
     # the resolved options, once, as text: what the run trained with and where each value came from
-    (text,) = read_texts(tmp_path / "out")["commopt/resolved_options/text_summary"]
+    (text,) = read_texts(dump)["commopt/resolved_options/text_summary"]
     record = json.loads(text.strip("`\n"))
     scaled = float(LR.get(name, "0.003")) * resolve(name).options.lr_scale  # the preset's recommended scale
     assert record["optimizer"] == name and record["hparams"]["lr"] == pytest.approx(scaled)

@@ -26,6 +26,11 @@ def _from_parallel_dims(rank, world_size, replicate, shard):
     )
 
 
+def _degenerate(rank, world_size):
+    """Both 2-process meshes in one spawn: DDP (|S| = 1), then FSDP (|R| = 1), each from its own ParallelDims."""
+    return {"ddp": _from_parallel_dims(rank, world_size, 2, 1), "fsdp": _from_parallel_dims(rank, world_size, 1, 2)}
+
+
 def test_hsdp_2x2_parallel_dims():
     for rank, o in enumerate(run_distributed(_from_parallel_dims, 4, 2, 2)):
         assert o["sizes"] == (2, 2, 1)
@@ -35,7 +40,8 @@ def test_hsdp_2x2_parallel_dims():
 
 
 def test_degenerate_sizes():
-    for rank, o in enumerate(run_distributed(_from_parallel_dims, 2, 2, 1)):  # DDP: |S| = 1
+    for rank, both in enumerate(run_distributed(_degenerate, 2)):
+        o = both["ddp"]  # DDP: |S| = 1
         assert o["sizes"] == (2, 1, 1) and o["r"] == [0, 1] and o["s"] == [rank]
-    for rank, o in enumerate(run_distributed(_from_parallel_dims, 2, 1, 2)):  # FSDP: |R| = 1
+        o = both["fsdp"]  # FSDP: |R| = 1
         assert o["sizes"] == (1, 2, 1) and o["grad_scale"] == 1.0 and o["r"] == [rank] and o["s"] == [0, 1]

@@ -64,6 +64,20 @@ def run_train(tmp_path, nproc: int, *overrides: str, timeout: int = 600, check: 
     return proc, read_scalars(dump)
 
 
+_SHARED_RUNS: dict = {}
+
+
+def shared_run(tmp_path_factory, nproc: int, *overrides: str):
+    """:func:`run_train`'s result for these arguments, launched once per test session (the first test
+    that asks launches it): tests that check different things of one run share its launch. Returns
+    (dump folder, completed process, scalars); the dump folder is read-only to the tests."""
+    key = (nproc, overrides)
+    if key not in _SHARED_RUNS:
+        tmp = tmp_path_factory.mktemp("shared_run")
+        _SHARED_RUNS[key] = (tmp / "out", *run_train(tmp, nproc, *overrides))
+    return _SHARED_RUNS[key]
+
+
 def assert_ledger_is_the_comm_report(tb: dict, name: str, steps: int, overrides=None) -> None:
     """The R and S bytes per step a 2 x 2 HSDP run of cpu_tiny logged (``tb``, from :func:`run_train`)
     equal ``scripts/comm_report.py``'s formulas for that mesh (float32 parameters, as debug_cpu.toml; the
