@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .wire import read_selection, wire_of, words_for, write_selection
+from .wire import read_constexprs, read_selection, wire_of, words_for, write_selection
 
 __all__ = ["PRECISIONS", "encode", "decode", "wire_of", "words_for"]
 
@@ -115,7 +115,7 @@ def _decode_kernel(val_ptr, idx_ptr, weight_ptr, bytes_ptr, table_ptr, value_bit
                    C0: tl.constexpr, C1: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, K: tl.constexpr,
                    TK: tl.constexpr, MEAN_SELECTED: tl.constexpr, SIGN: tl.constexpr, DECAY: tl.constexpr,
                    PRECISION: tl.constexpr, WIRE: tl.constexpr, VALUES: tl.constexpr, FLOAT_BITS: tl.constexpr,
-                   BF16: tl.constexpr, WIRE_SIGN: tl.constexpr, INDEX_BITS: tl.constexpr, COMPACT: tl.constexpr,
+                   BF16: tl.constexpr, INDEX_BITS: tl.constexpr, COMPACT: tl.constexpr,
                    EF_LOW: tl.constexpr, EF_RANKED: tl.constexpr, EF_HIGH_BITS: tl.constexpr, EF_H: tl.constexpr,
                    LOW_BYTES: tl.constexpr, TN: tl.constexpr):
     chunk = tl.program_id(0).to(tl.int64)
@@ -135,8 +135,7 @@ def _decode_kernel(val_ptr, idx_ptr, weight_ptr, bytes_ptr, table_ptr, value_bit
     for w in range(W):  # replica order: ((0 + q₀) + q₁) + …, as compress.dct.accumulate_chunks_
         if WIRE:  # replica w's bytes of this chunk, read in place (``fused.wire``)
             v, at, n = read_selection(replica_bytes, table_ptr, value_bit, index_bit, chunk, j, K, VALUES, FLOAT_BITS,
-                                      BF16, WIRE_SIGN, INDEX_BITS, COMPACT, EF_LOW, EF_RANKED, EF_HIGH_BITS, EF_H,
-                                      LOW_BYTES, TN)
+                                      BF16, INDEX_BITS, COMPACT, EF_LOW, EF_RANKED, EF_HIGH_BITS, EF_H, LOW_BYTES, TN)
             replica_bytes += replica_stride
             if not MEAN_SELECTED:  # eq. 6: each replica's values divided by W, as the torch path
                 v = tl.math.div_rn(v, replicas)
@@ -248,20 +247,14 @@ def decode(chunker, values: torch.Tensor | None, indices: torch.Tensor | None, p
     n, L = chunker.n_chunks, chunker.L
     if wire is not None:
         W, k, rows = payloads.shape[0], wire.k, len(params) * n
-        mean_selected, stride = bool(mean_selected), payloads.stride(0)
         payloads = payloads if payloads.stride(1) == 1 else payloads.contiguous()
-        spec = wire.constexprs()
-        spec = dict(WIRE_SIGN=spec.pop("SIGN"), **{key: val for key, val in spec.items()
-                                                  if key not in ("TW_V", "TW_I", "TW_H")})
-        tn = triton.next_power_of_2(k + wire.ef_H) if wire.compact else 1
+        mean_selected, stride = bool(mean_selected), payloads.stride(0)
         table = wire.table if wire.table is not None else payloads
     else:
         W, rows, k = values.shape
         mean_selected, stride = selected is not None, rows * k
         values, indices = values.contiguous(), indices.contiguous()
-        spec = dict(VALUES=0, FLOAT_BITS=32, BF16=False, WIRE_SIGN=False, INDEX_BITS=0, COMPACT=False, EF_LOW=0,
-                    EF_RANKED=False, EF_HIGH_BITS=0, EF_H=0, LOW_BYTES=0)
-        tn, table = 1, values
+        table = values
     dense = _scratch(dense, rows * L, params[0].device)
     count = _scratch(count, rows * L, params[0].device) if mean_selected else dense  # (unused then)
     weights = selected.contiguous() if selected is not None else values  # (unused without selected)
@@ -276,7 +269,7 @@ def decode(chunker, values: torch.Tensor | None, indices: torch.Tensor | None, p
         _decode_kernel[(n,)](*pointers, dense[cells], count[cells], b0, b1, p, W, float(W), stride, rest, n1, float(lr),
                              1.0 - lr * wd, C0=c0, C1=c1, T0=_tile(c0), T1=_tile(c1), K=k,
                              TK=max(2, triton.next_power_of_2(k)), MEAN_SELECTED=mean_selected, SIGN=sign,
-                             DECAY=wd != 0, PRECISION=precision, WIRE=wire is not None, TN=tn, **spec,
+                             DECAY=wd != 0, PRECISION=precision, WIRE=wire is not None, **read_constexprs(wire),
                              num_warps=_warps(_tile(c0), _tile(c1)))
 
 

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["VALUE_FLOAT", "VALUE_TERNARY", "VALUE_SIGN_BITS", "FLOAT_BITS", "MAX_TK", "Wire", "wire_of",
-           "words_for", "put_run", "float_field", "rank_in_chunk", "write_selection", "get_fields", "float_of",
+           "read_constexprs", "words_for", "put_run", "float_field", "rank_in_chunk", "write_selection", "get_fields", "float_of",
            "read_selection"]
 
 # how the values travel (a constexpr of the kernels)
@@ -73,10 +73,24 @@ class Wire:
     tiles: tuple[int, int, int]  # TW of the value, index (or low-bit) and high runs: see put_run
 
     def constexprs(self) -> dict[str, Any]:
-        return dict(VALUES=self.values, FLOAT_BITS=self.float_bits, BF16=self.bf16, SIGN=self.sign,
-                    INDEX_BITS=self.index_bits, COMPACT=self.compact, EF_LOW=self.ef_low, EF_RANKED=self.ef_ranked,
-                    EF_HIGH_BITS=self.ef_high_bits, EF_H=self.ef_H, LOW_BYTES=self.low_bytes,
-                    TW_V=self.tiles[0], TW_I=self.tiles[1], TW_H=self.tiles[2])
+        """:func:`write_selection`'s constexprs."""
+        return dict(**_layout(self), SIGN=self.sign, TW_V=self.tiles[0], TW_I=self.tiles[1], TW_H=self.tiles[2])
+
+
+def _layout(wire: Optional[Wire]) -> dict[str, Any]:
+    """The constexprs both sides take: how the fields lie (any values where there is no wire)."""
+    if wire is None:
+        return dict(VALUES=0, FLOAT_BITS=32, BF16=False, INDEX_BITS=0, COMPACT=False, EF_LOW=0, EF_RANKED=False,
+                    EF_HIGH_BITS=0, EF_H=0, LOW_BYTES=0)
+    return dict(VALUES=wire.values, FLOAT_BITS=wire.float_bits, BF16=wire.bf16, INDEX_BITS=wire.index_bits,
+                COMPACT=wire.compact, EF_LOW=wire.ef_low, EF_RANKED=wire.ef_ranked, EF_HIGH_BITS=wire.ef_high_bits,
+                EF_H=wire.ef_H, LOW_BYTES=wire.low_bytes)
+
+
+def read_constexprs(wire: Optional[Wire]) -> dict[str, Any]:
+    """:func:`read_selection`'s constexprs (placeholders for a kernel that is given no wire)."""
+    tn = triton.next_power_of_2(wire.k + wire.ef_H) if wire is not None and wire.compact else 1
+    return dict(**_layout(wire), TN=tn)
 
 
 def _words_tile(bits: int) -> int:
@@ -266,7 +280,7 @@ def _shift_up(x, lane):
 @triton.jit
 def read_selection(bytes_ptr, table_ptr, value_bit, index_bit, chunk, lane,
                    K: tl.constexpr, VALUES: tl.constexpr, FLOAT_BITS: tl.constexpr,
-                   BF16: tl.constexpr, SIGN: tl.constexpr, INDEX_BITS: tl.constexpr, COMPACT: tl.constexpr,
+                   BF16: tl.constexpr, INDEX_BITS: tl.constexpr, COMPACT: tl.constexpr,
                    EF_LOW: tl.constexpr, EF_RANKED: tl.constexpr, EF_HIGH_BITS: tl.constexpr, EF_H: tl.constexpr,
                    LOW_BYTES: tl.constexpr, TN: tl.constexpr):
     """Inverse of :func:`write_selection` for one chunk of one replica's bytes: ``(values float32,
