@@ -26,24 +26,24 @@ def flavor_args(flavor: str):
     only a HuggingFace ``tokenizer.json``: byte-level BPE, 2000 ids), so their embedding and head
     differ between the lines; 0.3's attention also fuses wq/wk/wv into one ``wqkv``."""
     if _on_03():
-        from titan_commopt.titan.v03.toml_config import model_spec
+        from titan_commopt.titan.tt03_toml.toml_config import model_spec
 
         return model_spec(flavor).model
     from torchtitan.models.llama3 import llama3_args
 
-    from titan_commopt.titan.adapter.spec import EXTRA_FLAVORS
+    from titan_commopt.titan.tt022.spec import EXTRA_FLAVORS
 
     return {**llama3_args, **EXTRA_FLAVORS}[flavor]
 
 
 def flavor_names() -> list[str]:
     if _on_03():
-        from titan_commopt.titan.v03.toml_config import flavor_names as names
+        from titan_commopt.titan.tt03_toml.toml_config import flavor_names as names
 
         return names()
     from torchtitan.models.llama3 import llama3_args
 
-    from titan_commopt.titan.adapter.spec import EXTRA_FLAVORS
+    from titan_commopt.titan.tt022.spec import EXTRA_FLAVORS
 
     return list({**llama3_args, **EXTRA_FLAVORS})
 

@@ -31,4 +31,4 @@ esac
 pip_install "torchtitan==$TORCHTITAN"
 pip_install -e ".[dev,bench]"
 # torchtitan imports (needs triton on CPU); corpus + tokenizer built once and cached.
-"$VENV/bin/python" -c "import titan_commopt.titan; from titan_commopt.titan.adapter import data; data.bundled_tokenizer_path()"
+"$VENV/bin/python" -c "import titan_commopt.titan; from titan_commopt.titan.tt022 import tokenizer as data; data.bundled_tokenizer_path()"

@@ -119,12 +119,11 @@ def test_layers_import_one_way():
 
 
 def test_the_torchtitan_lines_stay_apart():
-    """One adapter per torchtitan line (``titan/adapter``: 0.2.2, ``titan/v03``: 0.3): the 0.2.2 adapter
-    never imports the 0.3 one (0.3 reuses 0.2.2's line-agnostic container, clipping and metrics), and
-    ``titan/shared`` (what both read the same way) imports neither."""
-    adapter, v03, shared = (f"{NAME}.titan.{p}" for p in ("adapter", "v03", "shared"))
+    """A folder per torchtitan line (``titan/tt022``: 0.2.2, ``titan/tt03``: 0.3): the 0.2.2 folder
+    never imports the 0.3 one, and ``titan/common`` (what both use) imports neither."""
+    tt022, tt03, common = (f"{NAME}.titan.{p}" for p in ("tt022", "tt03", "common"))
     for module, deps in _graph().items():
-        if module.startswith(adapter):
-            assert not [d for d in deps if d.startswith(v03)], module
-        if module.startswith(shared):
-            assert not [d for d in deps if d.startswith((adapter, v03))], module
+        if module.startswith(tt022):
+            assert not [d for d in deps if d.startswith(tt03)], module
+        if module.startswith(common):
+            assert not [d for d in deps if d.startswith((tt022, tt03))], module

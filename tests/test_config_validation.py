@@ -417,7 +417,7 @@ def test_mt_dao_switch_in_a_short_run_gets_one_warning_line(tmp_path, cli, warne
 
 def _main_without_training(monkeypatch, argv):
     """``titan_commopt.train.main`` up to where torchtitan would start."""
-    import titan_commopt.titan.adapter.trainer as trainer
+    import titan_commopt.titan.tt022.trainer as trainer
     import titan_commopt.titan.platform.console as console
     import titan_commopt.titan.platform.cpu as cpu
     from titan_commopt.train import main

@@ -40,7 +40,7 @@ def test_world_arithmetic_holds():
 def test_bundled_tokenizer_follows_the_dataset():
     from types import SimpleNamespace
 
-    from titan_commopt.titan.adapter import data
+    from titan_commopt.titan.tt022 import tokenizer as data
 
     def tokenizer(dataset):
         return data.build_tokenizer(SimpleNamespace(model=SimpleNamespace(hf_assets_path="bundled"),

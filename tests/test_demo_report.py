@@ -16,7 +16,7 @@ from titan_commopt.optim import ShardShape, demo, resolve, traffic
 def _shapes(flavor):
     from torchtitan.models.llama3 import Transformer, llama3_args
 
-    from titan_commopt.titan.adapter.spec import EXTRA_FLAVORS
+    from titan_commopt.titan.tt022.spec import EXTRA_FLAVORS
 
     args = {**llama3_args, **EXTRA_FLAVORS}[flavor]
     with torch.device("meta"):

@@ -14,7 +14,7 @@ from titan_commopt.topology import Topology
 
 
 def _container(on_nonfinite, check_every):
-    from titan_commopt.titan.adapter.container import CommOptimizersContainer, Safeguards
+    from titan_commopt.titan.common.container import CommOptimizersContainer, Safeguards
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "fsdp"))
     topo = Topology.from_mesh(mesh)
@@ -105,7 +105,7 @@ def test_drift_stops_every_rank_naming_the_parameter(four_rank_results):
 # ---- one 2-replica world for the container's runtime rules (one spawn for all of them) ----------
 def _own_r_container(topo, name, safeguards=None, **options):
     from titan_commopt.optim import build_optimizer, resolve
-    from titan_commopt.titan.adapter.container import CommOptimizersContainer, Safeguards
+    from titan_commopt.titan.common.container import CommOptimizersContainer, Safeguards
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
@@ -122,8 +122,8 @@ def _own_r_container(topo, name, safeguards=None, **options):
 def _runtime(rank, world_size):
     from torchtitan.distributed import utils as dist_utils
 
-    from titan_commopt.titan.adapter import clipping
-    from titan_commopt.titan.adapter.container import CommOptimizersContainer, Safeguards
+    from titan_commopt.titan.common import clipping
+    from titan_commopt.titan.common.container import CommOptimizersContainer, Safeguards
     from titan_commopt.titan.platform.stop import RunStopped
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_replicate",))
@@ -289,7 +289,7 @@ def test_persistent_nonfinite_gradients_stop_the_run(tmp_path):
 
 def _flush_at_end(rank, world_size):
     from titan_commopt.optim import build_optimizer, resolve
-    from titan_commopt.titan.adapter.container import CommOptimizersContainer
+    from titan_commopt.titan.common.container import CommOptimizersContainer
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_replicate",))
     topo = Topology.from_mesh(mesh)
@@ -324,8 +324,8 @@ def test_flush_at_end_of_training_applies_the_overlapped_update(two_rank_results
 
 
 def _ledger_in_checkpoint(rank, world_size):
-    from titan_commopt.titan.adapter.container import CommOptimizersContainer
-    from titan_commopt.titan.adapter.replica_checkpoint import LEDGER_KEY
+    from titan_commopt.titan.common.container import CommOptimizersContainer
+    from titan_commopt.titan.common.replica_checkpoint import LEDGER_KEY
 
     model = nn.Linear(4, 3)
     ledger = comm.CommLedger()

@@ -31,7 +31,7 @@ pytestmark = ONLY_ON_03
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = V03_CONFIGS
-OVERRIDE = "titan_commopt.titan.v03.overrides"
+OVERRIDE = "titan_commopt.titan.tt03.overrides"
 MESHES = {  # name: (processes, flags)
     "hsdp_2x2": (4, []),
     "r2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
@@ -181,7 +181,7 @@ def test_bad_cli_value_is_one_line_exit_2(capsys, args, expected):
 def test_bad_override_is_one_line_exit_2(capsys, kwargs, expected):
     from torchtitan.components.optimizer import default_adamw
 
-    from titan_commopt.titan.v03.overrides import commopt
+    from titan_commopt.titan.tt03.overrides import commopt
 
     with pytest.raises(SystemExit) as stop:
         commopt(default_adamw(), **kwargs)

@@ -52,7 +52,7 @@ def _config(dump: Path, *args: str):
 
 def _problem(config, replicas: int = 2, dp_degree: int = 2):
     from titan_commopt.titan.config.resume import resume_problem
-    from titan_commopt.titan.v03.container import checkpoint_settings, resolve_config
+    from titan_commopt.titan.tt03.container import checkpoint_settings, resolve_config
 
     settings = checkpoint_settings(config, config.optimizer.name)
     return resume_problem(settings, resolve_config(config.optimizer), replicas, dp_degree)
@@ -60,7 +60,7 @@ def _problem(config, replicas: int = 2, dp_degree: int = 2):
 
 def test_the_checkpoint_is_laid_out_as_the_check_reads_it(dump):
     from titan_commopt.titan.config.resume import checkpoint_to_load, read_metadata, read_record, saved_replicas
-    from titan_commopt.titan.v03.container import checkpoint_settings
+    from titan_commopt.titan.tt03.container import checkpoint_settings
 
     config = _config(dump)
     step2 = dump / "checkpoint" / "step-2"
@@ -109,9 +109,9 @@ def test_the_override_and_the_toml_are_checked_alike(dump, monkeypatch):
     refusals name the TOML's keys)."""
     from torchtitan.components.optimizer import default_adamw
 
-    from titan_commopt.titan.shared.checkpoint_settings import TOML
-    from titan_commopt.titan.v03 import container
-    from titan_commopt.titan.v03.overrides import commopt
+    from titan_commopt.titan.config.checkpoint import TOML
+    from titan_commopt.titan.tt03 import container
+    from titan_commopt.titan.tt03.overrides import commopt
     from titan_commopt.train import check_config
 
     config = _config(dump)

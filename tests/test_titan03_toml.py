@@ -79,7 +79,7 @@ def test_overrides_as_on_022():
 def test_a_key_set_at_its_default_beats_the_preset_in_the_container(tmp_path):
     """FlexDeMo's preset signs before the sync; a TOML that says false at the family default keeps
     false in the optimizer 0.3 builds, as on 0.2.2."""
-    from titan_commopt.titan.v03.container import resolve_config
+    from titan_commopt.titan.tt03.container import resolve_config
 
     config = tmp_path / "my.toml"
     config.write_text(CONFIG.read_text() + "\n[commopt.demo]\nsign_before_sync = false\n")

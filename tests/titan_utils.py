@@ -22,7 +22,7 @@ ONLY_ON_03 = [
     ),
     pytest.mark.both_lines,
 ]
-V03_CONFIGS = "titan_commopt.titan.v03.configs"
+V03_CONFIGS = "titan_commopt.titan.tt03.configs"
 
 
 def launch_03(cache: str, dump: Path, nproc: int, *args: str, config: str = "cpu_debugmodel") -> subprocess.CompletedProcess:

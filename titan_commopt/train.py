@@ -47,10 +47,10 @@ def check_config(argv: list[str], world_size: Optional[int] = None) -> Any:
     import titan_commopt.titan  # noqa: F401  (0.2.2: registers the TrainSpecs and datasets)
 
     if titan_commopt.titan.LINE == "0.3":
-        from .titan.v03.toml_config import TomlRun
+        from .titan.tt03_toml.toml_config import TomlRun
 
         return TomlRun.from_command_line(argv, world_size)
-    from .titan.adapter.run_context import CommoptRun
+    from .titan.tt022.run_context import CommoptRun
 
     return CommoptRun.from_command_line(argv, world_size)
 
@@ -111,11 +111,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     report_warnings(run)
 
     if on_03:
-        from .titan.v03.runner import run_toml
+        from .titan.tt03_toml.runner import run_toml
 
         run_toml(run)
         return
-    from .titan.adapter.trainer import run_torchtitan
+    from .titan.tt022.trainer import run_torchtitan
 
     run_torchtitan(run)
 

@@ -30,12 +30,12 @@ from .platform.elastic import warn_if_restart_would_hang
 LINE = require_supported_line()
 
 if LINE == "0.2":
-    from .adapter.spec import COMMOPT_SPEC, REFERENCE_SPEC, register
+    from .tt022.spec import COMMOPT_SPEC, REFERENCE_SPEC, register
 
     register()
     __all__ = ["LINE", "COMMOPT_SPEC", "REFERENCE_SPEC", "register"]
 else:
-    from .v03.fsdp import install as _install_fsdp_wrapper
+    from .tt03.fsdp import install as _install_fsdp_wrapper
 
     _install_fsdp_wrapper()
     __all__ = ["LINE"]

@@ -44,9 +44,9 @@ import pickle
 import re
 from typing import Any, Optional
 
-from ..adapter.replica_checkpoint import LEDGER_KEY, RESOLVED_KEY
+from ..common.replica_checkpoint import LEDGER_KEY, RESOLVED_KEY
 from ..platform.stop import RESUME_REFUSED, stop_run
-from ..shared.checkpoint_settings import CheckpointSettings, Spelling
+from .checkpoint import CheckpointSettings, Spelling
 
 __all__ = [
     "check_resume", "checkpoint_to_load", "saved_replicas", "read_metadata", "read_record", "ledger_saved",

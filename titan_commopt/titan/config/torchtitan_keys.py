@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from titan_commopt.optim import owns_replicate_sync
 
-from ..adapter import data
+from ..tt022 import tokenizer as data
 from .resume import TORCHTITAN_STATES
 
 __all__ = ["torchtitan_problems", "world_size_from_env", "data_parallel_degree", "SpecProblems"]

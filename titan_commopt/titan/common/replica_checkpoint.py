@@ -14,7 +14,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from titan_commopt import state as replica_state
+from . import replica_state
 from titan_commopt.comm import CommLedger
 
 __all__ = ["RESOLVED_KEY", "LEDGER_KEY", "PendingParams", "save_replica", "load_replica", "save_ledger", "load_ledger"]

@@ -12,8 +12,8 @@ from typing import Any
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 
-from ..adapter.container import CommOptimizersContainer
-from ..adapter.metrics import CommLogState
+from ..common.container import CommOptimizersContainer
+from ..tt022.metrics import CommLogState
 
 __all__ = ["CommMetricsProcessor"]
 

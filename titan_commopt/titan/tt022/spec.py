@@ -17,8 +17,8 @@ from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
 from ..platform.cpu import force_sum_reduction, on_cpu
-from ..shared.flavors import FLAVOR_SHAPES
-from . import data
+from ..common.model import FLAVOR_SHAPES
+from . import tokenizer as data
 from .build import build_optimizers
 from .metrics import build_metrics_processor
 from .parallelize import wrap_parallelize

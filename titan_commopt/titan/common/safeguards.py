@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from titan_commopt import comm
-from titan_commopt import state as replica_state
+from . import replica_state
 from titan_commopt.topology import Topology
 
 from ..platform.stop import TRAINING_STOPPED, stop_run

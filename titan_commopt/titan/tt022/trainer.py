@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torchtitan.train as torchtitan_train
 from torchtitan.tools.logging import init_logger, logger
 
-from ..shared.optimizers import leave_together
+from ..common.optimizers import leave_together
 from .run_context import CommoptRun
 from .spec import bind_run
 

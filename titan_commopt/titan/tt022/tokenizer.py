@@ -15,7 +15,7 @@ from typing import Any
 
 from titan_commopt import corpora
 
-from ..shared.corpus import BUNDLED, CORPUS_NAME, cache_dir, corpus_path, locked, read_lines
+from ..common.data import BUNDLED, CORPUS_NAME, cache_dir, corpus_path, locked, read_lines
 
 TEXTFILE_NAME = "textfile"
 VOCAB_SIZE = 1024  # the CPU flavors' vocab_size; SentencePiece may stop below it

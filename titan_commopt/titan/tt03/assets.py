@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..shared.corpus import CORPUS_NAME, cache_dir, corpus_path, locked, read_lines
+from ..common.data import CORPUS_NAME, cache_dir, corpus_path, locked, read_lines
 
 __all__ = ["VOCAB_SIZE", "tokenizer_dir", "dataset_dir"]
 

@@ -39,14 +39,14 @@ from titan_commopt import comm
 from titan_commopt.optim import BaseHParams, Resolved, family_of, owns_replicate_sync, resolve
 from titan_commopt.options import ConfigError, problems
 
-from ..adapter import clipping
-from ..adapter.container import CommOptimizersContainer, Safeguards
+from ..common import clipping
+from ..common.container import CommOptimizersContainer, Safeguards
 from ..config.resume import check_resume, ledger_saved
 from ..config.section import CommOpt
 from ..platform.stop import stop_run
-from ..shared.checkpoint_settings import CLI, CheckpointSettings, Spelling
-from ..shared.mesh import ParameterMeshes, topology_of
-from ..shared.optimizers import build_per_part, byte_estimates, itemsize
+from ..config.checkpoint import CLI, CheckpointSettings, Spelling
+from ..common.mesh import ParameterMeshes, topology_of
+from ..common.optimizers import build_per_part, byte_estimates, itemsize
 from . import fsdp
 
 __all__ = ["CommOptimizers", "resolve_config", "refuse", "trainer_building_us", "checkpoint_settings"]

@@ -31,8 +31,8 @@ The console line ends with ``next R sync at step N`` for optimizers that sync R 
 import json
 from typing import Any, Optional
 
-from ..shared.console_line import step_line
-from .container import CommOptimizersContainer
+from ..common.console_line import step_line
+from ..common.container import CommOptimizersContainer
 
 
 def _tensorboard_writers(metric_logger: Any) -> list[Any]:

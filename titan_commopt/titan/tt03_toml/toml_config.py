@@ -33,12 +33,12 @@ from typing import Any, Mapping, Optional
 from titan_commopt.optim import Resolved, family_of, owns_replicate_sync
 from titan_commopt.options import ConfigError
 
-from ..adapter.data import register_datasets
+from ..tt022.tokenizer import register_datasets
 from ..config.parse import ParsedJob, _field_of, parse_with
 from ..config.sources import user_set_keys
 from ..config.torchtitan_keys import COMMOPT_SPEC, text_dataset_problems
 from ..config.validate import resolve_job, run_warnings
-from ..shared.flavors import FLAVOR_SHAPES
+from ..common.model import FLAVOR_SHAPES
 from .toml_schema import BY_HAND, SECTIONS_GONE, WIRING, Gone, key_of, schema_class
 
 __all__ = ["TomlRun", "parse_toml", "trainer_config", "MODEL_NAMES", "flavor_names", "model_spec"]
@@ -223,7 +223,7 @@ def model_spec(flavor: str, vocab_size: Optional[int] = None) -> Any:
 
     if flavor not in FLAVOR_SHAPES:
         return llama3.model_registry(flavor)
-    from . import assets
+    from ..tt03 import assets
 
     shape = {**FLAVOR_SHAPES[flavor]}
     vocab = shape.pop("vocab_size") or vocab_size or assets.VOCAB_SIZE
@@ -280,7 +280,7 @@ def _optimizer(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
     opt = job_config.optimizer
     hparams = dict(lr=opt.lr, beta1=opt.beta1, beta2=opt.beta2, eps=opt.eps, weight_decay=opt.weight_decay)
     if job_config.model.name == COMMOPT_SPEC:
-        from .configs import commopt_optimizer
+        from ..tt03.configs import commopt_optimizer
 
         set_keys = sorted(user_keys.get(family_of(opt.name).key, ())) if owns_replicate_sync(opt.name) else []
         return commopt_optimizer(opt.name, job_config.commopt, warmup_steps=job_config.lr_scheduler.warmup_steps,
@@ -300,7 +300,7 @@ def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
     from torchtitan.models.common.config_utils import decoder_vocab_size
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
-    from . import assets
+    from ..tt03 import assets
     from .toml_schema import _all_keys
 
     cfg = llama3_debugmodel()
@@ -326,7 +326,7 @@ def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
     cfg.activation_checkpoint = _activation_checkpoint(job_config.activation_checkpoint)
     cfg.optimizer = _optimizer(job_config, user_keys)
     if job_config.model.name == COMMOPT_SPEC:
-        from .configs import with_comm_metrics
+        from ..tt03.configs import with_comm_metrics
 
         with_comm_metrics(cfg)
     return cfg
@@ -334,6 +334,6 @@ def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
 
 def _corpus(dataset: str) -> str:
     """The bundled corpus the bundled tokenizer is trained on: the run's, else the default one."""
-    from ..shared.corpus import BUNDLED, CORPUS_NAME
+    from ..common.data import BUNDLED, CORPUS_NAME
 
     return dataset.lower() if dataset.lower() in BUNDLED else CORPUS_NAME

@@ -18,10 +18,10 @@ from torch import nn
 
 from ..config.resume import check_resume, ledger_saved
 from ..config.section import commopt_of
-from ..shared.mesh import topology_of
-from ..shared.optimizers import build_per_part, byte_estimates, itemsize
-from . import clipping
-from .container import CommOptimizersContainer, Safeguards
+from ..common.mesh import topology_of
+from ..common.optimizers import build_per_part, byte_estimates, itemsize
+from ..common import clipping
+from ..common.container import CommOptimizersContainer, Safeguards
 from .run_context import CommoptRun
 
 __all__ = ["build_optimizers", "topology_of"]

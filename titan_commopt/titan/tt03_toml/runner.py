@@ -12,8 +12,8 @@ import os
 
 import torch.distributed as dist
 
-from ..shared.checkpoint_settings import TOML
-from ..shared.optimizers import leave_together
+from ..config.checkpoint import TOML
+from ..common.optimizers import leave_together
 from .toml_config import TomlRun
 
 __all__ = ["run_toml"]
@@ -25,8 +25,8 @@ def run_toml(run: TomlRun) -> None:
     from torchtitan.observability import structured_logger as sl
     from torchtitan.tools.logging import init_logger, logger
 
-    from . import container
-    from .configs import apply_cpu_fixes
+    from ..tt03 import container
+    from ..tt03.configs import apply_cpu_fixes
 
     container.settings_spelling = TOML  # a refused resume names the TOML's keys
     init_logger()
