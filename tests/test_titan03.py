@@ -190,6 +190,32 @@ def test_bad_override_is_one_line_exit_2(capsys, kwargs, expected):
     assert stop.value.code == 2 and len(lines) == 1 and expected in lines[0], err
 
 
+def test_the_earlier_paths_forward_with_one_line_naming_the_new_one():
+    """``--module titan_commopt.titan.v03.configs`` and ``--override.imports titan_commopt.titan.v03.overrides.*``
+    (earlier releases' paths) give the same config functions and overrides, after one line each."""
+    code = (
+        "import titan_commopt.titan.v03.configs as old, titan_commopt.titan.tt03.configs as new\n"
+        "assert old.cpu_debugmodel is new.cpu_debugmodel and old.__all__ == new.__all__\n"
+        "import titan_commopt.titan.v03.overrides as old_overrides\n"
+        "from torchtitan.components.optimizer import default_adamw\n"
+        "from torchtitan.config.override import _REGISTRY\n"
+        "assert {'titan_commopt.titan.v03.overrides.commopt', 'titan_commopt.titan.v03.overrides.comm_metrics'} <= set(_REGISTRY)\n"
+        "config = old_overrides.commopt(default_adamw(), name='Dion', rank=16)\n"
+        "print(type(config).__qualname__, config.name, config.commopt.dion.rank)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["CommOptimizers.Config", "Dion", "16"]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("titan_commopt:")]
+    assert lines == [
+        "titan_commopt: --module titan_commopt.titan.v03.configs is deprecated and will be removed: use "
+        "--module titan_commopt.titan.tt03.configs (the same names)",
+        "titan_commopt: titan_commopt.titan.v03.overrides is deprecated and will be removed: use "
+        "titan_commopt.titan.tt03.overrides (the same names)",
+    ], proc.stderr
+
+
 @pytest.mark.parametrize("version", ["0.4.0", "0.2.1", None])
 def test_unsupported_torchtitan_is_one_line_exit_2(version):
     patch = (
