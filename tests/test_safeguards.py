@@ -325,7 +325,7 @@ def test_flush_at_end_of_training_applies_the_overlapped_update(two_rank_results
 
 def _ledger_in_checkpoint(rank, world_size):
     from titan_commopt.titan.common.container import CommOptimizersContainer
-    from titan_commopt.titan.common.replica_checkpoint import LEDGER_KEY
+    from titan_commopt.titan.config.checkpoint import LEDGER_KEY
 
     model = nn.Linear(4, 3)
     ledger = comm.CommLedger()

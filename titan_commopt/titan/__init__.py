@@ -30,7 +30,8 @@ from .platform.elastic import warn_if_restart_would_hang
 LINE = require_supported_line()
 
 if LINE == "0.2":
-    from .tt022.spec import COMMOPT_SPEC, REFERENCE_SPEC, register
+    from .common.model import COMMOPT_SPEC, REFERENCE_SPEC
+    from .tt022.spec import register
 
     register()
     __all__ = ["LINE", "COMMOPT_SPEC", "REFERENCE_SPEC", "register"]

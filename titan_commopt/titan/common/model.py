@@ -1,10 +1,16 @@
-"""Our llama3 flavors' shapes, for both lines: 0.2.2 builds ``TransformerModelArgs`` from them
-(``adapter/spec.py``), 0.3 a ``Llama3Model.Config`` (``v03/toml_config.py``). ``vocab_size`` None:
-the bundled tokenizer's vocabulary (its size differs between the lines)."""
+"""Our llama3 model, for both lines: its names, and the shapes of the flavors we add to llama3's.
+
+0.2.2 registers the names as TrainSpecs (``tt022/spec.py``) and builds ``TransformerModelArgs`` from
+the shapes; our TOML on 0.3 accepts the names (``tt03_toml/toml_config.py``) and builds a
+``Llama3Model.Config``. ``vocab_size`` None: the bundled tokenizer's vocabulary (its size differs
+between the lines)."""
 
 from typing import Any
 
-__all__ = ["FLAVOR_SHAPES"]
+__all__ = ["COMMOPT_SPEC", "REFERENCE_SPEC", "FLAVOR_SHAPES"]
+
+COMMOPT_SPEC = "llama3_commopt"  # torchtitan's llama3 + our optimizers (any [optimizer] name)
+REFERENCE_SPEC = "llama3_reference"  # torchtitan's stock llama3, with only what a CPU run needs: the baseline
 
 FLAVOR_SHAPES: dict[str, dict[str, Any]] = {
     # ~0.2M parameters: unit/integration tests.

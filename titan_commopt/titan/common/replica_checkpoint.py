@@ -14,13 +14,12 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from ..config.checkpoint import LEDGER_KEY, RESOLVED_KEY
 from . import replica_state
 from titan_commopt.comm import CommLedger
 
-__all__ = ["RESOLVED_KEY", "LEDGER_KEY", "PendingParams", "save_replica", "load_replica", "save_ledger", "load_ledger"]
+__all__ = ["PendingParams", "save_replica", "load_replica", "save_ledger", "load_ledger"]
 
-RESOLVED_KEY = "commopt_resolved"  # the resolved options (JSON) in the optimizer's checkpoint state
-LEDGER_KEY = "comm_ledger"  # the ledger's totals and step count (JSON)
 _PARAM = "param."
 COUNTERS = ("skipped_steps", "steps_taken")  # the container's own counters, saved as they are
 

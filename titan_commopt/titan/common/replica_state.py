@@ -23,8 +23,9 @@ from titan_commopt import comm
 from titan_commopt.optim.common import local
 from titan_commopt.topology import R, Topology
 
+from ..config.checkpoint import replica_prefix
+
 __all__ = [
-    "replica_prefix",
     "add_replica_prefix",
     "take_replica",
     "fingerprint",
@@ -33,10 +34,6 @@ __all__ = [
     "any_rank",
     "any_nonfinite",
 ]
-
-def replica_prefix(replica: int) -> str:
-    return f"replica{replica}/"
-
 
 def add_replica_prefix(state: dict[str, Any], replica: int) -> dict[str, Any]:
     prefix = replica_prefix(replica)

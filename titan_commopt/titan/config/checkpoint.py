@@ -1,4 +1,6 @@
-"""What the resume check (``titan/config/resume.py``) reads of a run, on either torchtitan line.
+"""A run's checkpoint as the resume check (``resume.py``) reads it, on either torchtitan line: the
+settings that say which checkpoint is loaded, how a message spells them, and the keys our container
+writes into the optimizer's part of it.
 
 Both lines save DCP checkpoints alike (``<dump_folder>/<checkpoint.folder>/step-N``, complete once
 ``.metadata`` is written; the newest complete one loaded unless ``load_step``; the states of
@@ -9,13 +11,27 @@ and how the user writes a setting: a TOML (0.2.2, and our TOML runner on 0.3) or
 (``--checkpoint.load_step 4``, a config module's or an override's run). :class:`CheckpointSettings`
 carries the first, :class:`Spelling` the second, so that a refusal names the setting as the user
 would type it.
-"""
+
+Our keys (under torchtitan's ``optimizer.``): an optimizer that owns R saves its state once per
+replica under :func:`replica_prefix` (``replica<r>/``), each copy with :data:`RESOLVED_KEY` (the
+resolved options, JSON) and :data:`LEDGER_KEY` (the comm ledger's totals, JSON); torchtitan's own
+AdamW/Adam saves one copy, with :data:`LEDGER_KEY`. ``common/replica_checkpoint.py`` writes them."""
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["CheckpointSettings", "Spelling", "TOML", "CLI"]
+__all__ = ["CheckpointSettings", "Spelling", "TOML", "CLI", "RESOLVED_KEY", "LEDGER_KEY", "REPLICA_KEY", "replica_prefix"]
+
+RESOLVED_KEY = "commopt_resolved"  # the resolved options (JSON) in each replica's optimizer state
+LEDGER_KEY = "comm_ledger"  # the comm ledger's totals and step count (JSON)
+REPLICA_KEY = re.compile(r"^optimizer\.replica(\d+)/")  # a checkpoint key of replica <r>'s state
+
+
+def replica_prefix(replica: int) -> str:
+    """Where replica ``replica``'s optimizer state is, under torchtitan's ``optimizer.``."""
+    return f"replica{replica}/"
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from .sources import config_file_of, read_config_file
 
 __all__ = [
     "CONFIG_MODULE", "CUSTOM_IMPORT", "ParsedJob", "parse_job", "plugin_args", "read_config_file", "normalize_argv",
-    "config_class", "toml_problems", "cli_problems", "parse_with", "type_matches", "type_text",
+    "config_class", "toml_problems", "cli_problems", "parse_with", "field_of", "type_matches", "type_text",
 ]
 
 CONFIG_MODULE = MODULE
@@ -228,7 +228,7 @@ def _table_problems(table: Mapping[str, Any], cls: type, section: str) -> list[s
 
 
 # ---- the command line ----------------------------------------------------------------------------
-def _field_of(cls: type, dotted: str) -> tuple[Optional[str], Optional[Field], bool]:
+def field_of(cls: type, dotted: str) -> tuple[Optional[str], Optional[Field], bool]:
     """``dotted`` (``training.steps``, dashes allowed, ``no-`` before a boolean) → (canonical dotted
     name, its field, negated), or (None, None, False) when no such option exists."""
     parts = dotted.split(".")
@@ -270,7 +270,7 @@ def normalize_argv(argv: list[str], cls: type) -> list[str]:
     while i < len(argv):
         arg = argv[i]
         key, eq, value = arg.partition("=")
-        dotted, f, negated = _field_of(cls, key[2:]) if key.startswith("--") else (None, None, False)
+        dotted, f, negated = field_of(cls, key[2:]) if key.startswith("--") else (None, None, False)
         if f is not None and f.type is bool and not negated:
             if not eq and i + 1 < len(argv) and argv[i + 1].lower() in _TRUE + _FALSE:
                 eq, value = "=", argv[i + 1]
@@ -292,7 +292,7 @@ def cli_problems(argv: list[str], cls: type) -> list[str]:
         if not arg.startswith("--") or arg in ("--", "--help"):
             continue
         key, eq, value = arg.partition("=")
-        dotted, f, negated = _field_of(cls, key[2:])
+        dotted, f, negated = field_of(cls, key[2:])
         if f is None:
             close = _did_you_mean(key[2:].replace("-", "_"), keys)
             hint = f"; did you mean --{close}?" if close else ""

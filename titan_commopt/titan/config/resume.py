@@ -44,9 +44,8 @@ import pickle
 import re
 from typing import Any, Optional
 
-from ..common.replica_checkpoint import LEDGER_KEY, RESOLVED_KEY
 from ..platform.stop import RESUME_REFUSED, stop_run
-from .checkpoint import CheckpointSettings, Spelling
+from .checkpoint import LEDGER_KEY, REPLICA_KEY, RESOLVED_KEY, CheckpointSettings, Spelling, replica_prefix
 
 __all__ = [
     "check_resume", "checkpoint_to_load", "saved_replicas", "read_metadata", "read_record", "ledger_saved",
@@ -55,7 +54,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_REPLICA_KEY = re.compile(r"^optimizer\.replica(\d+)/")
 _STEP = re.compile(r"step-(\d+)")
 _DATALOADER_KEY = re.compile(r"^dataloader\.dp_rank_(\d+)$")
 TORCHTITAN_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state")  # loaded with the model after step 0
@@ -143,7 +141,7 @@ def read_metadata(path: str) -> Any:
 def saved_replicas(keys: Any) -> Optional[int]:
     """Replica count of the optimizer state among a checkpoint's keys (0: torchtitan's own
     optimizer; None: no optimizer state at all)."""
-    indices = {int(m.group(1)) for k in keys if (m := _REPLICA_KEY.match(k))}
+    indices = {int(m.group(1)) for k in keys if (m := REPLICA_KEY.match(k))}
     if not indices:
         return 0 if any(k.startswith("optimizer.") for k in keys) else None
     return max(indices) + 1
@@ -152,7 +150,7 @@ def saved_replicas(keys: Any) -> Optional[int]:
 def read_record(path: str, metadata: Any) -> Optional[dict[str, Any]]:
     """Replica 0's ``commopt_resolved`` record (the run's resolved options, JSON) read from its
     ``.distcp`` file through DCP without a process group; None when the checkpoint has none."""
-    key = f"optimizer.replica0/{RESOLVED_KEY}"
+    key = f"optimizer.{replica_prefix(0)}{RESOLVED_KEY}"
     if key not in metadata.state_dict_metadata:
         return None
     from torch.distributed.checkpoint import FileSystemReader

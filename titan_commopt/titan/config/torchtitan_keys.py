@@ -18,15 +18,9 @@ import math
 import os
 from typing import Any, Callable, Optional
 
-from titan_commopt.optim import owns_replicate_sync
-
-from ..tt022 import tokenizer as data
 from .resume import TORCHTITAN_STATES
 
 __all__ = ["torchtitan_problems", "world_size_from_env", "data_parallel_degree", "SpecProblems"]
-
-COMMOPT_SPEC = "llama3_commopt"  # the TrainSpec whose build_optimizers_fn builds our optimizers
-
 
 def world_size_from_env() -> Optional[int]:
     try:
@@ -156,140 +150,6 @@ def _batch_problems(training: Any, dp: Optional[int]) -> list[str]:
     return []
 
 
-# ---- the model -------------------------------------------------------------------------------------
-def _model_problems(job_config: Any) -> tuple[list[str], Any]:
-    """Unknown model name or flavor, or an optimizer of ours on a spec that cannot build it.
-    Returns (problems, the TrainSpec or None)."""
-    from torchtitan.protocols import train_spec as registry
-
-    model, name = job_config.model, job_config.optimizer.name
-    try:
-        spec = registry.get_train_spec(model.name)
-    except ValueError:
-        from torchtitan.models import _supported_models
-
-        known = sorted(set(registry._extra_train_specs) | set(_supported_models))
-        return [f"[model] name = {model.name!r}: allowed is one of {', '.join(known)}"], None
-    except Exception:  # a torchtitan model that does not import here: leave it to torchtitan
-        return [], None
-    out = []
-    if owns_replicate_sync(name) and model.name != COMMOPT_SPEC:
-        out.append(
-            f"[model] name = {model.name!r} with [optimizer] name = {name!r}: allowed is {COMMOPT_SPEC!r} "
-            f"(the TrainSpec that builds titan_commopt optimizers; {model.name!r} knows only AdamW and Adam)"
-        )
-    flavors = getattr(spec, "model_args", None) or {}
-    if flavors and model.flavor not in flavors:
-        out.append(f"[model] flavor = {model.flavor!r}: allowed is one of {', '.join(flavors)} (model {model.name!r})")
-    return out, spec
-
-
-# ---- the tokenizer ---------------------------------------------------------------------------------
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # what the loaders read
-
-
-_HF_FILES = tuple(f for f in _TOKENIZER_FILES if f != "tokenizer.model")  # what torchtitan's build_hf_tokenizer reads
-
-
-def _tokenizer_problems(model: Any, spec: Any) -> list[str]:
-    """Our specs' tokenizer (``titan/adapter/data.py: build_tokenizer``): ``bundled``, a SentencePiece
-    ``.model`` file, or a directory holding one of the files torchtitan's loader reads; torchtitan's
-    own specs (``build_hf_tokenizer``): a directory holding one of those files."""
-    from torchtitan.components.tokenizer import build_hf_tokenizer
-
-    builder = getattr(spec, "build_tokenizer_fn", None) if spec is not None else None
-    if builder is build_hf_tokenizer:
-        path = model.hf_assets_path or ""
-        where = f"[model] hf_assets_path = {path!r}"
-        allowed = f"allowed is a directory with {', '.join(_HF_FILES[:-1])} or {_HF_FILES[-1]} (model {model.name!r})"
-        if not os.path.isdir(path):
-            return [f"{where}: {'not a directory' if os.path.exists(path) else 'no such directory'}; {allowed}"]
-        if not any(os.path.isfile(os.path.join(path, f)) for f in _HF_FILES):
-            return [f"{where}: holds no tokenizer; {allowed}"]
-        return []
-    if builder is not data.build_tokenizer:
-        return []
-    path = (model.hf_assets_path or "").strip()
-    if path in ("", "bundled") or (os.path.isfile(path) and path.endswith(".model")):
-        return []
-    allowed = ('allowed is "bundled" (the offline tokenizer), a directory with tokenizer.json (HuggingFace) '
-               "or tokenizer.model (SentencePiece), or a SentencePiece .model file")
-    where = f"[model] hf_assets_path = {model.hf_assets_path!r}"
-    if not os.path.exists(path):
-        return [f"{where}: no such file or directory; {allowed}"]
-    if not os.path.isdir(path) or not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
-        return [f"{where}: holds no tokenizer ({', '.join(_TOKENIZER_FILES)}); {allowed}"]
-    return []
-
-
-# ---- the data --------------------------------------------------------------------------------------
-def _nonblank_lines(path: str, at_least: int) -> int:
-    """How many non-blank lines ``path`` has, counting no further than ``at_least``."""
-    count = 0
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            if line.strip():
-                count += 1
-                if count >= at_least:
-                    break
-    return count
-
-
-_LOCAL_DATASETS = ("c4_test",)  # torchtitan datasets whose default path is a local directory
-
-
-def _dataset_problems(section: str, dataset: str, dataset_path: Optional[str], dp: int) -> list[str]:
-    from torchtitan.hf_datasets.text_datasets import DATASETS
-
-    name = dataset.lower()  # torchtitan lowers the name too
-    if name not in DATASETS:
-        return [f"[{section}] dataset = {dataset!r}: allowed is one of {', '.join(sorted(DATASETS))}"]
-    if name not in (*data.BUNDLED, data.TEXTFILE_NAME):
-        # torchtitan's own datasets: its loaders decide, except for a local path that does not exist
-        # (c4_test reads ./tests/assets/c4_test; a dataset_path given as a filesystem path)
-        path = dataset_path or DATASETS[name].path
-        local = name in _LOCAL_DATASETS or os.path.isabs(path) or path.startswith(("./", "../", "~"))
-        if local and not os.path.exists(os.path.expanduser(path)):
-            key = "dataset_path" if dataset_path else "dataset"
-            shown = dataset_path if dataset_path else dataset
-            return [
-                f"[{section}] {key} = {shown!r}: {os.path.abspath(os.path.expanduser(path))} does not exist "
-                f"(torchtitan's {name!r} reads it); allowed is an existing dataset directory, or dataset = "
-                f"\"textfile\" with dataset_path = a UTF-8 text file"
-            ]
-        return []
-    if name == data.TEXTFILE_NAME and not dataset_path:
-        return [f"[{section}] dataset = {dataset!r} needs dataset_path = a UTF-8 text file, one document per line"]
-    if not dataset_path:
-        return []
-    where = f"[{section}] dataset_path = {dataset_path!r}"
-    if not os.path.isfile(dataset_path):
-        why = "is a directory" if os.path.isdir(dataset_path) else "no such file"
-        return [f"{where}: {why}; allowed is a UTF-8 text file, one document per line"]
-    try:
-        found = _nonblank_lines(dataset_path, dp)
-    except UnicodeDecodeError:
-        return [f"{where}: not UTF-8 text; allowed is a UTF-8 text file, one document per line"]
-    except OSError as error:
-        return [f"{where}: cannot be read ({error.strerror or error})"]
-    if found == 0:
-        return [f"{where}: has no text (empty or only blank lines); allowed is a file with one document per line"]
-    if found < dp:
-        return [
-            f"{where}: has {found} non-blank line(s) but the data-parallel degree is {dp}: every data-parallel "
-            f"rank needs at least one document (one per line)"
-        ]
-    return []
-
-
-def _uses_text_datasets(spec: Any) -> bool:
-    if spec is None:
-        return False
-    from torchtitan.hf_datasets.text_datasets import build_text_dataloader
-
-    return getattr(spec, "build_dataloader_fn", None) is build_text_dataloader
-
-
 # ---- the output folder -----------------------------------------------------------------------------
 def _folder_problems(job: Any) -> list[str]:
     """``[job] dump_folder`` (logs, checkpoints, TensorBoard under it): a directory, or one that can
@@ -310,34 +170,12 @@ def _folder_problems(job: Any) -> list[str]:
 
 
 # ---- all of it -------------------------------------------------------------------------------------
-def _spec_problems(job_config: Any, lines_needed: int) -> list[str]:
-    """torchtitan 0.2.2's model, tokenizer and dataset checks (its TrainSpec registry)."""
-    models, spec = _model_problems(job_config)
-    out = models + _tokenizer_problems(job_config.model, spec)
-    if _uses_text_datasets(spec):
-        out += text_dataset_problems(job_config, lines_needed)
-    return out
-
-
-def text_dataset_problems(job_config: Any, lines_needed: int) -> list[str]:
-    """``[training]``'s dataset, and ``[validation]``'s when enabled (both torchtitan lines)."""
-    training = job_config.training
-    out = _dataset_problems("training", training.dataset, training.dataset_path, lines_needed)
-    if job_config.validation.enable:
-        validation = job_config.validation
-        out += _dataset_problems("validation", validation.dataset, validation.dataset_path, lines_needed)
-    return out
-
-
 SpecProblems = Callable[[Any, int], list[str]]  # (job config, documents every rank needs) -> lines
 
 
-def torchtitan_problems(
-    job_config: Any, world_size: Optional[int] = None, spec_problems: Optional[SpecProblems] = None
-) -> list[str]:
+def torchtitan_problems(job_config: Any, world_size: Optional[int], spec_problems: SpecProblems) -> list[str]:
     """Every bad torchtitan setting a titan_commopt run depends on, one line each. ``spec_problems``:
-    the checks of the model, tokenizer and data that depend on the installed torchtitan (default:
-    0.2.2's)."""
+    the installed line's checks of the model, tokenizer and data it names."""
     rules = [r for r in _RULES if r[0] != "checkpoint" or job_config.checkpoint.enable]
     if job_config.validation.enable:
         rules += _VALIDATION_RULES
@@ -352,4 +190,4 @@ def torchtitan_problems(
     if "training" not in bad:
         out += _batch_problems(training, dp)
     lines_needed = dp or (1 if "parallelism" in bad else parallelism.data_parallel_replicate_degree)
-    return out + (spec_problems or _spec_problems)(job_config, lines_needed)
+    return out + spec_problems(job_config, lines_needed)

@@ -74,15 +74,12 @@ def _unsupported(job_config: Any, name: str) -> list[str]:
 
 
 def resolve_job(
-    job_config: Any,
-    user_keys: dict[str, set[str]],
-    world_size: Optional[int] = None,
-    spec_problems: Optional[SpecProblems] = None,
+    job_config: Any, user_keys: dict[str, set[str]], world_size: Optional[int], spec_problems: SpecProblems,
 ) -> Optional[Resolved]:
     """The run's resolved optimizer (``None`` for torchtitan's own), or ``ConfigError`` listing
     every problem. ``user_keys``: the ``[commopt]`` keys the user set (``sources.user_set_keys``);
-    ``world_size`` (default: torchrun's ``WORLD_SIZE``, when set) is checked against the mesh;
-    ``spec_problems``: the model/tokenizer/data checks of the installed torchtitan (default 0.2.2's)."""
+    ``world_size`` (None: torchrun's ``WORLD_SIZE``, when set) is checked against the mesh;
+    ``spec_problems``: the installed line's checks of the model, tokenizer and data."""
     world_size = world_size_from_env() if world_size is None else world_size
     name = job_config.optimizer.name
     section = commopt_of(job_config)

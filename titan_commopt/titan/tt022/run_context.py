@@ -28,6 +28,7 @@ from titan_commopt.topology import Topology
 from ..config.parse import CUSTOM_IMPORT, parse_job
 from ..config.sources import user_set_keys
 from ..config.validate import resolve_job, run_warnings
+from .checks import spec_problems
 
 __all__ = ["CommoptRun"]
 
@@ -49,7 +50,7 @@ class CommoptRun:
         parsed = parse_job(list(sys.argv[1:] if argv is None else argv))
         _import_custom(parsed.job_config)
         user_keys = user_set_keys(parsed.args, parsed.toml)
-        resolved = resolve_job(parsed.job_config, user_keys, world_size)
+        resolved = resolve_job(parsed.job_config, user_keys, world_size, spec_problems)
         return cls(parsed.job_config, user_keys, resolved, run_warnings(parsed.job_config, user_keys, resolved))
 
 

@@ -16,19 +16,17 @@ import functools
 from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
+from ..common.data import register_datasets
+from ..common.model import COMMOPT_SPEC, FLAVOR_SHAPES, REFERENCE_SPEC
 from ..platform.cpu import force_sum_reduction, on_cpu
-from ..common.model import FLAVOR_SHAPES
-from . import tokenizer as data
+from . import tokenizer
 from .build import build_optimizers
 from .metrics import build_metrics_processor
 from .parallelize import wrap_parallelize
 from .run_context import CommoptRun
 
-COMMOPT_SPEC = "llama3_commopt"
-REFERENCE_SPEC = "llama3_reference"
-
 EXTRA_FLAVORS = {
-    name: TransformerModelArgs(**{**shape, "vocab_size": shape["vocab_size"] or data.VOCAB_SIZE})
+    name: TransformerModelArgs(**{**shape, "vocab_size": shape["vocab_size"] or tokenizer.VOCAB_SIZE})
     for name, shape in FLAVOR_SHAPES.items()
 }
 
@@ -56,7 +54,7 @@ def register() -> None:
 
     if COMMOPT_SPEC in registry._extra_train_specs:
         return
-    data.register_datasets()
+    register_datasets()
     stock: TrainSpec = get_train_spec("llama3")
     flavors = {**llama3_args, **EXTRA_FLAVORS}
     register_train_spec(
@@ -66,7 +64,7 @@ def register() -> None:
             model_args=flavors,
             parallelize_fn=wrap_parallelize(stock.parallelize_fn),
             build_optimizers_fn=build_optimizers,
-            build_tokenizer_fn=data.build_tokenizer,
+            build_tokenizer_fn=tokenizer.build_tokenizer,
             build_metrics_processor_fn=build_metrics_processor,
         ),
     )
@@ -76,6 +74,6 @@ def register() -> None:
             stock,
             model_args=flavors,
             parallelize_fn=_reference_parallelize(stock.parallelize_fn),
-            build_tokenizer_fn=data.build_tokenizer,
+            build_tokenizer_fn=tokenizer.build_tokenizer,
         ),
     )

@@ -1,13 +1,11 @@
-"""Offline data for the quickstart, tests and benchmarks: the bundled generated corpora
-(``titan_commopt/corpora.py``: ``commopt_tiny`` for the quickstart and tests, ``commopt_world`` for the
-optimizer quality study) and a SentencePiece tokenizer trained on each at first use (cached), wired
-into torchtitan's dataset registry and ``build_tokenizer_fn``.
+"""torchtitan 0.2.2's tokenizer of our specs (``build_tokenizer_fn``): a SentencePiece model trained at
+first use on a bundled corpus (``common/data.py``: ``commopt_tiny`` for the quickstart and tests,
+``commopt_world`` for the optimizer quality study) and cached, or one's own.
 
-Your own data: ``[training] dataset = "textfile"`` with ``dataset_path`` = a UTF-8 text file (one
-document per line). Your own tokenizer: ``[model] hf_assets_path`` = a directory with a
-HuggingFace ``tokenizer.json`` (torchtitan's own loader) or a SentencePiece ``tokenizer.model``;
-``"bundled"`` (or empty) trains/loads the bundled one.
-"""
+``[model] hf_assets_path``: ``"bundled"`` (or empty) trains/loads the bundled one; a directory with a
+HuggingFace ``tokenizer.json`` (torchtitan's own loader) or a SentencePiece ``tokenizer.model``; a
+SentencePiece ``.model`` file. Prebuild the cache: ``python -m titan_commopt.titan.tt022.tokenizer
+[corpus ...]``."""
 
 import os
 from pathlib import Path
@@ -15,13 +13,11 @@ from typing import Any
 
 from titan_commopt import corpora
 
-from ..common.data import BUNDLED, CORPUS_NAME, cache_dir, corpus_path, locked, read_lines
+from ..common.data import CORPUS_NAME, cache_dir, corpus_path, is_bundled_tokenizer, locked, tokenizer_corpus
 
-TEXTFILE_NAME = "textfile"
 VOCAB_SIZE = 1024  # the CPU flavors' vocab_size; SentencePiece may stop below it
 
 
-# ---- tokenizer ---------------------------------------------------------------------------------
 def bundled_tokenizer_path(name: str = CORPUS_NAME) -> Path:
     """The SentencePiece model trained on bundled corpus ``name`` (built at first use, cached)."""
     prefix = cache_dir() / f"spm_{name}_v{corpora.VERSIONS[name]}_{VOCAB_SIZE}"
@@ -86,9 +82,8 @@ def build_tokenizer(job_config: Any) -> Any:
     "bundled" is the tokenizer of the bundled corpus the job trains on (``commopt_tiny``'s for any
     other dataset)."""
     path = (job_config.model.hf_assets_path or "").strip()
-    if path in ("", "bundled"):
-        dataset = job_config.training.dataset.lower()
-        return SentencePieceTokenizer(bundled_tokenizer_path(dataset if dataset in BUNDLED else CORPUS_NAME))
+    if is_bundled_tokenizer(path):
+        return SentencePieceTokenizer(bundled_tokenizer_path(tokenizer_corpus(job_config.training.dataset)))
     p = Path(path)
     if p.is_file() and p.suffix == ".model":
         return SentencePieceTokenizer(p)
@@ -99,45 +94,7 @@ def build_tokenizer(job_config: Any) -> Any:
     return build_hf_tokenizer(job_config)
 
 
-# ---- dataset registration ----------------------------------------------------------------------
-def _bundled_loader(name: str) -> Any:
-    def load(path: str | None) -> Any:
-        """A bundled corpus, or ``dataset_path`` when one is given."""
-        from datasets import Dataset
-
-        return Dataset.from_dict({"text": read_lines(path or corpus_path(name))})
-
-    return load
-
-
-def _textfile_dataset(path: str | None) -> Any:
-    """``textfile``: ``dataset_path``, one document per line. No path, or a file without text, is an
-    error here (the pre-flight check says so first): torchtitan would re-loop an empty set forever."""
-    from datasets import Dataset
-
-    if not path:
-        raise ValueError('[training] dataset = "textfile" needs dataset_path = a UTF-8 text file, one document per line')
-    lines = read_lines(path)
-    if not lines:
-        raise ValueError(f"[training] dataset_path = {str(path)!r}: has no text (empty or only blank lines)")
-    return Dataset.from_dict({"text": lines})
-
-
-def _text(sample: dict[str, Any]) -> str:
-    return sample["text"]
-
-
-def register_datasets() -> None:
-    """Add the bundled corpus and the plain-text-file loader to torchtitan's dataset registry."""
-    from torchtitan.hf_datasets import DatasetConfig
-    from torchtitan.hf_datasets.text_datasets import DATASETS
-
-    for name in BUNDLED:
-        DATASETS.setdefault(name, DatasetConfig(path="", loader=_bundled_loader(name), sample_processor=_text))
-    DATASETS.setdefault(TEXTFILE_NAME, DatasetConfig(path="", loader=_textfile_dataset, sample_processor=_text))
-
-
-if __name__ == "__main__":  # prebuild the cache: python -m titan_commopt.titan.adapter.data [corpus ...]
+if __name__ == "__main__":
     import sys
 
     for corpus in sys.argv[1:] or [CORPUS_NAME]:

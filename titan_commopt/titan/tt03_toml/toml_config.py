@@ -33,20 +33,17 @@ from typing import Any, Mapping, Optional
 from titan_commopt.optim import Resolved, family_of, owns_replicate_sync
 from titan_commopt.options import ConfigError
 
-from ..tt022.tokenizer import register_datasets
-from ..config.parse import ParsedJob, _field_of, parse_with
+from ..common.data import is_bundled_tokenizer, register_datasets, text_dataset_problems, tokenizer_corpus
+from ..common.model import COMMOPT_SPEC, FLAVOR_SHAPES, REFERENCE_SPEC
+from ..config.parse import CONFIG_MODULE, CUSTOM_IMPORT, ParsedJob, field_of, parse_with
 from ..config.sources import user_set_keys
-from ..config.torchtitan_keys import COMMOPT_SPEC, text_dataset_problems
 from ..config.validate import resolve_job, run_warnings
-from ..common.model import FLAVOR_SHAPES
 from .toml_schema import BY_HAND, SECTIONS_GONE, WIRING, Gone, key_of, schema_class
 
 __all__ = ["TomlRun", "parse_toml", "trainer_config", "MODEL_NAMES", "flavor_names", "model_spec"]
 
-REFERENCE_SPEC = "llama3_reference"
 MODEL_NAMES = ("llama3", COMMOPT_SPEC, REFERENCE_SPEC)  # what [model] name may say on 0.3
-BUNDLED_TOKENIZER = "bundled"
-_OURS = {"job.custom_config_module": "titan_commopt.titan.config", "experimental.custom_import": "titan_commopt.titan"}
+_OURS = {"job.custom_config_module": CONFIG_MODULE, "experimental.custom_import": CUSTOM_IMPORT}
 
 
 
@@ -88,7 +85,7 @@ def _given(toml: Mapping[str, Any], args: list[str], cls: type) -> dict[str, tup
         key, eq, value = arg.partition("=")
         if not key.startswith("--"):
             continue
-        dotted, f, negated = _field_of(cls, key[2:])
+        dotted, f, negated = field_of(cls, key[2:])
         if f is None or dotted.startswith("commopt."):
             continue
         if f.type is bool:  # a flag once normalized: --k / --section.no-k
@@ -136,10 +133,6 @@ def flavor_names() -> list[str]:
     return sorted(set(llama3_configs) | set(FLAVOR_SHAPES))
 
 
-def _bundled(path: Optional[str]) -> bool:
-    return (path or "").strip() in ("", BUNDLED_TOKENIZER)
-
-
 def _tokenizer_problems(model: Any) -> list[str]:
     """0.3 reads a HuggingFace tokenizer.json from ``hf_assets_path`` (no SentencePiece .model);
     ``bundled``: the one built from the bundled corpus. Worded as on 0.2.2 (``torchtitan_keys.py``)."""
@@ -147,7 +140,7 @@ def _tokenizer_problems(model: Any) -> list[str]:
 
     path = (model.hf_assets_path or "").strip()
     ours = model.name in (COMMOPT_SPEC, REFERENCE_SPEC)  # the specs that know our bundled tokenizer
-    if ours and _bundled(path):
+    if ours and is_bundled_tokenizer(path):
         return []
     where = f"[model] hf_assets_path = {model.hf_assets_path!r}"
     if ours:
@@ -301,10 +294,10 @@ def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     from ..tt03 import assets
-    from .toml_schema import _all_keys
+    from .toml_schema import all_keys
 
     cfg = llama3_debugmodel()
-    for section, keys in _all_keys().items():
+    for section, keys in all_keys().items():
         if section in SECTIONS_GONE:
             continue
         table = job_config
@@ -316,7 +309,7 @@ def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
     model, training = job_config.model, job_config.training
     cfg.dump_folder = job_config.job.dump_folder
     cfg.hf_assets_path = (
-        str(assets.tokenizer_dir(_corpus(training.dataset))) if _bundled(model.hf_assets_path) else model.hf_assets_path
+        str(assets.tokenizer_dir(tokenizer_corpus(training.dataset))) if is_bundled_tokenizer(model.hf_assets_path) else model.hf_assets_path
     )
     cfg.model_spec = model_spec(model.flavor)
     cfg.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(cfg.model_spec)))
@@ -331,9 +324,3 @@ def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
         with_comm_metrics(cfg)
     return cfg
 
-
-def _corpus(dataset: str) -> str:
-    """The bundled corpus the bundled tokenizer is trained on: the run's, else the default one."""
-    from ..common.data import BUNDLED, CORPUS_NAME
-
-    return dataset.lower() if dataset.lower() in BUNDLED else CORPUS_NAME

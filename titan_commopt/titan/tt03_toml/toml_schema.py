@@ -19,7 +19,7 @@ exactly as torchtitan 0.2.2's ConfigManager did: the TOML as defaults, ``--secti
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Literal, Optional, Union
 
-__all__ = ["Key", "Gone", "BY_HAND", "WIRING", "SCHEMA", "ONLY_03", "schema_class", "key_of"]
+__all__ = ["Key", "Gone", "BY_HAND", "WIRING", "SCHEMA", "SECTIONS_GONE", "ONLY_03", "all_keys", "schema_class", "key_of"]
 
 
 @dataclass(frozen=True)
@@ -245,7 +245,8 @@ ONLY_03: tuple[tuple[str, Key], ...] = (
 )
 
 
-def _all_keys() -> dict[str, tuple[Key, ...]]:
+def all_keys() -> dict[str, tuple[Key, ...]]:
+    """Every section's keys: :data:`SCHEMA` plus :data:`ONLY_03`."""
     out = {section: tuple(keys) for section, keys in SCHEMA.items()}
     for section, key in ONLY_03:
         out[section] = out[section] + (key,)
@@ -255,7 +256,7 @@ def _all_keys() -> dict[str, tuple[Key, ...]]:
 def key_of(dotted: str) -> Optional[Key]:
     """The :class:`Key` of ``section.key`` (``training.dataloader.num_workers`` too), or None."""
     section, _, name = dotted.rpartition(".")
-    return next((k for k in _all_keys().get(section, ()) if k.name == name), None)
+    return next((k for k in all_keys().get(section, ()) if k.name == name), None)
 
 
 def _default(value: Any) -> Any:
@@ -277,7 +278,7 @@ def schema_class() -> type:
     ``[commopt]`` section: what the TOML and the command line are checked and parsed against."""
     from titan_commopt.titan.config.section import CommOpt
 
-    keys = _all_keys()
+    keys = all_keys()
     top = [s for s in keys if "." not in s and s not in SECTIONS_GONE]
     sections = [(s, cls, field(default_factory=cls)) for s in top for cls in [_section_class(s, keys)]]
     return make_dataclass("JobConfig02", sections + [("commopt", CommOpt, field(default_factory=CommOpt))])
