@@ -15,11 +15,12 @@ Trainer as well as ours); :func:`register` sets it (``build.py``, once per conta
 :func:`owner_of` reads it. A ``WeakSet``: a container that is gone is forgotten.
 """
 
-import functools
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+
+from .patch import wrap_once
 
 __all__ = ["install", "register", "owner_of"]
 
@@ -39,14 +40,13 @@ def owner_of(params: list[torch.Tensor]) -> Optional[Any]:
 
 
 def install() -> None:
-    """Wrap ``torchtitan.distributed.utils.clip_grad_norm_`` (idempotent)."""
+    """Wrap ``torchtitan.distributed.utils.clip_grad_norm_`` (once)."""
     from torchtitan.distributed import utils as dist_utils
 
-    original = dist_utils.clip_grad_norm_
-    if getattr(original, "_titan_commopt", False):
-        return
+    wrap_once(dist_utils, "clip_grad_norm_", _routed)
 
-    @functools.wraps(original)
+
+def _routed(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def clip_grad_norm_(
         parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
         foreach: Optional[bool] = None, pp_mesh: Any = None, ep_enabled: bool = False,
@@ -59,5 +59,4 @@ def install() -> None:
             return original(params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
         return owner.clip_grad_norm_(params, max_norm, foreach=foreach)
 
-    clip_grad_norm_._titan_commopt = True  # type: ignore[attr-defined]
-    dist_utils.clip_grad_norm_ = clip_grad_norm_
+    return clip_grad_norm_

@@ -19,13 +19,13 @@ module is imported before the Trainer exists; an ``--override.imports`` module i
   it was given, before the wrapper took ``dp_replicate`` off).
 """
 
-import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..common.patch import wrap_once
 from ..platform.cpu import force_sum_reduction, on_cpu
 
 __all__ = ["install", "leave_replicate_to_optimizer", "replicate_mesh", "seen"]
@@ -79,14 +79,14 @@ class _ShardingLogTruthful(logging.Filter):
 
 
 def install() -> None:
-    """Wrap ``torchtitan.distributed.fsdp.fully_shard`` (idempotent)."""
+    """Wrap ``torchtitan.distributed.fsdp.fully_shard`` (once)."""
     from torchtitan.distributed import fsdp
 
-    original = fsdp.fully_shard
-    if getattr(original, "_titan_commopt", False):
-        return
+    if wrap_once(fsdp, "fully_shard", _seen_by_us):
+        fsdp.logger.addFilter(_ShardingLogTruthful())
 
-    @functools.wraps(original)
+
+def _seen_by_us(original: Callable[..., Any]) -> Callable[..., Any]:
     def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
         mesh = kwargs.get("mesh")
         if seen.leave_replicate and mesh is not None:
@@ -102,6 +102,4 @@ def install() -> None:
                 force_sum_reduction(m)
         return out
 
-    fully_shard._titan_commopt = True  # type: ignore[attr-defined]
-    fsdp.fully_shard = fully_shard
-    fsdp.logger.addFilter(_ShardingLogTruthful())
+    return fully_shard
