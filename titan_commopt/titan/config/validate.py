@@ -1,48 +1,89 @@
 """One pass over a job config: ``[optimizer]`` + ``[commopt]`` → the run's resolved optimizer.
 
-:func:`resolve_job` checks ``[optimizer] name``, every ``[commopt]`` value, the chosen family's
-cross-field rules, the torchtitan settings our optimizers refuse, and the torchtitan values every
-run depends on (``titan/config/torchtitan_keys.py``: learning rate, betas, batch sizes, mesh against the
-world size, model flavor, dataset file, ...), and returns the :class:`~titan_commopt.optim.Resolved`
-value the run trains with (``None`` for torchtitan's own AdamW/Adam). Every problem is one line, all
-of them reported together; nothing touches a process group, so ``titan_commopt.train`` runs it
-before torchtitan starts.
+:func:`resolve_options` is the one way a name and a ``[commopt]`` section become a
+:class:`~titan_commopt.optim.Resolved` value (``None`` for torchtitan's own AdamW/Adam), on every
+route of both torchtitan lines: it checks ``[optimizer] name``, every ``[commopt]`` value and the
+chosen family's cross-field rules, and lists every problem together (each one line). What the
+routes differ in is handed to it: which family keys the user gave (the preset fills the others),
+the hyper-parameters, and the problems found elsewhere.
+
+:func:`resolve_job` is the TOML route's (0.2.2, and our TOML on 0.3): it adds the torchtitan values
+every run depends on (``torchtitan_keys.py``: learning rate, betas, batch sizes, mesh against the
+world size, the model, tokenizer and dataset the line knows, ...) and the torchtitan settings our
+optimizers refuse. :class:`CheckedJob` is its result with the keys the user set and the warnings;
+nothing touches a process group, so ``titan_commopt.train`` makes it before torchtitan starts.
 
 :func:`run_warnings` names what a valid config does that the user probably did not mean, one line
 each: a ``[commopt.<family>]`` table the chosen optimizer does not read, and MT-DAO's switch at the
 end of a warm-up in a run too short for it.
 """
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
 
-from titan_commopt.optim import FAMILIES, BaseHParams, Resolved, family_of, owns_replicate_sync, resolve
+from titan_commopt.optim import FAMILIES, BaseHParams, Family, Resolved, family_of, owns_replicate_sync, resolve
 from titan_commopt.options import ConfigError, problems as option_problems
 
+from .parse import ParsedJob
 from .section import commopt_of
-from .sources import given_options
+from .sources import given_options, user_set_keys
 from .torchtitan_keys import SpecProblems, torchtitan_problems, world_size_from_env
 
-__all__ = ["resolve_job", "hparams_of", "run_warnings", "unread_tables", "short_run_switch", "SWITCH_MIN_STEPS"]
+__all__ = [
+    "resolve_options", "resolve_job", "hparams_of", "CheckedJob", "run_warnings", "unread_tables", "short_run_switch",
+    "SWITCH_MIN_STEPS",
+]
 
 # MT-DAO's switch at the end of warm-up (``[commopt.local] switch_at = "warmup"``) is recommended only
 # for runs at least this long: the MT-DAO paper switches after a 2048-step warm-up (appendix B.2),
 # when the gradient direction changes slowly; after a short warm-up the momentum carried into the
-# slow β1 = 0.999 misleads training for hundreds of steps (500-step study, docs/benchmarks.md §4:
-# loss 4.0 with the switch, 1.5 without).
+# slow β1 = 0.999 misleads training for hundreds of steps (docs/benchmarks.md §4).
 SWITCH_MIN_STEPS = 2048
 
 
-def hparams_of(optimizer_config: Any, lr_scheduler_config: Any = None) -> BaseHParams:
-    """``[optimizer]``'s generic knobs, and ``[lr_scheduler] warmup_steps`` (MT-DAO's switch at the
-    end of warm-up reads it; 0 when no scheduler table is given)."""
+def hparams_of(optimizer_config: Any, warmup_steps: int) -> BaseHParams:
+    """``[optimizer]``'s generic knobs (0.2.2's ``[optimizer]``, or our 0.3 container's config), and
+    the LR scheduler's warm-up steps (MT-DAO's switch at the end of warm-up reads them)."""
     return BaseHParams(
         lr=optimizer_config.lr,
         beta1=optimizer_config.beta1,
         beta2=optimizer_config.beta2,
         eps=optimizer_config.eps,
         weight_decay=optimizer_config.weight_decay,
-        warmup_steps=int(getattr(lr_scheduler_config, "warmup_steps", 0)),
+        warmup_steps=int(warmup_steps),
     )
+
+
+def resolve_options(
+    name: str, section: Any, hparams: BaseHParams, given: Callable[[Family], dict[str, Any]], *,
+    found: Iterable[str] = (), refused_with_ours: Iterable[str] = (),
+) -> Optional[Resolved]:
+    """Optimizer ``name`` with the ``[commopt]`` ``section``, resolved (``None`` for torchtitan's own
+    AdamW/Adam), or ``ConfigError`` listing every problem: ``found`` (found elsewhere, listed first),
+    the section's values (every table as given; the chosen family's is checked as resolved),
+    ``refused_with_ours`` (settings refused with an optimizer of ours), and the family's own rules.
+    ``given(family)``: the family keys the user gave, which the name's preset does not replace."""
+    found = list(found)
+    commopt = option_problems(section, "commopt")
+    if not owns_replicate_sync(name):
+        found += commopt
+        if found:
+            raise ConfigError("\n".join(found))
+        return None
+    try:
+        family = family_of(name)
+    except ConfigError as error:  # an unknown name: listed with what exists
+        raise ConfigError("\n".join([str(error)] + found + commopt)) from None
+    found += [line for line in commopt if not line.startswith(f"[{family.section}]")]
+    found += refused_with_ours
+    resolved = None
+    try:
+        resolved = resolve(name, given(family), hparams, kernels=section.kernels)
+    except ConfigError as error:
+        found.append(str(error))
+    if found:
+        raise ConfigError("\n".join(found))
+    return resolved
 
 
 # Settings of torchtitan that the optimizers owning R have not been built or tested for: refused
@@ -82,31 +123,32 @@ def resolve_job(
     ``spec_problems``: the installed line's checks of the model, tokenizer and data."""
     world_size = world_size_from_env() if world_size is None else world_size
     name = job_config.optimizer.name
-    section = commopt_of(job_config)
-    found = torchtitan_problems(job_config, world_size, spec_problems)
-    commopt = option_problems(section, "commopt")  # every table as given, the chosen one resolved below
-    if not owns_replicate_sync(name):
-        found += commopt
-        if found:
-            raise ConfigError("\n".join(found))
-        return None
-    try:
-        family = family_of(name)
-    except ConfigError as error:  # an unknown name: listed with what exists
-        raise ConfigError("\n".join([str(error)] + found + commopt)) from None
-    found += [line for line in commopt if not line.startswith(f"[{family.section}]")]
-    found += _unsupported(job_config, name)
-    resolved = None
-    try:
-        hparams = hparams_of(job_config.optimizer, job_config.lr_scheduler)
-        resolved = resolve(
-            name, given_options(job_config, family.key, user_keys), hparams, kernels=section.kernels
-        )
-    except ConfigError as error:
-        found.append(str(error))
-    if found:
-        raise ConfigError("\n".join(found))
-    return resolved
+    return resolve_options(
+        name, commopt_of(job_config), hparams_of(job_config.optimizer, job_config.lr_scheduler.warmup_steps),
+        lambda family: given_options(job_config, family.key, user_keys),
+        found=torchtitan_problems(job_config, world_size, spec_problems),
+        refused_with_ours=_unsupported(job_config, name),
+    )
+
+
+@dataclass
+class CheckedJob:
+    """A command line and its TOML, parsed once and checked (:meth:`of`): the job config, the
+    ``[commopt.<family>]`` keys the user set, the resolved optimizer (None: torchtitan's AdamW/Adam)
+    and the warnings (one line each: valid, but probably not meant). Each torchtitan line's run adds
+    what it builds from it."""
+
+    job_config: Any
+    user_keys: dict[str, set[str]]
+    resolved: Optional[Resolved]
+    warnings: list[str]
+
+    @classmethod
+    def of(cls, parsed: ParsedJob, world_size: Optional[int], spec_problems: SpecProblems) -> Any:
+        """``ConfigError`` lists every problem; see :func:`resolve_job`."""
+        user_keys = user_set_keys(parsed.args, parsed.toml)
+        resolved = resolve_job(parsed.job_config, user_keys, world_size, spec_problems)
+        return cls(parsed.job_config, user_keys, resolved, run_warnings(parsed.job_config, user_keys, resolved))
 
 
 def unread_tables(name: str, user_keys: dict[str, set[str]]) -> list[str]:

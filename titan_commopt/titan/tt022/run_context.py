@@ -21,24 +21,18 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from titan_commopt.comm import CommLedger
-from titan_commopt.optim import Resolved
 from titan_commopt.options import ConfigError
 from titan_commopt.topology import Topology
 
 from ..config.parse import CUSTOM_IMPORT, parse_job
-from ..config.sources import user_set_keys
-from ..config.validate import resolve_job, run_warnings
+from ..config.validate import CheckedJob
 from .checks import spec_problems
 
 __all__ = ["CommoptRun"]
 
 
 @dataclass
-class CommoptRun:
-    job_config: Any
-    user_keys: dict[str, set[str]]  # {family: keys the user set in [commopt.<family>]}
-    resolved: Optional[Resolved]  # None: torchtitan's own AdamW/Adam
-    warnings: list[str] = field(default_factory=list)  # one line each: valid, but probably not meant
+class CommoptRun(CheckedJob):
     ledger: CommLedger = field(default_factory=CommLedger)
     topology: Optional[Topology] = None  # once the meshes exist
 
@@ -49,9 +43,7 @@ class CommoptRun:
         torchrun's ``WORLD_SIZE`` (unset: the mesh is not checked against it)."""
         parsed = parse_job(list(sys.argv[1:] if argv is None else argv))
         _import_custom(parsed.job_config)
-        user_keys = user_set_keys(parsed.args, parsed.toml)
-        resolved = resolve_job(parsed.job_config, user_keys, world_size, spec_problems)
-        return cls(parsed.job_config, user_keys, resolved, run_warnings(parsed.job_config, user_keys, resolved))
+        return cls.of(parsed, world_size, spec_problems)
 
 
 def _import_custom(job_config: Any) -> None:

@@ -36,13 +36,14 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
 from titan_commopt import comm
-from titan_commopt.optim import BaseHParams, Resolved, family_of, owns_replicate_sync, resolve
-from titan_commopt.options import ConfigError, problems
+from titan_commopt.optim import BaseHParams, Family, Resolved, owns_replicate_sync
+from titan_commopt.options import ConfigError
 
 from ..common import clipping
 from ..common.container import CommOptimizersContainer, Safeguards
 from ..config.resume import check_resume, ledger_saved
 from ..config.section import CommOpt
+from ..config.validate import hparams_of, resolve_options
 from ..platform.stop import stop_run
 from ..config.checkpoint import CLI, CheckpointSettings, Spelling
 from ..common.mesh import ParameterMeshes, topology_of
@@ -62,10 +63,9 @@ def refuse(error: ConfigError) -> None:
     stop_run(str(error), BAD_INPUT)
 
 
-def _given(name: str, commopt: Any, set_keys: list[str]) -> dict[str, Any]:
+def _given(family: Family, commopt: Any, set_keys: list[str]) -> dict[str, Any]:
     """The family options the user (or the config function) set: those that differ from the
-    family's defaults, and ``set_keys``; the preset of ``name`` fills the rest."""
-    family = family_of(name)
+    family's defaults, and ``set_keys``; the preset fills the rest."""
     table, defaults = getattr(commopt, family.key), family.options()
     return {f.name: getattr(table, f.name) for f in fields(table)
             if f.name in set_keys or getattr(table, f.name) != getattr(defaults, f.name)}
@@ -98,22 +98,8 @@ def checkpoint_settings(trainer_config: Any, optimizer_name: str) -> Optional[Ch
 def resolve_config(config: "CommOptimizers.Config") -> Optional[Resolved]:
     """The resolved optimizer of ``config`` (``None`` for torchtitan's AdamW/Adam); ``ConfigError``
     lists every problem."""
-    found = problems(config.commopt, "commopt")
-    if not owns_replicate_sync(config.name):
-        if found:
-            raise ConfigError("\n".join(found))
-        return None
-    family = family_of(config.name)
-    found = [line for line in found if not line.startswith(f"[{family.section}]")]
-    hparams = BaseHParams(lr=config.lr, beta1=config.beta1, beta2=config.beta2, eps=config.eps,
-                          weight_decay=config.weight_decay, warmup_steps=config.warmup_steps)
-    try:
-        resolved = resolve(config.name, _given(config.name, config.commopt, config.set_keys), hparams, kernels=config.commopt.kernels)
-    except ConfigError as error:
-        found.append(str(error))
-    if found:
-        raise ConfigError("\n".join(found))
-    return resolved
+    return resolve_options(config.name, config.commopt, hparams_of(config, config.warmup_steps),
+                           lambda family: _given(family, config.commopt, config.set_keys))
 
 
 class CommOptimizers(CommOptimizersContainer):

@@ -30,14 +30,13 @@ import dataclasses
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Mapping, Optional
 
-from titan_commopt.optim import Resolved, family_of, owns_replicate_sync
+from titan_commopt.optim import family_of, owns_replicate_sync
 from titan_commopt.options import ConfigError
 
 from ..common.data import is_bundled_tokenizer, register_datasets, text_dataset_problems, tokenizer_corpus
 from ..common.model import COMMOPT_SPEC, FLAVOR_SHAPES, REFERENCE_SPEC
 from ..config.parse import CONFIG_MODULE, CUSTOM_IMPORT, ParsedJob, field_of, parse_with
-from ..config.sources import user_set_keys
-from ..config.validate import resolve_job, run_warnings
+from ..config.validate import CheckedJob
 from .toml_schema import BY_HAND, SECTIONS_GONE, WIRING, Gone, key_of, schema_class
 
 __all__ = ["TomlRun", "parse_toml", "trainer_config", "MODEL_NAMES", "flavor_names", "model_spec"]
@@ -178,25 +177,17 @@ def _spec_problems(job_config: Any, lines_needed: int) -> list[str]:
 
 # ---- the run --------------------------------------------------------------------------------------
 @dataclass
-class TomlRun:
+class TomlRun(CheckedJob):
     """What ``titan_commopt.train`` makes on torchtitan 0.3 before any process group: the TOML as
-    parsed (0.2.2's keys), the ``[commopt.<family>]`` keys the user set, the resolved optimizer
-    (None: torchtitan's AdamW/Adam), the warnings, and 0.3's ``Trainer.Config`` built from them."""
+    parsed (0.2.2's keys) and checked, and 0.3's ``Trainer.Config`` built from it."""
 
-    job_config: Any
-    user_keys: dict[str, set[str]]
-    resolved: Optional[Resolved]
-    warnings: list[str]
     trainer_config: Any = None
 
     @classmethod
     def from_command_line(cls, argv: list[str], world_size: Optional[int] = None) -> "TomlRun":
         register_datasets()  # the bundled corpora and textfile, as on 0.2.2 (in every process)
-        parsed = parse_toml(list(argv))
-        user_keys = user_set_keys(parsed.args, parsed.toml)
-        resolved = resolve_job(parsed.job_config, user_keys, world_size, _spec_problems)
-        run = cls(parsed.job_config, user_keys, resolved, run_warnings(parsed.job_config, user_keys, resolved))
-        run.trainer_config = trainer_config(parsed.job_config, user_keys)
+        run = cls.of(parse_toml(list(argv)), world_size, _spec_problems)
+        run.trainer_config = trainer_config(run.job_config, run.user_keys)
         return run
 
 
