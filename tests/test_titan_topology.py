@@ -11,7 +11,7 @@ def _from_parallel_dims(rank, world_size, replicate, shard):
     from torchtitan.distributed.parallel_dims import ParallelDims
 
     from titan_commopt.titan.platform.cpu import use_cpu_if_no_accelerator
-    from titan_commopt.titan.tt022.build import topology_of
+    from titan_commopt.titan.common.mesh import topology_of
 
     use_cpu_if_no_accelerator()
     dims = ParallelDims(dp_shard=shard, dp_replicate=replicate, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world_size)

@@ -39,15 +39,14 @@ from titan_commopt import comm
 from titan_commopt.optim import BaseHParams, Family, Resolved, owns_replicate_sync
 from titan_commopt.options import ConfigError
 
-from ..common import clipping
-from ..common.container import CommOptimizersContainer, Safeguards
-from ..config.resume import check_resume, ledger_saved
+from ..common.build import FsdpBytes, container_arguments, route_clipping
+from ..common.container import CommOptimizersContainer
 from ..config.section import CommOpt
 from ..config.validate import hparams_of, resolve_options
 from ..platform.stop import stop_run
 from ..config.checkpoint import CLI, CheckpointSettings, Spelling
 from ..common.mesh import ParameterMeshes, topology_of
-from ..common.optimizers import build_per_part, byte_estimates, itemsize
+from ..common.optimizers import itemsize
 from . import fsdp
 
 __all__ = ["CommOptimizers", "resolve_config", "refuse", "trainer_building_us", "checkpoint_settings"]
@@ -144,30 +143,19 @@ class CommOptimizers(CommOptimizersContainer):
         # AdamW/Adam: R is HSDP's dp_replicate on the parameters' mesh (its all-reduce is estimated).
         topology = topology_of(ParameterMeshes(param_mesh, fsdp.replicate_mesh() if owns_r else None))
         trainer = trainer_building_us()
-        settings = None if trainer is None else checkpoint_settings(trainer.config, config.name)
-        if settings is not None:
-            dims = trainer.parallel_dims
-            check_resume(settings, resolved, topology.replicate_size, dims.dp_replicate * dims.dp_shard)
-        ledger = comm.CommLedger()
-        if resolved is None:
-            optimizers = self._stock_optimizers(config, model_parts)
-        else:
-            optimizers = build_per_part(model_parts, topology, resolved, ledger)
         seen = fsdp.seen
-        reduce_bytes = itemsize(seen.reduce_dtype or torch.float32)
-        traffic, adamw_reference = byte_estimates(
-            model_parts, topology, enabled=config.commopt.hsdp_estimates,
-            param_bytes=itemsize(seen.param_dtype or torch.float32), reduce_bytes=reduce_bytes,
-            gathers=1 if seen.reshard_after_forward is False else 2, hsdp_r_sync=not owns_r,
-        )
-        super().__init__(
-            model_parts, optimizers, name=config.name, resolved=resolved, topology=topology, ledger=ledger,
-            fsdp_traffic=traffic, adamw_reference_r_bytes=adamw_reference, safeguards=Safeguards.of(config.commopt),
-            ledger_in_checkpoint=True if settings is None else ledger_saved(settings),
-        )
-        if owns_r:
-            clipping.install()
-            clipping.register(self)
+        super().__init__(**container_arguments(
+            model_parts, name=config.name, resolved=resolved, topology=topology, commopt=config.commopt,
+            checkpoint=None if trainer is None else checkpoint_settings(trainer.config, config.name),
+            dp_degree=None if trainer is None else trainer.parallel_dims.dp_replicate * trainer.parallel_dims.dp_shard,
+            fsdp_bytes=FsdpBytes(
+                param_bytes=itemsize(seen.param_dtype or torch.float32),
+                reduce_bytes=itemsize(seen.reduce_dtype or torch.float32),
+                gathers=1 if seen.reshard_after_forward is False else 2,
+            ),
+            stock_optimizers=lambda: self._stock_optimizers(config, model_parts), ledger=comm.CommLedger(),
+        ))
+        route_clipping(self)
 
     @staticmethod
     def _check_replicate(param_mesh: Any, owns_r: bool) -> None:
