@@ -5,13 +5,11 @@
 - :func:`byte_estimates`: FSDP2's own collectives as estimates from parameter sizes
   (``optim/traffic.py``; ``None`` when ``[commopt] hsdp_estimates`` is off) and what AdamW over HSDP
   would send over R per step (the reference of ``comm/R_ratio_vs_adamw_hsdp``);
-- :func:`leave_together`: the end of a successful training, every rank at once.
 """
 
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from titan_commopt import comm
@@ -19,7 +17,7 @@ from titan_commopt.optim import CommOptimizer, Resolved, ShardShape, broadcast_p
 from titan_commopt.optim.traffic import FsdpTraffic, adamw_hsdp_r_bytes, fsdp_traffic
 from titan_commopt.topology import Topology
 
-__all__ = ["shard_shapes", "build_per_part", "byte_estimates", "itemsize", "leave_together"]
+__all__ = ["shard_shapes", "build_per_part", "byte_estimates", "itemsize"]
 
 
 def shard_shapes(model_parts: list[nn.Module]) -> list[ShardShape]:
@@ -56,21 +54,3 @@ def byte_estimates(
             reduce_bytes=reduce_bytes, gathers=gathers, hsdp_r_sync=hsdp_r_sync,
         )
     return traffic, adamw_hsdp_r_bytes(shards, topology.replicate_size, reduce_bytes).sent
-
-
-def leave_together(optimizers: object) -> None:
-    """After the last step: land our optimizers' R syncs still in flight (an overlapped update, a
-    streaming fragment; torchtitan's own containers have no ``flush``), then a barrier.
-
-    torchtitan's rank 0 sleeps 2 s after training "for other ranks to complete" while the others go
-    on to tear their process groups down; a gloo rank has been seen to abort (SIGABRT) during that
-    teardown (twice in one CI run of ~100 launches, under load). All ranks leave training together
-    instead (only on success: after an error a peer may never arrive). The abort was seen again after
-    this barrier, in the interpreter's teardown: see ``train.exit_after_success``."""
-    flush = getattr(optimizers, "flush", None)
-    if flush is not None:
-        flush()
-    if dist.is_initialized():
-        # NCCL's barrier wants its device named (else a warning on every rank)
-        on_nccl = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
-        dist.barrier(device_ids=[torch.cuda.current_device()] if on_nccl else None)

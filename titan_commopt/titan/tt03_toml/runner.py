@@ -2,18 +2,12 @@
 --job.config_file X.toml`` runs when torchtitan 0.3 is installed.
 
 The ``Trainer.Config`` comes from the TOML (``toml_config.py``, made and checked before any process
-group), with the CPU fixes of ``configs.py`` (``apply_cpu_fixes``) on a machine without an
-accelerator; then 0.3's own ``Trainer`` trains it, as ``torchtitan.train.main`` does. At the end of
-training the R syncs still in flight land and every rank leaves together (as the 0.2.2 adapter's
-Trainer does: ``shared/optimizers.leave_together``).
+group), with the CPU fixes (``tt03/cpu.py``) on a machine without an accelerator; then 0.3's own
+``Trainer`` trains it, as ``torchtitan.train.main`` does (``common/main.py``).
 """
 
-import os
-
-import torch.distributed as dist
-
 from ..config.checkpoint import TOML
-from ..common.optimizers import leave_together
+from ..common.main import train
 from .toml_config import TomlRun
 
 __all__ = ["run_toml"]
@@ -37,26 +31,4 @@ def run_toml(run: TomlRun) -> None:
     config = apply_cpu_fixes(run.trainer_config)
     sl.init_structured_logger(source="training", output_dir=config.dump_folder,
                               enable=config.debug.enable_structured_logging)
-    trainer = None
-    try:
-        if config.comm.mode == "local_tensor":
-            logger.info("Local tensor mode enabled - skipping training execution")
-            return
-        trainer = config.build()
-        if config.checkpoint.create_seed_checkpoint:
-            assert int(os.environ["WORLD_SIZE"]) == 1, "Must create seed checkpoint using a single device, to disable sharding."
-            assert config.checkpoint.enable, "Must enable checkpointing when creating a seed checkpoint."
-            trainer.checkpointer.save(curr_step=0, last_step=True)
-            logger.info("Created seed checkpoint")
-        else:
-            trainer.train()
-            leave_together(trainer.optimizers)
-    except Exception:
-        if trainer:
-            trainer.close()
-        raise
-    else:
-        trainer.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        logger.info("Process group destroyed")
+    train(config.build, config, builds_in_local_tensor_mode=False)
