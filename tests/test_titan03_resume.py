@@ -50,11 +50,12 @@ def _config(dump: Path, *args: str):
         ["--module", MODULE, "--config", "cpu_debugmodel", "--dump_folder", str(dump), *RUN, *args])
 
 
-def _problem(config, replicas: int = 2, dp_degree: int = 2):
+def _problem(config, replicas: int = 2, dp_degree: int = 2, spelling=None):
+    from titan_commopt.titan.config.checkpoint import CLI
     from titan_commopt.titan.config.resume import resume_problem
     from titan_commopt.titan.tt03.container import checkpoint_settings, resolve_config
 
-    settings = checkpoint_settings(config, config.optimizer.name)
+    settings = checkpoint_settings(config, config.optimizer.name, spelling or CLI)
     return resume_problem(settings, resolve_config(config.optimizer), replicas, dp_degree)
 
 
@@ -104,14 +105,14 @@ def test_what_else_does_not_fit_is_refused(dump, args, replicas, expected):
     assert problem is not None and expected in problem and "\n" not in problem, problem
 
 
-def test_the_override_and_the_toml_are_checked_alike(dump, monkeypatch):
+def test_the_override_and_the_toml_are_checked_alike(dump):
     """The settings an ``@override`` run and our TOML runner hand the check (the TOML runner's
     refusals name the TOML's keys)."""
     from torchtitan.components.optimizer import default_adamw
 
-    from titan_commopt.titan.config.checkpoint import TOML
-    from titan_commopt.titan.tt03 import container
+    from titan_commopt.titan.tt03.building import spelling_of
     from titan_commopt.titan.tt03.overrides import commopt
+    from titan_commopt.titan.tt03_toml.runner import TomlTrainer
     from titan_commopt.train import check_config
 
     config = _config(dump)
@@ -121,8 +122,7 @@ def test_the_override_and_the_toml_are_checked_alike(dump, monkeypatch):
     toml = check_config(["--job.config_file", str(ROOT / "train_configs" / "debug_cpu.toml"),
                          "--job.dump_folder", str(dump), "--checkpoint.enable", "true", "--optimizer.name", "Dion",
                          "--commopt.dion.rank", "16"], 2)
-    monkeypatch.setattr(container, "settings_spelling", TOML)  # as the TOML runner sets it
-    problem = _problem(toml.trainer_config)
+    problem = _problem(toml.trainer_config, spelling=spelling_of(TomlTrainer))  # the TOML runner's Trainer
     assert "cannot resume [optimizer] name = 'Dion'" in problem, problem
     assert "[commopt.dion] rank = 8 in the checkpoint, 16 in this run" in problem, problem
 

@@ -1,7 +1,7 @@
 """Our config module for torchtitan 0.3: ``--module titan_commopt.titan.v03.configs --config <name>``.
 
 Config functions (each returns a ``Trainer.Config``; every field stays a command-line flag, the
-optimizer's options included: ``--optimizer.name DiLoCo --optimizer.commopt.local.sync_every 8``;
+optimizer's options included: ``--optimizer.name DiLoCo --optimizer.commopt.local.Kx 8``;
 ``--help`` lists them):
 
 - ``cpu_debugmodel``: llama3 ``debugmodel`` for a CPU box, FlexDeMo, the bundled corpus and a

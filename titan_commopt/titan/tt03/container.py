@@ -5,28 +5,22 @@ names the optimizer and carries the ``[commopt]`` options as typed fields.
 titan_commopt optimizer, or torchtitan's ``AdamW``/``Adam``), the generic hyper-parameters of the
 ``[optimizer]`` section of the 0.2.2 TOML (``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay``,
 and ``warmup_steps`` for MT-DAO's switch) and ``commopt``: the ``[commopt]`` section's dataclass
-(``titan/config/section.py``), one typed sub-table per family. torchtitan's CLI parses them
-(``--optimizer.name DiLoCo --optimizer.commopt.local.sync_every 8``) and ``--help`` lists them.
+(``config/section.py``), one typed sub-table per family. torchtitan's CLI parses them
+(``--optimizer.name DiLoCo --optimizer.commopt.local.Kx 8``) and ``--help`` lists them.
 
-The options are resolved once, when the config is made (the family's preset fills every key left at
-the family default; bad values: one line each, exit status 2, before any process group exists),
-and the config records that our optimizer syncs R, so that FSDP2 is applied without
-``dp_replicate`` (``fsdp.py``). ``build(model_parts=...)`` then builds one optimizer per model part
-on the run's Topology (the parameters' meshes + the R mesh FSDP was kept off,
-``shared/mesh.py``), on this container's comm ledger. Everything else — clipping for optimizers
-that own R, skipping non-finite steps, the drift check, the metrics, each replica's checkpoint
-state and the ledger's totals — is the 0.2.2 adapter's container, unchanged
-(``adapter/container.py``): the methods torchtitan 0.3 calls have the same names and meaning.
-
-A resume is checked against the checkpoint before any optimizer is built (as on 0.2.2; torchtitan
-loads it after the container exists): ``titan/config/resume.py``, with the checkpoint settings of the
-Trainer that is building this container (:func:`trainer_building_us`). torchtitan 0.3 hands the
-container only its own config, whichever way the run was launched (our config module, our TOML
-runner, an ``@override`` of a stock config), and builds it inside ``Trainer.__init__``, after the
-Trainer has its ``config`` and ``parallel_dims``: the one place all three ways meet.
+The config checks itself as it is made (:func:`refuse_bad_options`: the family's preset fills every
+key left at the family default; bad values: one line each, exit status 2, before any process
+group exists), and says whether our optimizer syncs R (``syncs_replicate``), which the
+``fully_shard`` wrapper reads from the Trainer being built (``fsdp.py``). ``build(model_parts=...)``
+then resolves it and builds the container as 0.2.2 does (``common/build.py``): one optimizer per
+model part on the run's Topology (the parameters' meshes + the R mesh FSDP was kept off,
+``common/mesh.py``), on this container's comm ledger, after the resume check against the
+checkpoint settings of the Trainer being built (``building.py``). Everything else — clipping for
+optimizers that own R, skipping non-finite steps, the drift check, the metrics, each replica's
+checkpoint state and the ledger's totals — is the container both lines share
+(``common/container.py``): the methods torchtitan 0.3 calls have the same names and meaning.
 """
 
-import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
@@ -48,13 +42,11 @@ from ..config.checkpoint import CLI, CheckpointSettings, Spelling
 from ..common.mesh import ParameterMeshes, topology_of
 from ..common.optimizers import itemsize
 from . import fsdp
+from .building import spelling_of, trainer_being_built
 
-__all__ = ["CommOptimizers", "resolve_config", "refuse", "trainer_building_us", "checkpoint_settings"]
+__all__ = ["CommOptimizers", "resolve_config", "refuse", "refuse_bad_options", "checkpoint_settings"]
 
 BAD_INPUT = 2
-# How a refused resume names the settings: 0.3's command line, or the TOML for our TOML runner (it
-# sets this before building the Trainer).
-settings_spelling: Spelling = CLI
 
 
 def refuse(error: ConfigError) -> None:
@@ -70,28 +62,14 @@ def _given(family: Family, commopt: Any, set_keys: list[str]) -> dict[str, Any]:
             if f.name in set_keys or getattr(table, f.name) != getattr(defaults, f.name)}
 
 
-def trainer_building_us() -> Optional[Any]:
-    """The torchtitan ``Trainer`` whose ``__init__`` is on the call stack (building the container), or
-    None (a container built outside a Trainer: no checkpoint of a run to check)."""
-    from torchtitan.trainer import Trainer
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer) and frame.f_code.co_name == "__init__":
-            return candidate
-        frame = frame.f_back
-    return None
-
-
-def checkpoint_settings(trainer_config: Any, optimizer_name: str) -> Optional[CheckpointSettings]:
+def checkpoint_settings(trainer_config: Any, optimizer_name: str, spelling: Spelling = CLI) -> Optional[CheckpointSettings]:
     """What the resume check reads of a 0.3 ``Trainer.Config``; None for a checkpointer other than
     torchtitan's DCP one (another layout)."""
     from torchtitan.components.checkpointer import CheckpointManager
 
     if not isinstance(trainer_config.checkpoint, CheckpointManager.Config):
         return None
-    return CheckpointSettings.of_trainer_config(trainer_config, optimizer_name, settings_spelling)
+    return CheckpointSettings.of_trainer_config(trainer_config, optimizer_name, spelling)
 
 
 def resolve_config(config: "CommOptimizers.Config") -> Optional[Resolved]:
@@ -99,6 +77,18 @@ def resolve_config(config: "CommOptimizers.Config") -> Optional[Resolved]:
     lists every problem."""
     return resolve_options(config.name, config.commopt, hparams_of(config, config.warmup_steps),
                            lambda family: _given(family, config.commopt, config.set_keys))
+
+
+def refuse_bad_options(config: "CommOptimizers.Config") -> None:
+    """Bad options of ``config``: one line each, exit status 2 (:func:`refuse`). Called by the config
+    itself as it is made (``__post_init__``, as torchtitan's own ``Trainer.Config`` checks itself):
+    tyro makes it from the command line before any process group exists, and nothing of ours runs
+    between that parse and torchtitan's ``Trainer``, which starts the process group first thing.
+    Resolving is pure; the container resolves the config again to build."""
+    try:
+        resolve_config(config)
+    except ConfigError as error:
+        refuse(error)
 
 
 class CommOptimizers(CommOptimizersContainer):
@@ -124,12 +114,13 @@ class CommOptimizers(CommOptimizersContainer):
         """Family option keys set on purpose even where equal to the family default (the preset then
         does not replace them; a TOML's [commopt.<family>] keys)."""
 
+        @property
+        def syncs_replicate(self) -> bool:
+            """Whether the optimizer syncs R itself (FSDP2 then shards without dp_replicate: ``fsdp.py``)."""
+            return owns_replicate_sync(self.name)
+
         def __post_init__(self) -> None:
-            try:
-                resolve_config(self)
-            except ConfigError as error:
-                refuse(error)
-            fsdp.leave_replicate_to_optimizer(owns_replicate_sync(self.name))
+            refuse_bad_options(self)
 
     def __init__(self, config: "CommOptimizers.Config", *, model_parts: list[nn.Module]) -> None:
         try:
@@ -142,11 +133,11 @@ class CommOptimizers(CommOptimizersContainer):
         self._check_replicate(param_mesh, owns_r)
         # AdamW/Adam: R is HSDP's dp_replicate on the parameters' mesh (its all-reduce is estimated).
         topology = topology_of(ParameterMeshes(param_mesh, fsdp.replicate_mesh() if owns_r else None))
-        trainer = trainer_building_us()
+        trainer = trainer_being_built()
         seen = fsdp.seen
         super().__init__(**container_arguments(
             model_parts, name=config.name, resolved=resolved, topology=topology, commopt=config.commopt,
-            checkpoint=None if trainer is None else checkpoint_settings(trainer.config, config.name),
+            checkpoint=None if trainer is None else checkpoint_settings(trainer.config, config.name, spelling_of(trainer)),
             dp_degree=None if trainer is None else trainer.parallel_dims.dp_replicate * trainer.parallel_dims.dp_shard,
             fsdp_bytes=FsdpBytes(
                 param_bytes=itemsize(seen.param_dtype or torch.float32),
@@ -170,8 +161,9 @@ class CommOptimizers(CommOptimizersContainer):
                 "'partial_dtensor' (or data_parallel_replicate_degree = 1)"))
         if owns_r and hsdp_syncs_r:
             refuse(ConfigError(
-                "optimizer: the model was sharded with FSDP's own R (dp_replicate) sync: make our optimizer's "
-                "config (CommOptimizers.Config) before the model is parallelized (config function or --override.imports)"))
+                "optimizer: the model was sharded with FSDP's own R (dp_replicate) sync, which our optimizer does "
+                "itself: shard it inside a torchtitan Trainer whose optimizer config is ours (CommOptimizers.Config: "
+                "a config function, or --override.imports), with titan_commopt.titan imported before"))
         if not owns_r and fsdp.seen.replicate_hidden and fsdp.replicate_mesh() is not None \
                 and fsdp.replicate_mesh().size() > 1:
             refuse(ConfigError(

@@ -2,21 +2,25 @@
 
 torchtitan 0.3's parallelize functions call ``torchtitan.distributed.fsdp.fully_shard`` (a module
 global, also for DDP- and TP-only runs). :func:`install` wraps it, once, at import of
-``titan_commopt.titan``, which both ways of launching do before the model is parallelized (the config
-module is imported before the Trainer exists; an ``--override.imports`` module in
+``titan_commopt.titan``, which every way of launching does before the model is parallelized (the
+config module is imported before the Trainer exists; an ``--override.imports`` module in
 ``Trainer.__init__`` before the model is built). The wrapper:
 
-- leaves R to the optimizer when one of ours owns it (:func:`leave_replicate_to_optimizer`, called
-  when our container's config is made): FSDP2 shards over the dims after ``dp_replicate`` only, so
-  HSDP's gradient all-reduce over R never happens (as the 0.2.2 adapter's parallelize wrapper does;
-  ``set_requires_all_reduce(False)`` leaves every ``p.grad`` None). The R mesh it took off is kept
-  (:func:`replicate_mesh`): the container builds its Topology from it and the parameters' meshes;
+- leaves R to the optimizer when the Trainer being built (``building.py``) has our optimizer config
+  and it syncs R (``CommOptimizers.Config.syncs_replicate``): FSDP2 shards over the dims after
+  ``dp_replicate`` only, so HSDP's gradient all-reduce over R never happens (as 0.2.2's parallelize
+  wrapper does; ``set_requires_all_reduce(False)`` leaves every ``p.grad`` None). The R mesh it took
+  off is kept (:func:`replicate_mesh`): the container builds its Topology from it and the
+  parameters' meshes;
 - on a machine without an accelerator makes every FSDP2 module reduce with SUM (gloo has no
   AVG/PREMUL_SUM; torchtitan's gradient divide factor is already 1);
 - keeps the mixed-precision policy and ``reshard_after_forward`` for the byte estimates;
 - makes torchtitan's closing ``Applied HSDP to the model`` true: with R left to the optimizer it
   reads ``Applied FSDP to the model (R: left to the optimizer)`` (torchtitan words it from the mesh
   it was given, before the wrapper took ``dp_replicate`` off).
+
+What it saw is module-level state (:data:`seen`): the container is built from the model parts
+alone, after the model was sharded, and needs the R mesh, the dtypes and the resharding.
 """
 
 import logging
@@ -27,8 +31,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..common.patch import wrap_once
 from ..platform.cpu import force_sum_reduction, on_cpu
+from .building import trainer_being_built
 
-__all__ = ["install", "leave_replicate_to_optimizer", "replicate_mesh", "seen"]
+__all__ = ["install", "replicate_mesh", "seen"]
 
 _REPLICATE = "dp_replicate"
 
@@ -37,7 +42,7 @@ _REPLICATE = "dp_replicate"
 class Seen:
     """What the wrapped ``fully_shard`` saw in this process (the last call wins; one model per run)."""
 
-    leave_replicate: bool = False  # set by our container's config: our optimizer syncs R
+    leave_replicate: bool = False  # the Trainer's optimizer syncs R: FSDP2 was asked to leave it
     replicate: Optional[DeviceMesh] = None  # the R mesh taken off FSDP's mesh
     replicate_hidden: bool = False
     param_dtype: Any = None
@@ -49,9 +54,10 @@ class Seen:
 seen = Seen()
 
 
-def leave_replicate_to_optimizer(leave: bool = True) -> None:
-    """From now on FSDP2 shards without ``dp_replicate`` (``leave=False``: HSDP as torchtitan has it)."""
-    seen.leave_replicate = leave
+def _replicate_left_to_optimizer() -> bool:
+    """Whether the Trainer being built has an optimizer config that syncs R itself."""
+    trainer = trainer_being_built()
+    return trainer is not None and bool(getattr(trainer.config.optimizer, "syncs_replicate", False))
 
 
 def replicate_mesh() -> Optional[DeviceMesh]:
@@ -89,6 +95,7 @@ def install() -> None:
 def _seen_by_us(original: Callable[..., Any]) -> Callable[..., Any]:
     def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
         mesh = kwargs.get("mesh")
+        seen.leave_replicate = _replicate_left_to_optimizer()
         if seen.leave_replicate and mesh is not None:
             kwargs["mesh"] = _without_replicate(mesh, kwargs)
         policy = kwargs.get("mp_policy")

@@ -6,11 +6,20 @@ group), with the CPU fixes (``tt03/cpu.py``) on a machine without an accelerator
 ``Trainer`` trains it, as ``torchtitan.train.main`` does (``common/main.py``).
 """
 
-from ..config.checkpoint import TOML
+from torchtitan.trainer import Trainer
+
 from ..common.main import train
+from ..config.checkpoint import TOML
 from .toml_config import TomlRun
 
-__all__ = ["run_toml"]
+__all__ = ["TomlTrainer", "run_toml"]
+
+
+class TomlTrainer(Trainer):
+    """torchtitan 0.3's Trainer for a TOML run: a refused resume names the TOML's keys
+    (``tt03/building.py: spelling_of``)."""
+
+    settings_spelling = TOML
 
 
 def run_toml(run: TomlRun) -> None:
@@ -19,10 +28,8 @@ def run_toml(run: TomlRun) -> None:
     from torchtitan.observability import structured_logger as sl
     from torchtitan.tools.logging import init_logger, logger
 
-    from ..tt03 import container
     from ..tt03.configs import apply_cpu_fixes
 
-    container.settings_spelling = TOML  # a refused resume names the TOML's keys
     init_logger()
     import torchtitan
 
@@ -31,4 +38,4 @@ def run_toml(run: TomlRun) -> None:
     config = apply_cpu_fixes(run.trainer_config)
     sl.init_structured_logger(source="training", output_dir=config.dump_folder,
                               enable=config.debug.enable_structured_logging)
-    train(config.build, config, builds_in_local_tensor_mode=False)
+    train(lambda: TomlTrainer(config), config, builds_in_local_tensor_mode=False)

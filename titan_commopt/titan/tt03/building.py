@@ -1,0 +1,42 @@
+"""The torchtitan 0.3 ``Trainer`` whose ``__init__`` is running, found from inside it.
+
+torchtitan 0.3 builds the model and the optimizer container inside ``Trainer.__init__`` and hands
+neither the Trainer nor its config to what it calls there: ``fully_shard`` gets a module and a mesh
+(``fsdp.py`` must know whether our optimizer syncs R, which the Trainer's optimizer config says),
+the container its own config and the model parts (``container.py`` must check a resume against the
+Trainer's checkpoint settings and data-parallel degree). No hook of 0.3 runs there with the
+Trainer, and a Trainer subclass of ours cannot be relied on: ``--override.imports`` puts our
+optimizer into a stock config, whose Trainer is torchtitan's own and imports us only inside its
+``__init__``. :func:`trainer_being_built` therefore walks the call stack up to that ``__init__``:
+the one place the plug-in does so.
+
+A Trainer may say how its user writes settings (:func:`spelling_of`): our TOML runner's does
+(``tt03_toml/runner.py``), so that a refused resume names the TOML's keys; torchtitan's own is run
+from 0.3's command line.
+"""
+
+import sys
+from typing import Any, Optional
+
+from ..config.checkpoint import CLI, Spelling
+
+__all__ = ["trainer_being_built", "spelling_of"]
+
+
+def trainer_being_built() -> Optional[Any]:
+    """The ``torchtitan.trainer.Trainer`` (or a subclass) whose ``__init__`` is on the call stack, or
+    None (called outside a Trainer's construction)."""
+    from torchtitan.trainer import Trainer
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer) and frame.f_code.co_name == "__init__":
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def spelling_of(trainer: Any) -> Spelling:
+    """How the user of ``trainer`` writes settings (``settings_spelling``; default: 0.3's command line)."""
+    return getattr(trainer, "settings_spelling", CLI)
