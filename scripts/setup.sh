@@ -30,5 +30,11 @@ esac
 # The line goes in before the package, whose requirement (torchtitan>=0.2.2,<0.4) accepts both.
 pip_install "torchtitan==$TORCHTITAN"
 pip_install -e ".[dev,bench]"
-# torchtitan imports (needs triton on CPU); corpus + tokenizer built once and cached.
-"$VENV/bin/python" -c "import titan_commopt.titan; from titan_commopt.titan.tt022 import tokenizer as data; data.bundled_tokenizer_path()"
+# torchtitan imports (needs triton on CPU); the bundled corpus and the tokenizer the installed line
+# reads built once and cached: 0.2.2's SentencePiece model, or 0.3's HuggingFace BPE (with the corpus
+# as the JSON dataset its config module reads).
+case "$TORCHTITAN" in
+  0.2.2) BUILD="from titan_commopt.titan.tt022.tokenizer import bundled_tokenizer_path; bundled_tokenizer_path()" ;;
+  *) BUILD="from titan_commopt.titan.tt03.assets import dataset_dir, tokenizer_dir; tokenizer_dir(); dataset_dir()" ;;
+esac
+"$VENV/bin/python" -c "import titan_commopt.titan; $BUILD"

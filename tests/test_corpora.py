@@ -1,8 +1,18 @@
-"""The bundled corpora: deterministic, and commopt_world's facts never contradict each other."""
+"""The bundled corpora: deterministic, and commopt_world's facts never contradict each other; the
+tokenizers trained on them, and the set-up that builds the one the installed torchtitan line reads."""
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from titan_commopt import corpora
+from titan_commopt.titan.line import installed_version, line_of
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_generators_are_deterministic():
@@ -40,13 +50,33 @@ def test_world_arithmetic_holds():
 def test_bundled_tokenizer_follows_the_dataset():
     from types import SimpleNamespace
 
-    from titan_commopt.titan.tt022 import tokenizer as data
+    from titan_commopt.titan.tt022 import tokenizer as sentencepiece
 
     def tokenizer(dataset):
-        return data.build_tokenizer(SimpleNamespace(model=SimpleNamespace(hf_assets_path="bundled"),
+        return sentencepiece.build_tokenizer(SimpleNamespace(model=SimpleNamespace(hf_assets_path="bundled"),
                                                     training=SimpleNamespace(dataset=dataset)))
 
     text = " ".join(corpora.world(n_docs=20))
     world, tiny, other = tokenizer("commopt_world"), tokenizer("commopt_tiny"), tokenizer("c4")
     assert len(world.encode(text)) < 0.8 * len(tiny.encode(text))  # trained on this text: fewer pieces
     assert other.encode(text) == tiny.encode(text)  # not a bundled corpus: the default tokenizer
+
+
+# What each line's training reads from the cache: 0.2.2 the SentencePiece model of the bundled corpus,
+# 0.3 (config module and our TOML alike) the HuggingFace BPE tokenizer and the corpus as a JSON dataset.
+BUILT_BY_SETUP = {
+    "0.2": ("0.2.2", ["commopt_tiny_v1.txt", "spm_commopt_tiny_v1_1024.model"]),
+    "0.3": ("*", ["commopt_tiny_v1.txt", "hf_tokenizer_commopt_tiny_2000", "json_dataset_commopt_tiny"]),
+}
+
+
+@pytest.mark.both_lines
+def test_setup_builds_what_the_installed_line_reads(tmp_path):
+    """``scripts/setup.sh``'s last step, for the installed line, in an empty cache."""
+    branch, expected = BUILT_BY_SETUP[line_of(installed_version())]
+    script = (ROOT / "scripts" / "setup.sh").read_text()
+    build = re.search(rf'^  {re.escape(branch)}\) BUILD="(.*)" ;;$', script, re.M).group(1)
+    proc = subprocess.run([sys.executable, "-c", f"import titan_commopt.titan; {build}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "TITAN_COMMOPT_CACHE": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".lock") == expected

@@ -4,8 +4,8 @@ first use on a bundled corpus (``common/data.py``: ``commopt_tiny`` for the quic
 
 ``[model] hf_assets_path``: ``"bundled"`` (or empty) trains/loads the bundled one; a directory with a
 HuggingFace ``tokenizer.json`` (torchtitan's own loader) or a SentencePiece ``tokenizer.model``; a
-SentencePiece ``.model`` file. Prebuild the cache: ``python -m titan_commopt.titan.tt022.tokenizer
-[corpus ...]``."""
+SentencePiece ``.model`` file. ``scripts/setup.sh`` builds the bundled one into the cache
+(:func:`bundled_tokenizer_path`)."""
 
 import os
 from pathlib import Path
@@ -93,10 +93,3 @@ def build_tokenizer(job_config: Any) -> Any:
 
     return build_hf_tokenizer(job_config)
 
-
-if __name__ == "__main__":
-    import sys
-
-    for corpus in sys.argv[1:] or [CORPUS_NAME]:
-        print(corpus_path(corpus))
-        print(bundled_tokenizer_path(corpus))

@@ -3,9 +3,10 @@
 torchtitan 0.3 reads a HuggingFace ``tokenizer.json`` (+ ``tokenizer_config.json``) from
 ``hf_assets_path`` and a JSON dataset directory (``datasets.load_dataset(dir, split="train")``,
 its ``c4_test`` loader) from ``dataloader.dataset_path``. Both are built here from the bundled corpus
-(``shared/corpus.py``) into the cache: a byte-level BPE tokenizer of :data:`VOCAB_SIZE` ids (below
+(``common/data.py``) into the cache: a byte-level BPE tokenizer of :data:`VOCAB_SIZE` ids (below
 llama3 ``debugmodel``'s 2048) trained with HuggingFace ``tokenizers``, and one ``{"text": ...}``
-object per line. Nothing is downloaded. Prebuild: ``python -m titan_commopt.titan.v03.assets``.
+object per line. Nothing is downloaded. ``scripts/setup.sh`` builds both in a 0.3 venv
+(``python -m titan_commopt.titan.tt03.assets`` does too).
 """
 
 import json
