@@ -209,7 +209,7 @@ _LEDGER = CommLedger()
 
 def get_ledger() -> CommLedger:
     """The process-wide ledger: the default of every collective given no ``ledger`` (standalone use;
-    a training run passes its own, ``titan/adapter/run_context.py``)."""
+    a training run passes its own, ``titan/tt022/run_context.py`` or the 0.3 container)."""
     return _LEDGER
 
 

@@ -1,5 +1,5 @@
-"""Entry point: torchtitan's own Trainer with titan_commopt plugged in (0.2.2, or 0.3 from the same
-TOML: ``titan/v03/runner.py``, docs/toml_on_03.md).
+"""Entry point: torchtitan's own Trainer with titan_commopt plugged in, from a TOML train config, on
+torchtitan 0.2.2 or (the same TOML, translated: docs/toml_on_03.md) 0.3.
 
     python -m titan_commopt.run --nproc_per_node=2 -m titan_commopt.train --job.config_file train_configs/debug_cpu.toml
 
@@ -7,7 +7,7 @@ TOML: ``titan/v03/runner.py``, docs/toml_on_03.md).
 too.) Differences from ``python -m torchtitan.train``, all before torchtitan's Trainer starts:
 
 1. on a machine without an accelerator, torchtitan is pointed at the CPU (``titan/platform/cpu.py``;
-   on 0.3 with the other CPU fixes of ``titan/v03/cpu.py``) and its known-harmless CPU warnings
+   on 0.3 with the other CPU fixes of ``titan/tt03/cpu.py``) and its known-harmless CPU warnings
    are filtered (``titan/platform/console.py``);
 2. ``--job.custom_config_module`` / ``--experimental.custom_import`` default to ours, so the
    ``[commopt]`` section and our TrainSpecs exist whatever the TOML says;
@@ -18,10 +18,11 @@ too.) Differences from ``python -m torchtitan.train``, all before torchtitan's T
    ``titan_commopt.run``), no traceback unless ``TITAN_COMMOPT_TRACEBACK=1``; what a valid config
    probably does not mean (a ``[commopt.<family>]`` table the chosen optimizer does not read, MT-DAO's
    switch in a short run) is one warning line each, printed once (:func:`report_warnings`);
-4. the run made in step 3 (``titan/adapter/run_context.py``: the job config, parsed once, the
-   resolved optimizer, the comm ledger) is what torchtitan's Trainer builds from
-   (``titan/adapter/trainer.py``); on 0.3, ``titan/v03/toml_config.py`` makes it (0.3's
-   ``Trainer.Config`` included) and ``titan/v03/runner.py`` trains it with 0.3's own Trainer;
+4. the run made in step 3 is what torchtitan's Trainer builds from: on 0.2.2 a ``CommoptRun``
+   (``titan/tt022/run_context.py``: the job config, parsed once, the resolved optimizer, the comm
+   ledger) trained by ``titan/tt022/trainer.py``; on 0.3 a ``TomlRun``
+   (``titan/tt03_toml/toml_config.py``: the same, and 0.3's ``Trainer.Config``) trained by
+   ``titan/tt03_toml/runner.py`` with 0.3's own Trainer;
 5. a run that trained to the end leaves with ``os._exit(0)`` once its output is flushed: see
    :func:`exit_after_success`.
 """
@@ -43,7 +44,7 @@ def check_config(argv: list[str], world_size: Optional[int] = None) -> Any:
     optimizer, None for torchtitan's own) made without touching torch.distributed; raises
     ConfigError listing every problem. ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (unset:
     the mesh is not checked against it). On torchtitan 0.3 the same TOML and command line make a
-    ``TomlRun`` (``titan/v03/toml_config.py``), which also holds 0.3's ``Trainer.Config``."""
+    ``TomlRun``, which also holds 0.3's ``Trainer.Config``."""
     import titan_commopt.titan  # noqa: F401  (0.2.2: registers the TrainSpecs and datasets)
 
     if titan_commopt.titan.LINE == "0.3":
@@ -100,7 +101,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     quiet_known_noise()
     on_03 = titan_commopt.titan.LINE == "0.3"
-    if not on_03:  # on 0.3 the CPU fixes are part of the run's config (titan/v03/runner.py)
+    if not on_03:  # on 0.3 the CPU fixes are part of the run's config (titan/tt03_toml/runner.py)
         use_cpu_if_no_accelerator()
     from titan_commopt.options import ConfigError
 
@@ -126,11 +127,11 @@ def exit_after_success() -> None:
     By the time torchtitan's ``main`` returns, the trainer is closed (checkpoints written, the
     TensorBoard writer closed) and the process group destroyed: nothing is left to do. Yet the
     interpreter's teardown that follows (C++ static destructors and the finalizers of torch's
-    objects) has been seen to abort a gloo rank with SIGABRT ("terminate called without an active
-    exception": a joinable C++ thread destroyed) after the process group was destroyed, in one of
-    six two-node runs over a shaped link. torchrun then reports the successful run as failed and
-    the other node waits out its exit barrier (300 s). So a successful run flushes what it printed
-    and logged and ends here; a run that failed raises instead and never gets here."""
+    objects) can abort a gloo rank with SIGABRT ("terminate called without an active exception": a
+    joinable C++ thread destroyed) after the process group was destroyed; torchrun then reports the
+    successful run as failed and the other node waits out its exit barrier (300 s). So a successful
+    run flushes what it printed and logged and ends here; a run that failed raises instead and never
+    gets here."""
     import logging
 
     logging.shutdown()

@@ -1,26 +1,34 @@
-"""The torchtitan adapter: the only package that imports torchtitan.
+"""The torchtitan plug-in: the only package that imports torchtitan.
 
-Two torchtitan lines are supported, each behind its own adapter (``line.py`` tells which is
-installed; any other version stops with one line, exit status 2):
+Two torchtitan lines are supported (``line.py`` tells which is installed; any other version stops
+with one line, exit status 2). The folders say which line a file serves:
 
-- ``adapter/`` (torchtitan 0.2.2): what plugs into torchtitan (the run, the Trainer, the
-  TrainSpecs, the optimizer builder and container, the parallelize wrapper, clipping, metrics, the
-  offline data);
-- ``v03/`` (torchtitan 0.3.x): the optimizer container as a ``Configurable``, its ``@override``,
-  the config module (``--module titan_commopt.titan.v03.configs``), the CPU fixes;
-- ``shared/``: what both lines read the same way (the meshes → R/S/T, the bundled corpus);
-- ``config/``: config checking, before any process group exists (the ``[commopt]`` section, the
-  parse, the values, the resume check); ``titan_commopt.titan.config`` is what
+- ``common/``: what both lines run the same way: the optimizer container (its safeguards, clipping,
+  per-replica checkpoint state), building it, the metrics a log step adds, torchtitan's ``main()``
+  body, the meshes → R/S/T, the offline data;
+- ``tt022/`` (torchtitan 0.2.2): the run, our Trainer, the TrainSpecs and what they build, the
+  SentencePiece tokenizer;
+- ``tt03/`` (torchtitan 0.3.x, its own ways): the container as a ``Configurable``, the config module
+  (``--module titan_commopt.titan.tt03.configs``), the ``@override`` functions, the ``fully_shard`` wrapper, the
+  CPU fixes, the BPE tokenizer;
+- ``tt03_toml/`` (torchtitan 0.3.x, our 0.2.2 TOML): the TOML's keys, parsed, made into 0.3's
+  config, trained;
+- ``config/``: the user's config checked before any process group exists (the ``[commopt]``
+  section, the parse, the values, the resume check); ``titan_commopt.titan.config`` is what
   ``--job.custom_config_module`` names;
 - ``platform/``: the machine and the process around a run (CPU, console noise, torchrun restarts,
-  stopping a run with one line).
+  stopping a run with one line);
+- ``v03/``: earlier releases' 0.3 paths, forwarding to ``tt03/``.
+
+``platform/`` imports nothing of the others, ``config/`` only ``platform/``, ``common/`` those two,
+and a line's folder those three (``tt03_toml/`` also ``tt03/``).
 
 On 0.2.2 importing it registers the TrainSpecs (``llama3_commopt``, ``llama3_reference``) and the
 offline datasets, so ``--experimental.custom_import titan_commopt.titan`` is all torchtitan needs. It
 happens before torchtitan initializes the process group, which is when a torchrun restart that
 would hang is worth a line on the console (``platform/elastic.py``). On 0.3 importing it installs
-the FSDP wrapper that leaves R to our optimizers (``v03/fsdp.py``); the config module and the
-override import it.
+the ``fully_shard`` wrapper that leaves R to our optimizers (``tt03/fsdp.py``); the config module and
+the overrides import it.
 """
 
 from .line import require_supported_line

@@ -1,6 +1,6 @@
 """``[training] max_norm`` for optimizers that own R: torchtitan's clip call, handed to our container.
 
-torchtitan 0.2.2's ``Trainer.train_step`` clips with ``torchtitan.distributed.utils.clip_grad_norm_``
+torchtitan's ``Trainer.train_step`` (0.2.2 and 0.3) clips with ``torchtitan.distributed.utils.clip_grad_norm_``
 (looked up on that module at every step) and logs what it returns as ``grad_norm``. With R hidden
 from FSDP2 that function would see one replica's gradient, which torchtitan's loss scaling makes
 ``1/W`` of the replica's mean gradient: ``max_norm`` would be ``W``× looser than for AdamW-HSDP and
@@ -9,9 +9,9 @@ container of ours owning R go to its ``clip_grad_norm_`` (``container.py``: the 
 replicas' mean gradients, one rule for every family); anything else (AdamW/Adam, pipeline or
 expert parallel, other norm types) calls torchtitan's own function unchanged.
 
-The one module-level value of the adapter: the containers the clip is routed to. torchtitan's seam
-forces it (a function looked up on its module, called with the parameters only, by torchtitan's own
-Trainer as well as ours); :func:`register` sets it (``build.py``, once per container that owns R),
+Module-level state: the containers the clip is routed to. torchtitan's seam forces it (a function
+looked up on its module, called with the parameters only, by torchtitan's own Trainer as well as
+ours); :func:`register` sets it (``build.py: route_clipping``, once per container that owns R),
 :func:`owner_of` reads it. A ``WeakSet``: a container that is gone is forgotten.
 """
 

@@ -51,7 +51,7 @@ def leave_together(optimizers: object) -> None:
 
     torchtitan's rank 0 sleeps 2 s after training "for other ranks to complete" while the others go
     on to tear their process groups down; a gloo rank has been seen to abort (SIGABRT) during that
-    teardown (twice in one CI run of ~100 launches, under load). All ranks leave training together
+    teardown, under load. All ranks leave training together
     instead (only on success: after an error a peer may never arrive). The abort was seen again after
     this barrier, in the interpreter's teardown: see ``train.exit_after_success``."""
     flush = getattr(optimizers, "flush", None)

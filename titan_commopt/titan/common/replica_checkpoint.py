@@ -1,9 +1,9 @@
 """The container's part of a checkpoint, per replica (optimizers that own R).
 
-All optimizer state is saved under ``replica<r>/`` keys, one copy per replica (``titan_commopt.state``),
+All optimizer state is saved under ``replica<r>/`` keys, one copy per replica (``replica_state.py``),
 with the container's counters, the comm ledger's totals (so that ``comm/*_total`` continues across a
-resume) and the resolved optimizer options (:data:`RESOLVED_KEY`, read back by the resume check,
-``titan/config/resume.py``); parameters too when the optimizer says they diverge between syncs
+resume) and the resolved optimizer options (``RESOLVED_KEY``, read back by the resume check,
+``config/resume.py``; the keys are named in ``config/checkpoint.py``); parameters too when the optimizer says they diverge between syncs
 (``CommOptimizer.params_replica_local``). torchtitan loads the model's flattened weights *after* the
 optimizer's state, so replica-local parameters wait in :class:`PendingParams` until the next
 ``zero_grad()``, the first thing a training step does.

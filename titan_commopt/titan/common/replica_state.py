@@ -5,7 +5,7 @@ parameters between syncs, error feedback). A checkpoint therefore stores that st
 replica*, under keys prefixed ``replica<r>/``; each replica loads its own back. Everything keyed
 this way is a DTensor over the S (and T) mesh or a plain value, so DCP still reshards it when S
 changes. Resuming with a different number of replicas is refused before loading (there is no
-right way to invent or drop a replica's momenta): ``titan_commopt.titan.config.resume``.
+right way to invent or drop a replica's momenta): ``config/resume.py``.
 
 Parameters of optimizers whose replicas legitimately diverge between syncs (local-adaptive
 families: ``params_replica_local = True`` on the optimizer) are saved per replica too and restored

@@ -1,13 +1,15 @@
 """Config checking: everything between the command line and a run's resolved optimizer, before any
-process group exists.
+process group exists, and the resume check before anything is built; for both torchtitan lines.
 
 - ``section.py``: the ``[commopt]`` section (``JobConfig``, exported here: ``--job.custom_config_module
   titan_commopt.titan.config`` names this package);
 - ``sources.py``: the TOML file and the keys the user set;
 - ``parse.py``: command line + TOML → torchtitan's JobConfig, every input mistake one line (on 0.3
-  the same parse against 0.2.2's keys: ``titan/v03/toml_config.py``);
-- ``validate.py`` and ``torchtitan_keys.py``: the values, ``[optimizer]`` + ``[commopt]`` → ``Resolved``;
-- ``resume.py``: the checkpoint a resume would load, checked against the run.
+  the same parse against 0.2.2's keys: ``tt03_toml/toml_config.py``);
+- ``validate.py`` and ``torchtitan_keys.py``: the values, ``[optimizer]`` + ``[commopt]`` → ``Resolved``
+  (what depends on the line's model registry is handed in: ``tt022/checks.py``,
+  ``tt03_toml/toml_config.py``);
+- ``resume.py`` and ``checkpoint.py``: the checkpoint a resume would load, checked against the run.
 """
 
 from .section import MODULE, CommonOptions, CommOpt, JobConfig, commopt_of, family_config

@@ -16,7 +16,7 @@ alike, reading only the ``.metadata`` file, the sizes of the data files and one 
    dataloader's for this run's data-parallel degree (torchtitan cannot reshard it; DCP would fail on
    a missing key or torchtitan on an assertion);
 2. it fits the run's replicas: optimizers that own R save per replica (``optimizer.replica<r>/``
-   keys, ``titan_commopt.state``); another replica count, or another kind of optimizer (ours vs
+   keys, ``config/checkpoint.py``); another replica count, or another kind of optimizer (ours vs
    torchtitan's AdamW/Adam), is refused;
 3. it fits the run's optimizer: each replica's state records the resolved options
    (``optimizer.replica<r>/commopt_resolved``, JSON of ``Resolved.record()``); another family, or
@@ -29,10 +29,9 @@ it names is the same run settings, another checkpoint, or ``[checkpoint] exclude
 ["optimizer"]`` (load only the model).
 
 Both torchtitan lines lay checkpoints out alike; what differs (where the settings are, how the user
-writes them) is ``shared/checkpoint_settings.py``: each function takes a ``CheckpointSettings`` or
+writes them) is ``checkpoint.py``: each function takes a ``CheckpointSettings`` or
 a 0.2.2-shaped job config (``[job] dump_folder``, ``[checkpoint]``, ``[optimizer] name``). On 0.2.2
-the check runs in ``build_optimizers``, on 0.3 in the container's constructor (``v03/container.py``),
-both before the optimizers are built and before torchtitan loads anything. Not detected: bytes changed inside a data file of the right
+the check runs where the container is built (``common/build.py``), both before the optimizers are built and before torchtitan loads anything. Not detected: bytes changed inside a data file of the right
 length (DCP keeps no checksums), e.g. a step folder saved a second time (after resuming from an
 earlier ``load_step``) whose save was cut short: its old ``.metadata`` stays until DCP replaces it.
 """

@@ -5,12 +5,12 @@ Since torch 2.4 torchrun's c10d rendezvous shares one TCPStore between the agent
 workers' ``env://`` store adds no per-attempt prefix (``torch.distributed.rendezvous``: "We create a
 new TCPStore for every retry", which the shared server contradicts). The restarted workers'
 process-group init then reads the previous attempt's peer addresses, still in the store, and gloo's
-full-mesh connect waits on the dead peers (measured on torch 2.13 CPU: 150 s with ``[comm]
-init_timeout_seconds = 30``, more than 4 minutes with the default 300) before the attempt fails; the
-next restart does the same (pytorch/pytorch#135712; NCCL can pick up a stale unique id likewise).
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment gives every round a fresh store
-(rank 0 hosts it): restarts then resume from the last checkpoint (tests/test_rank_loss.py).
-``python -m titan_commopt.run`` sets it when ``--max-restarts`` > 0 (``titan_commopt/run.py``; the variable is named in ``titan_commopt/launch_env.py``).
+full-mesh connect waits on the dead peers for minutes (README, "Automatic restarts") before the
+attempt fails; the next restart does the same (pytorch/pytorch#135712; NCCL can pick up a stale
+unique id likewise). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment gives every
+round a fresh store (rank 0 hosts it): restarts then resume from the last checkpoint.
+``python -m titan_commopt.run`` sets it when ``--max-restarts`` > 0 (``titan_commopt/run.py``; the
+variable is named in ``titan_commopt/launch_env.py``).
 :func:`warn_if_restart_would_hang` says so on the console of a restarted run without it.
 """
 

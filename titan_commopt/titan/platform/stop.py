@@ -1,7 +1,7 @@
 """Stopping a run on purpose: one line for the user, printed once, and an exit status.
 
 A resume we refuse (``titan/config/resume.py``) or a run that cannot go on (``[commopt]
-max_consecutive_skips`` in ``titan/adapter/container.py``) is decided alike on every rank. Each rank raises
+max_consecutive_skips`` in ``common/safeguards.py``) is decided alike on every rank. Each rank raises
 :class:`RunStopped`; only global rank 0 prints the message, as one line on stderr. It is a
 ``SystemExit``: torchtitan's ``main`` and torch.distributed.elastic's ``@record`` let it through
 without a traceback, so the worker exits with ``status`` and the line above is the whole story.

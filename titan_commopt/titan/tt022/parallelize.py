@@ -1,4 +1,4 @@
-"""The parallelize wrapper: R is left to the optimizers that sync it themselves.
+"""torchtitan 0.2.2's parallelize wrapper: R is left to the optimizers that sync it themselves.
 
 For optimizers that own the replicate (R) sync, :func:`wrap_parallelize` hides ``dp_replicate`` from
 the model's stock ``parallelize_fn``, so FSDP2 shards over ``fsdp`` only and HSDP's gradient

@@ -1,8 +1,8 @@
 """The run: what one training run is made of, made once and handed to the builders.
 
 :meth:`CommoptRun.from_command_line` parses the command line and its TOML once
-(``titan/config/parse.py``), checks every value and resolves the optimizer
-(``titan/config/validate.py``): the parsed job config, the ``[commopt]`` keys the user set, the
+(``config/parse.py``), checks every value and resolves the optimizer
+(``config/validate.py``: ``CheckedJob``): the parsed job config, the ``[commopt]`` keys the user set, the
 resolved options (``None`` for torchtitan's AdamW/Adam), the warnings about the config (one line
 each, printed once by ``titan_commopt.train``/``titan_commopt.run``) and the run's comm ledger (every byte a
 training step sends, recorded by the optimizers, the container and FSDP2's estimates alike). The

@@ -1,11 +1,12 @@
-"""The torchtitan 0.3 adapter.
+"""torchtitan 0.3, its own ways of running: a config module, ``@override``, its command line.
 
 - ``container.py``: ``CommOptimizers``, torchtitan 0.3's optimizer container for our optimizers, and
   its ``Config`` (the optimizer's name and the ``[commopt]`` options as typed fields);
-- ``configs.py``: our config module (``--module titan_commopt.titan.v03.configs --config cpu_debugmodel``),
+- ``configs.py``: our config module (``--module titan_commopt.titan.tt03.configs --config cpu_debugmodel``),
   ``commopt_optimizer`` and ``apply_cpu_fixes`` for config modules of your own;
-- ``overrides.py``: ``@override``s for ``--override.imports`` (our optimizer in any config; our metrics);
-- ``fsdp.py``: the ``fully_shard`` wrapper (R left to our optimizers; SUM on gloo);
+- ``overrides.py``: ``@override`` functions for ``--override.imports`` (our optimizer in any config; our metrics);
+- ``fsdp.py``: the ``fully_shard`` wrapper (R left to our optimizers; SUM on gloo); ``building.py``:
+  the Trainer being built, which the wrapper and the container read;
 - ``cpu.py``, ``assets.py``, ``metrics.py``: the CPU fixes, the offline tokenizer and dataset, ``comm/*``
   in TensorBoard.
 """

@@ -1,16 +1,16 @@
-"""Our config module for torchtitan 0.3: ``--module titan_commopt.titan.v03.configs --config <name>``.
+"""Our config module for torchtitan 0.3: ``--module titan_commopt.titan.tt03.configs --config <name>``.
 
 Config functions (each returns a ``Trainer.Config``; every field stays a command-line flag, the
 optimizer's options included: ``--optimizer.name DiLoCo --optimizer.commopt.local.Kx 8``;
 ``--help`` lists them):
 
 - ``cpu_debugmodel``: llama3 ``debugmodel`` for a CPU box, FlexDeMo, the bundled corpus and a
-  tokenizer trained on it (built at first use into the cache, no internet: ``v03/assets.py``), every
-  CPU fix applied (``v03/cpu.py``), 2 replicas (× the rest of the processes as FSDP shards),
+  tokenizer trained on it (built at first use into the cache, no internet: ``assets.py``), every
+  CPU fix applied (``cpu.py``), 2 replicas (× the rest of the processes as FSDP shards),
   seq 256 × batch 4, 4 steps, ``comm/*`` in the metrics::
 
       torchrun --standalone --nproc_per_node=2 -m torchtitan.train \\
-          --module titan_commopt.titan.v03.configs --config cpu_debugmodel
+          --module titan_commopt.titan.tt03.configs --config cpu_debugmodel
 
 - ``cpu_debugmodel_adamw``: the same with torchtitan's own optimizer config and container (AdamW,
   HSDP syncs R): the baseline, and a stock config for ``--override.imports``;

@@ -1,8 +1,8 @@
 """torchtitan 0.3 ``@override``s: our optimizers (and our metrics) in any stock or user config.
 
-    --override.imports 'titan_commopt.titan.v03.overrides.commopt={"name": "FlexDeMo", "topk": 16}'
+    --override.imports 'titan_commopt.titan.tt03.overrides.commopt={"name": "FlexDeMo", "topk": 16}'
 
-:func:`commopt` replaces the run's ``OptimizersContainer.Config`` by ours (``v03/container.py``).
+:func:`commopt` replaces the run's ``OptimizersContainer.Config`` by ours (``container.py``).
 Its keyword arguments: ``name``; the ``[optimizer]`` hyper-parameters ``lr``, ``beta1``, ``beta2``,
 ``eps``, ``weight_decay`` (default: the replaced config's first param group's values),
 ``warmup_steps``; any option of the named optimizer's family (``[commopt.<family>]``, e.g. ``topk``)
@@ -11,11 +11,11 @@ status 2. Overrides are applied after the command line is parsed, so options go 
 in ``--optimizer.*`` flags.
 
 :func:`comm_metrics` swaps the metrics processor for ours, which adds ``comm/*`` and ``commopt/*``
-to TensorBoard: ``--override.imports titan_commopt.titan.v03.overrides.commopt
-titan_commopt.titan.v03.overrides.comm_metrics``.
+to TensorBoard: ``--override.imports titan_commopt.titan.tt03.overrides.commopt
+titan_commopt.titan.tt03.overrides.comm_metrics``.
 
 On a CPU box torchtitan's stock configs also need the CPU fixes before the Trainer exists (an
-override runs too late for them): use our config module there (``v03/configs.py``).
+override runs too late for them): use our config module there (``configs.py``).
 """
 
 import dataclasses

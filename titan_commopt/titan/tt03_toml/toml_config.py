@@ -12,13 +12,13 @@ What is mapped by hand (:func:`trainer_config`):
 
 - ``[model] name, flavor``: llama3's flavors by 0.3's model registry; our own (``cpu_tiny``,
   ``cpu_small``, ``100M``, ``300M``, our ``1B``) built with the same builders from their 0.2.2
-  shapes (``shared/flavors.py``);
+  shapes (``common/model.py``);
 - ``[model] hf_assets_path = "bundled"``: the HuggingFace tokenizer built from the bundled corpus
-  (``v03/assets.py``; the CPU flavors' vocabulary is its); the datasets ``commopt_tiny``,
+  (``tt03/assets.py``; the CPU flavors' vocabulary is its); the datasets ``commopt_tiny``,
   ``commopt_world`` and ``textfile`` are registered in 0.3's dataset registry as on 0.2.2
-  (``adapter/data.py``), and read the same text;
+  (``common/data.py``), and read the same text;
 - ``[optimizer]`` + ``[commopt]``: for ``llama3_commopt``, our 0.3 container
-  (``v03/configs.py: commopt_optimizer``; AdamW/Adam too, as on 0.2.2), the ``[commopt.<family>]``
+  (``tt03/configs.py: commopt_optimizer``; AdamW/Adam too, as on 0.2.2), the ``[commopt.<family>]``
   keys the user set passed as set on purpose; for ``llama3``/``llama3_reference``, torchtitan's
   container with one param group (lr, betas, eps, weight_decay);
 - ``[activation_checkpoint] mode``: ``none`` → no AC, ``full`` → ``FullAC``, ``selective`` with
@@ -126,7 +126,7 @@ def parse_toml(argv: list[str]) -> ParsedJob:
 
 # ---- model, tokenizer, data checks (0.3's counterpart of torchtitan_keys._spec_problems) ----------
 def flavor_names() -> list[str]:
-    """Every flavor ``[model] flavor`` may name on 0.3: llama3's and ours (``shared/flavors.py``)."""
+    """Every flavor ``[model] flavor`` may name on 0.3: llama3's and ours (``common/model.py``)."""
     from torchtitan.models.llama3 import llama3_configs
 
     return sorted(set(llama3_configs) | set(FLAVOR_SHAPES))
