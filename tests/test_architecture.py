@@ -1,15 +1,18 @@
-"""The import graph of the package: one-way layers and no circle.
+"""The import graph of the package: one-way layers and no circle; and docs/architecture.md, which
+describes them, names only what exists.
 
 Every ``import`` counts, also the ones inside functions (a lazy import still ties the two modules
-together: the byte formulas once imported the families' internals that way while the families
-imported the formulas back), except those under ``if TYPE_CHECKING:``, which never run. Layers, from the bottom: ``comm``/``topology``/``options``/``overlap``
-and ``compress/``, ``fused/`` → ``optim/`` → ``titan/``; only ``titan/`` imports torchtitan.
+together), except those under ``if TYPE_CHECKING:``, which never run. Layers, from the bottom:
+``comm``/``topology``/``options``/``overlap`` and ``compress/``, ``fused/`` → ``optim/`` → ``titan/``;
+only ``titan/`` imports torchtitan; inside ``titan/``, :data:`TITAN_FOLDERS`.
 """
 
 import ast
+import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "titan_commopt"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "titan_commopt"
 NAME = PACKAGE.name
 
 
@@ -118,12 +121,71 @@ def test_layers_import_one_way():
             assert not [d for d in deps if d.startswith(f"{NAME}.optim")], module
 
 
+# The folders of titan/, each with the folders it may import (a line's folder never another line's).
+TITAN_FOLDERS = {
+    "platform": set(),
+    "config": {"platform"},
+    "common": {"platform", "config"},
+    "tt022": {"platform", "config", "common"},
+    "tt03": {"platform", "config", "common"},
+    "tt03_toml": {"platform", "config", "common", "tt03"},
+    "v03": {"tt03"},
+}
+
+
 def test_the_torchtitan_lines_stay_apart():
-    """A folder per torchtitan line (``titan/tt022``: 0.2.2, ``titan/tt03``: 0.3): the 0.2.2 folder
-    never imports the 0.3 one, and ``titan/common`` (what both use) imports neither."""
-    tt022, tt03, common = (f"{NAME}.titan.{p}" for p in ("tt022", "tt03", "common"))
+    """A folder per torchtitan line (``titan/tt022``: 0.2.2; ``titan/tt03``, ``titan/tt03_toml``: 0.3):
+    neither line's folders import the other's; ``titan/common`` (what both run alike), ``titan/config``
+    and ``titan/platform`` import no line's folder and nothing above them."""
+    titan = f"{NAME}.titan."
+    assert {p.name for p in (PACKAGE / "titan").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(TITAN_FOLDERS)
     for module, deps in _graph().items():
-        if module.startswith(tt022):
-            assert not [d for d in deps if d.startswith(tt03)], module
-        if module.startswith(common):
-            assert not [d for d in deps if d.startswith((tt022, tt03))], module
+        if not module.startswith(titan):
+            continue
+        folder = module[len(titan):].split(".")[0]
+        if folder not in TITAN_FOLDERS:
+            continue  # titan/__init__.py, line.py
+        for dep in deps:
+            if dep.startswith(titan) and dep[len(titan):].split(".")[0] in TITAN_FOLDERS:
+                into = dep[len(titan):].split(".")[0]
+                assert into == folder or into in TITAN_FOLDERS[folder], f"{module} imports {dep}"
+
+
+# ---- docs/architecture.md names only what exists ---------------------------------------------------
+_ROOTS = (ROOT, PACKAGE, PACKAGE / "titan")  # the doc names paths from the repo, the package or titan/
+_NOT_PATHS = ("comm/", "commopt/")  # TensorBoard tags
+_FILE = re.compile(r"[\w./-]+\.(py|md|toml|sh)")
+
+
+def _named_paths(text: str) -> set[str]:
+    """The repo paths the doc names: backticked paths (``a/b.py``, ``a/b/``, ``a/b.py::test``,
+    ``a/b.name``: a module and a name it defines) and the entries of its tree of the package."""
+    out = set()
+    for token in re.findall(r"`([^`\s]+)`", text):
+        token = token.split("::")[0]
+        if re.fullmatch(r"[\w./-]+", token) and ("/" in token or _FILE.fullmatch(token)) and not token.startswith(_NOT_PATHS):
+            out.add(token)
+    tree = text[text.index("```\ntitan_commopt/") + 4:]
+    for line in tree[:tree.index("\n```")].splitlines():
+        indent = len(line) - len(line.lstrip())
+        if indent < 8:  # an entry; deeper lines continue a description
+            out.update(re.split(r" {2}", re.split(r" {3,}", line.strip())[0]))
+    return out
+
+
+def _exists(path: str) -> bool:
+    if "/" not in path.rstrip("/") and not path.endswith("/"):  # a file named alone: somewhere in the package
+        return any(PACKAGE.rglob(path))
+    module, dot, name = path.rpartition(".")
+    if dot and not _FILE.fullmatch(path) and "/" in module:  # a/b.name
+        files = [r / f"{module}.py" for r in _ROOTS if (r / f"{module}.py").is_file()]
+        return any(re.search(rf"^\s*(def|class) {name}\b|^{name} *[:=]", f.read_text(), re.M) for f in files)
+    return any((r / path.rstrip("/")).exists() for r in _ROOTS)
+
+
+def test_every_path_the_architecture_doc_names_exists():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    named = _named_paths(text)
+    assert {"titan/common/container.py", "tt022/", "common/build.route_clipping"} <= named  # the parse finds them
+    assert not _exists("titan/common/no_such.py") and not _exists("common/build.no_such_name")
+    assert sorted(p for p in named if not _exists(p)) == []
