@@ -10,14 +10,7 @@ import shutil
 
 import pytest
 
-from tests.test_titan_optimizers import RESUMED, hsdp_args, hsdp_run
-from tests.titan_utils import losses, run_train, shared_run
-
-STEPS = ["--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "4",
-         "--parallelism.data_parallel_replicate_degree", "2", "--model.flavor", "cpu_tiny"]
-
-# The uninterrupted AdamW run is also test_titan_integration.py's run through our container (one launch).
-ADAMW_HSDP = [*STEPS, "--optimizer.name", "AdamW"]
+from tests.titan_utils import ADAMW_HSDP, RESUMABLE, RESUMED, hsdp_args, hsdp_run, losses, run_train, shared_run
 
 # One preset per family plus the baseline (each costs two 4-process runs); the local-adaptive family's
 # is DES-LOC with periods short enough to sync within the run, streaming, a fragment in flight.
@@ -39,9 +32,11 @@ def _saved_keys(path):
 
 
 def _args(name, extra):
+    if name == "AdamW":
+        return ADAMW_HSDP  # also test_titan_integration.py's run through our container (one launch)
     if name in RESUMED:
         return hsdp_args(name)
-    return [*STEPS, "--optimizer.name", name.split()[0], *extra]
+    return [*RESUMABLE, "--optimizer.name", name.split()[0], *extra]
 
 
 def _resume_pair(tmp_path, tmp_path_factory, args):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from titan_commopt.titan.line import installed_version, line_of
-from tests.titan_utils import ONLY_ON_03, V03_CONFIGS, launch_03
+from tests.titan_utils import ONLY_ON_03, TT03_CONFIGS, launch_03
 
 if line_of(installed_version()) == "0.3":
     from tests import titan03_step_probe as STEP_PROBE
@@ -30,7 +30,7 @@ if line_of(installed_version()) == "0.3":
 pytestmark = ONLY_ON_03
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE = V03_CONFIGS
+MODULE = TT03_CONFIGS
 OVERRIDE = "titan_commopt.titan.tt03.overrides"
 MESHES = {  # name: (processes, flags)
     "hsdp_2x2": (4, []),

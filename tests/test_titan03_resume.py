@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.titan_utils import ONLY_ON_03, V03_CONFIGS, launch_03
+from tests.titan_utils import ONLY_ON_03, TT03_CONFIGS, launch_03
 
 pytestmark = ONLY_ON_03
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE = V03_CONFIGS
+MODULE = TT03_CONFIGS
 RUN = ["--optimizer.name", "Dion", "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "1"]
 RANK = 8  # Dion's rank in the saved run: it shapes the state (P and R per matrix)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import tomli
 
-from tests.titan_utils import CONFIG, ROOT, losses, shared_run
+from tests.titan_utils import CONFIG, FSDP_TWO, ROOT, losses, shared_run
 
 
 def _torchtitan_line() -> str:
@@ -114,8 +114,6 @@ def test_key_without_counterpart_is_one_line_exit_2(tmp_path, capsys, where):
 
 def test_quickstart_toml_trains_on_two_processes(tmp_path_factory):
     """The launch of test_titan_integration.py's test_fsdp_two_processes_trains (8 steps; one launch for both)."""
-    from tests.test_titan_integration import FSDP_TWO
-
     _, proc, tb = shared_run(tmp_path_factory, 2, *FSDP_TWO)
     values = losses(tb)
     assert len(values) == 8 and values[-1] < values[0]

@@ -5,9 +5,8 @@ import sys
 
 import pytest
 
-from tests.test_resume import ADAMW_HSDP
 from tests.titan_utils import (
-    CONFIG, LOSS_LINE, ROOT, assert_ledger_is_the_comm_report, losses, run_train, shared_run,
+    ADAMW_HSDP, CONFIG, FSDP_TWO, LOSS_LINE, ROOT, assert_ledger_is_the_comm_report, losses, run_train, shared_run,
 )
 
 
@@ -30,10 +29,6 @@ def test_hsdp_adamw_equals_stock_spec(tmp_path, tmp_path_factory):
     assert_ledger_is_the_comm_report(ours_tb, "AdamW", 8)
     # The console shows R bytes next to the loss.
     assert len(LOSS_LINE.findall(ours.stdout)) == 8
-
-
-# The debug TOML as it is on 2 processes (FSDP, one replica); on 0.3 also test_titan03_toml.py's quickstart run.
-FSDP_TWO = ["--training.steps", "8", "--model.flavor", "cpu_tiny"]
 
 
 @pytest.mark.both_lines

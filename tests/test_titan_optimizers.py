@@ -3,77 +3,40 @@ tensor parallelism (4 CPU processes each): R left to the optimizer (FSDP2 over f
 down, R bytes below AdamW-HSDP's; on HSDP the ledger's R and S bytes per step equal the comm report's
 formulas, on R x TP the replicas are checked every step where they must agree.
 
-On torchtitan 0.3 (CI's ``-m both_lines`` run, through our TOML runner) one name per family runs on
-each mesh (:data:`BOTH_LINES_NAMES`): what differs between the lines is the adapter, which every
-name of a family goes through alike; the other names' code paths are the 0.2.2 run's."""
+The names each mesh runs, derived from the registry, and the HSDP launches' arguments are
+``tests/titan_utils.py``'s. On torchtitan 0.3 (CI's ``-m both_lines`` run, through our TOML runner) one
+name per family runs on each mesh (``BOTH_LINES_NAMES``)."""
 
 import json
 import math
 
 import pytest
 
-from titan_commopt.optim import available_names, family_of, resolve
+from titan_commopt.optim import available_names, family_of, owns_replicate_sync, resolve
 from scripts._bench_common import cli_overrides
 from tests.titan_utils import (
-    TP_APPLIED, assert_ledger_is_the_comm_report, losses, read_texts, run_train, shared_run,
+    BOTH_LINES_NAMES, COVERED_BY, EXTRA, HSDP_NAMES, HSDP_STEPS, LR, ONLY_ON, TP_APPLIED, TP_NAMES,
+    assert_ledger_is_the_comm_report, hsdp_run, losses, read_texts, run_train,
 )
-
-# Each family on each mesh, and each base step of a family on one of them (the presets' numbers are
-# the equivalence tests' business; a launch here costs ~15 s of CI): every name runs through
-# torchtitan on at least one mesh or is listed in COVERED_BY.
-HSDP_NAMES = ["DeMo", "FlexDeMo", "DES-LOC", "MT-DAO", "Dion", "SparseLoCo"]
-TP_NAMES = ["DeMo", "FlexDeMo", "MT-DAO", "LocalAdam", "DiLoCo", "Dion", "SparseLoCo"]
-LR = {"Dion": "0.02", "DeMo": "0.003", "FlexDeMo": "0.003"}
-# Short runs: sync periods short enough that every kind of sync happens within 8 steps (8 a multiple of
-# every period, so the R bytes per step equal the comm report's period average).
-EXTRA = {
-    "DES-LOC": {"local": {"Kx": 2, "Ku": [4], "Kv": 8}},
-    "MT-DAO": {"local": {"Kx": 4, "Ku": [4], "Kv": 4}},
-    "SparseLoCo": {"sparseloco": {"H": 4}},
-}
-HSDP_STEPS = 8
-BOTH_LINES_NAMES = {"DeMo", "MT-DAO", "Dion", "SparseLoCo"}  # one per family, on each mesh (FlexDeMo: test_titan03)
 
 
 def _on_both_lines(names: list[str]) -> list:
     return [pytest.param(n, marks=pytest.mark.both_lines) if n in BOTH_LINES_NAMES else n for n in names]
 
 
-# Presets whose code path a name above already runs through torchtitan on both meshes (same family,
-# same base optimizer; they differ in numbers only): not run again, to keep the suite's time.
-COVERED_BY = {"DES-LOC-ADOPT": "MT-DAO", "MT-DAO-halflife": "MT-DAO"}
-
-
 @pytest.mark.both_lines
 def test_every_registered_name_is_covered():
-    families = {family_of(n).key for n in available_names() if n not in ("AdamW", "Adam")}
+    ours = [n for n in available_names() if owns_replicate_sync(n)]
+    families = {family_of(n).key for n in ours}
+    assert set(COVERED_BY) | set(ONLY_ON) <= set(ours)  # no entry for a name that is gone
     assert {family_of(n).key for n in BOTH_LINES_NAMES} == families and len(BOTH_LINES_NAMES) == len(families)
     assert BOTH_LINES_NAMES <= set(HSDP_NAMES) & set(TP_NAMES)
-    assert set(available_names()) - {"AdamW", "Adam"} == set(HSDP_NAMES) | set(TP_NAMES) | set(COVERED_BY)
+    assert set(ours) == set(HSDP_NAMES) | set(TP_NAMES) | set(COVERED_BY)
     for names in (HSDP_NAMES, TP_NAMES):  # every family on every mesh
-        assert {family_of(n).key for n in names} == {family_of(n).key for n in available_names() if n not in ("AdamW", "Adam")}
+        assert {family_of(n).key for n in names} == families
     for name, runner in COVERED_BY.items():
         assert family_of(name) is family_of(runner) and runner in HSDP_NAMES and runner in TP_NAMES
         assert resolve(name).options.base == resolve(runner).options.base
-
-
-# tests/test_resume.py resumes these names' HSDP runs from their step-4 checkpoint instead of launching
-# uninterrupted runs of its own: one launch serves both files (saving a checkpoint sends nothing over R
-# or S, so this file's checks hold on it unchanged).
-RESUMED = {"FlexDeMo", "Dion"}
-
-
-def hsdp_args(name: str) -> list[str]:
-    """The HSDP run's arguments for ``name`` (4 processes, 2 replicas x 2 shards)."""
-    return ["--training.steps", str(HSDP_STEPS), "--parallelism.data_parallel_replicate_degree", "2",
-            "--model.flavor", "cpu_tiny", "--optimizer.name", name, "--optimizer.lr", LR.get(name, "0.003"),
-            *cli_overrides(name, EXTRA.get(name, {})),  # no replica check: its fingerprints are R bytes too
-            *(["--checkpoint.enable", "--checkpoint.interval", "4"] if name in RESUMED else [])]
-
-
-def hsdp_run(tmp_path_factory, name: str):
-    """(dump folder, process, scalars) of ``name``'s HSDP run, launched once per session."""
-    return shared_run(tmp_path_factory, 4, *hsdp_args(name))
 
 
 @pytest.mark.parametrize("name", _on_both_lines(HSDP_NAMES))

@@ -1,4 +1,6 @@
-"""Run ``titan_commopt.train`` under torchrun on CPU and read back what it logged."""
+"""Run ``titan_commopt.train`` under torchrun on CPU and read back what it logged; the launches the
+torchtitan tests share (one launch per session serves several files), and the optimizer names they
+launch, derived from the registry."""
 
 import glob
 import os
@@ -22,14 +24,14 @@ ONLY_ON_03 = [
     ),
     pytest.mark.both_lines,
 ]
-V03_CONFIGS = "titan_commopt.titan.tt03.configs"
+TT03_CONFIGS = "titan_commopt.titan.tt03.configs"  # our 0.3 config module
 
 
 def launch_03(cache: str, dump: Path, nproc: int, *args: str, config: str = "cpu_debugmodel") -> subprocess.CompletedProcess:
     """torchtitan 0.3's ``torchtitan.train`` with our config module on ``nproc`` CPU processes (seed 0,
     one thread each, the bundled assets cached in ``cache``); the finished process, not checked."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "torchtitan.train", "--module", V03_CONFIGS, "--config", config, "--dump_folder", str(dump),
+           "-m", "torchtitan.train", "--module", TT03_CONFIGS, "--config", config, "--dump_folder", str(dump),
            "--debug.seed", "0", *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TITAN_COMMOPT_CACHE": cache}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -153,3 +155,79 @@ def job_and_resolved(*args, **kwargs):
 
     run = check_config(*args, **kwargs)
     return run.job_config, run.resolved
+
+
+# ---- the optimizer names the torchtitan tests launch -------------------------------------------------
+# Every registered name runs through torchtitan on a 2x2 HSDP mesh and on 2 replicas x TP 2 (4 CPU
+# processes each; a launch costs ~15 s of CI), except where said here: a name whose code path another
+# name of its family and base step already runs on both meshes (COVERED_BY: they differ in numbers
+# only, which the equivalence tests check), and names run on one mesh only (ONLY_ON). A new family's
+# names need no entry. On torchtitan 0.3 (CI's -m both_lines run) one name per family runs on each
+# mesh: what differs between the lines is the plug-in, which every name of a family goes through alike.
+COVERED_BY = {"DES-LOC-ADOPT": "MT-DAO", "MT-DAO-halflife": "MT-DAO"}
+ONLY_ON = {"DES-LOC": "hsdp", "LocalAdam": "tp", "DiLoCo": "tp"}
+
+
+def _launched_names() -> list[str]:
+    from titan_commopt.optim import available_names, owns_replicate_sync
+
+    return [n for n in available_names() if owns_replicate_sync(n) and n not in COVERED_BY]
+
+
+HSDP_NAMES = [n for n in _launched_names() if ONLY_ON.get(n, "hsdp") == "hsdp"]
+TP_NAMES = [n for n in _launched_names() if ONLY_ON.get(n, "tp") == "tp"]
+
+
+def _one_per_family() -> set[str]:
+    from titan_commopt.optim import family_of
+
+    first: dict[str, str] = {}
+    for name in HSDP_NAMES:
+        if name in TP_NAMES:
+            first.setdefault(family_of(name).key, name)
+    return set(first.values())
+
+
+BOTH_LINES_NAMES = _one_per_family()  # (FlexDeMo on 0.3: test_titan03.py)
+
+# ---- the HSDP launch of each name (tests/test_titan_optimizers.py; resumed by tests/test_resume.py) ----
+HSDP_STEPS = 8
+LR = {"Dion": "0.02", "DeMo": "0.003", "FlexDeMo": "0.003"}  # [optimizer] lr (default 0.003)
+# Sync periods short enough that every kind of sync happens within HSDP_STEPS (a multiple of every
+# period, so the R bytes per step equal the comm report's period average).
+EXTRA = {
+    "DES-LOC": {"local": {"Kx": 2, "Ku": [4], "Kv": 8}},
+    "MT-DAO": {"local": {"Kx": 4, "Ku": [4], "Kv": 4}},
+    "SparseLoCo": {"sparseloco": {"H": 4}},
+}
+# tests/test_resume.py resumes these names' HSDP runs from their step-4 checkpoint instead of launching
+# uninterrupted runs of its own (saving a checkpoint sends nothing over R or S, so the HSDP checks hold
+# on it unchanged).
+RESUMED = {"FlexDeMo", "Dion"}
+
+
+def hsdp_args(name: str) -> list[str]:
+    """The HSDP run's arguments for ``name`` (4 processes, 2 replicas x 2 shards)."""
+    from scripts._bench_common import cli_overrides
+
+    return ["--training.steps", str(HSDP_STEPS), "--parallelism.data_parallel_replicate_degree", "2",
+            "--model.flavor", "cpu_tiny", "--optimizer.name", name, "--optimizer.lr", LR.get(name, "0.003"),
+            *cli_overrides(name, EXTRA.get(name, {})),  # no replica check: its fingerprints are R bytes too
+            *(["--checkpoint.enable", "--checkpoint.interval", "4"] if name in RESUMED else [])]
+
+
+def hsdp_run(tmp_path_factory, name: str):
+    """(dump folder, process, scalars) of ``name``'s HSDP run, launched once per session."""
+    return shared_run(tmp_path_factory, 4, *hsdp_args(name))
+
+
+# ---- other shared launches ---------------------------------------------------------------------------
+# 8 steps with a checkpoint at step 4 on 2 x 2 HSDP: tests/test_resume.py's uninterrupted runs.
+RESUMABLE = ["--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "4",
+             "--parallelism.data_parallel_replicate_degree", "2", "--model.flavor", "cpu_tiny"]
+# AdamW's: resumed by tests/test_resume.py, compared with torchtitan's stock spec by
+# tests/test_titan_integration.py.
+ADAMW_HSDP = [*RESUMABLE, "--optimizer.name", "AdamW"]
+# The debug TOML as it is on 2 processes (FSDP, one replica): tests/test_titan_integration.py, and on 0.3
+# tests/test_titan03_toml.py's quickstart run.
+FSDP_TWO = ["--training.steps", "8", "--model.flavor", "cpu_tiny"]
