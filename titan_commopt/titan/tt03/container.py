@@ -35,12 +35,12 @@ from titan_commopt.options import ConfigError
 
 from ..common.build import FsdpBytes, container_arguments, route_clipping
 from ..common.container import CommOptimizersContainer
+from ..common.mesh import ParameterMeshes, topology_of
+from ..common.optimizers import itemsize
+from ..config.checkpoint import CLI, CheckpointSettings, Spelling
 from ..config.section import CommOpt
 from ..config.validate import hparams_of, resolve_options
 from ..platform.stop import stop_run
-from ..config.checkpoint import CLI, CheckpointSettings, Spelling
-from ..common.mesh import ParameterMeshes, topology_of
-from ..common.optimizers import itemsize
 from . import fsdp
 from .building import spelling_of, trainer_being_built
 

@@ -39,7 +39,7 @@ from ..config.parse import CONFIG_MODULE, CUSTOM_IMPORT, ParsedJob, field_of, pa
 from ..config.validate import CheckedJob
 from .toml_schema import BY_HAND, SECTIONS_GONE, WIRING, Gone, key_of, schema_class
 
-__all__ = ["TomlRun", "parse_toml", "trainer_config", "MODEL_NAMES", "flavor_names", "model_spec"]
+__all__ = ["TomlRun", "parse_toml", "trainer_config", "spec_problems", "MODEL_NAMES", "flavor_names", "model_spec"]
 
 MODEL_NAMES = ("llama3", COMMOPT_SPEC, REFERENCE_SPEC)  # what [model] name may say on 0.3
 _OURS = {"job.custom_config_module": CONFIG_MODULE, "experimental.custom_import": CUSTOM_IMPORT}
@@ -124,7 +124,7 @@ def parse_toml(argv: list[str]) -> ParsedJob:
     return parse_with(argv, _schema, _tyro_parse, more_problems=_gone_problems)
 
 
-# ---- model, tokenizer, data checks (0.3's counterpart of torchtitan_keys._spec_problems) ----------
+# ---- model, tokenizer, data checks (0.3's counterpart of tt022/checks.py) ---------------------------
 def flavor_names() -> list[str]:
     """Every flavor ``[model] flavor`` may name on 0.3: llama3's and ours (``common/model.py``)."""
     from torchtitan.models.llama3 import llama3_configs
@@ -156,8 +156,8 @@ def _tokenizer_problems(model: Any) -> list[str]:
     return []
 
 
-def _spec_problems(job_config: Any, lines_needed: int) -> list[str]:
-    """0.3's counterpart of ``torchtitan_keys._spec_problems``: model name and flavor, tokenizer,
+def spec_problems(job_config: Any, lines_needed: int) -> list[str]:
+    """0.3's counterpart of ``tt022/checks.py: spec_problems``: model name and flavor, tokenizer,
     datasets (our bundled and ``textfile`` datasets are registered in 0.3's registry alike)."""
     model, name = job_config.model, job_config.optimizer.name
     out = []
@@ -186,7 +186,7 @@ class TomlRun(CheckedJob):
     @classmethod
     def from_command_line(cls, argv: list[str], world_size: Optional[int] = None) -> "TomlRun":
         register_datasets()  # the bundled corpora and textfile, as on 0.2.2 (in every process)
-        run = cls.of(parse_toml(list(argv)), world_size, _spec_problems)
+        run = cls.of(parse_toml(list(argv)), world_size, spec_problems)
         run.trainer_config = trainer_config(run.job_config, run.user_keys)
         return run
 
