@@ -1,4 +1,4 @@
-"""torchtitan 0.3 through the plug-in (``titan_commopt/titan/v03``), on CPU with gloo.
+"""torchtitan 0.3 through the plug-in (``titan_commopt/titan/tt03``), on CPU with gloo.
 
 Skipped unless torchtitan 0.3 is installed: the normal suite runs on 0.2.2. Run with the 0.3 venv:
 ``PYTHONPATH=. OMP_NUM_THREADS=1 /path/to/venv03/bin/python -m pytest -q tests/test_titan03.py``.

@@ -1,4 +1,4 @@
-"""Our 0.2.2 TOML on torchtitan 0.3 (``titan/v03/toml_config.py``, ``titan/v03/runner.py``): every
+"""Our 0.2.2 TOML on torchtitan 0.3 (``titan/tt03_toml/toml_config.py``, ``titan/tt03_toml/runner.py``): every
 shipped TOML becomes a valid 0.3 ``Trainer.Config`` without a process group, command-line overrides
 work as on 0.2.2, a key with no 0.3 counterpart is one line and exit status 2, and the README's
 quickstart TOML trains on two processes."""

@@ -1,4 +1,4 @@
-"""Topology built from torchtitan's ParallelDims (the adapter's one mapping function)."""
+"""Topology built from torchtitan's ParallelDims (``titan/common/mesh.py``: the one mapping function of both lines)."""
 
 import torch
 
