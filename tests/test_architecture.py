@@ -3,7 +3,7 @@
 Every ``import`` counts, also the ones inside functions (a lazy import still ties the two modules
 together: the byte formulas once imported the families' internals that way while the families
 imported the formulas back), except those under ``if TYPE_CHECKING:``, which never run. Layers, from the bottom: ``comm``/``topology``/``options``/``overlap``
-and ``compress/``, ``fused/`` → ``optim/`` → ``titan/``; only ``titan/`` imports torchtitan.
+and ``compress/``, ``kernels`` → ``optim/`` → ``titan/``; only ``titan/`` imports torchtitan.
 """
 
 import ast
@@ -108,13 +108,13 @@ def test_only_the_titan_adapter_imports_torchtitan():
 
 
 def test_layers_import_one_way():
-    lower = ("optim", "compress", "fused", "comm", "topology", "options", "overlap")
+    lower = ("optim", "compress", "kernels", "comm", "topology", "options", "overlap")
     for module, deps in _graph().items():
         parts = module.split(".")
         if len(parts) > 1 and parts[1] in lower:
             upward = [d for d in deps if d.startswith(f"{NAME}.titan")]
             assert not upward, f"{module} imports the adapter: {upward}"
-        if len(parts) > 1 and parts[1] in ("compress", "fused", "comm", "topology", "options", "overlap"):
+        if len(parts) > 1 and parts[1] in ("compress", "kernels", "comm", "topology", "options", "overlap"):
             assert not [d for d in deps if d.startswith(f"{NAME}.optim")], module
 
 

@@ -1,6 +1,6 @@
-"""Every Triton kernel of ``titan_commopt/fused`` compiles for an H100 (sm_90) and an MI250 (gfx90a),
-on this GPU-less machine: ``scripts/kernel_report.py --check`` records the launches the optimizers
-make and compiles each through Triton's own launch path (ptxas and the AMD backend ship in the
+"""Every Triton kernel of the package (the ``*_triton.py`` modules, each beside its torch twin) compiles
+for an H100 (sm_90) and an MI250 (gfx90a), on this GPU-less machine: ``scripts/kernel_report.py
+--check`` records the launches the optimizers make and compiles each through Triton's own launch path (ptxas and the AMD backend ship in the
 Triton wheel). The interpreter the other kernel tests run accepts code the compiler rejects; this
 is the check that the kernels are GPU code at all, and that none spills registers to memory. What
 each one uses is printed in the report and recorded in docs/benchmarks.md §7.

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .wire import read_constexprs, read_selection, wire_of, words_for, write_selection
+from titan_commopt.compress.packing_triton import read_constexprs, read_selection, wire_of, words_for, write_selection
 
 __all__ = ["PRECISIONS", "encode", "decode", "wire_of", "words_for"]
 

@@ -48,7 +48,7 @@ local update runs the multi-tensor kernels (``kernels.*_multi_``) over chunks of
 bit the single-tensor kernels on CPU; the chunk bounds the temporaries (and, on CPU, keeps the data
 of one chunk in cache across its operations). Where ``[commopt] kernels`` picks Triton (by default on
 a CUDA/ROCm device; decided once at construction) every local step but plain Adam's runs one fused
-kernel per param group and dtype instead (``titan_commopt.fused.adopt``: the clip folded in, each
+kernel per param group and dtype instead (``titan_commopt.optim.local.update_triton``: the clip folded in, each
 tensor read and written once); plain Adam (one momentum, ω = 1) stays on torch's fused AdamW kernel,
 which is one pass already and bit for bit torchtitan's AdamW.
 
@@ -114,11 +114,12 @@ cross-field rule (list lengths, Σω, periods, ``sync_delay``) without any colle
 is the one value derived from the table (``"auto"`` → a number), read by ``check``, the optimizer,
 ``state_shape`` and the byte formula ``local_r_bytes``; the sync schedule and the two ways a sync
 lands (in place, or streamed and merged) are in ``local_sync.py``, run as tasks on the optimizer's
-``runtime`` (``titan_commopt.overlap``); the outer step is ``kernels.nesterov_outer_``. The fused sync
+``runtime`` (``titan_commopt.overlap``); the outer step is ``updates.nesterov_outer_``. The fused sync
 concatenates every due state into one buffer (up to 3× the local parameter shard at a step where x,
 u and v are all due): that is the price of one collective per step.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -128,15 +129,17 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from titan_commopt import comm
-from titan_commopt.fused import use_triton
+from titan_commopt.kernels import use_triton
 from titan_commopt.options import ConfigError, option, resolve_auto_period
 from titan_commopt.topology import R, S, T, Topology
 
-from . import kernels
-from .base import CommOptimizer, LocalSteps
-from .common import LR_SCALE_HELP, BaseHParams, local, replica_grad
-from .family import Bytes, Family, Resolved, ShardShape
-from .local_sync import DueStates, Periods, SyncSchedule, sync_in_place, sync_streaming
+from .. import updates
+from ..base import CommOptimizer
+from ..common import LR_SCALE_HELP, BaseHParams, local
+from ..family import Bytes, Family, PeriodicSyncs, Resolved, ShardShape
+from .steps import LocalSteps, column_chunks, chunk_limit, trainable
+from .update import fused_local_update, gradient_clip, local_update
+from .sync import DueStates, Periods, SyncSchedule, sync_in_place, sync_streaming
 
 __all__ = ["Config", "PRESETS", "LocalAdaptive", "FAMILY", "check", "resolve_periods", "local_r_bytes", "moment_key"]
 
@@ -366,65 +369,34 @@ def local_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_si
     return Bytes(total * per_element, total * per_element)
 
 
-# ---- the local step's pieces, chosen once from the table ---------------------------------------------
-LocalUpdate = Callable[..., None]  # (xs, gs, moments, vs, group, hp, n, corrections) → None
+def periodic(resolved: Resolved) -> Optional[PeriodicSyncs]:
+    """Every state synced on a period > 0 (x, v, each u_j); a step where a subset of them is due
+    sends what a run syncing exactly that subset every step sends. With fragments a real step sends a
+    part of that (an upper bound)."""
+    options = resolved.options
+    p = resolve_periods(options, resolved.hparams)  # "auto" made numbers; Kv = 0 without v
+    states = [(key, k) for key, k in [("Kx", p.Kx), ("Kv", p.Kv)] + [(("Ku", j), k) for j, k in enumerate(p.Ku)]
+              if k > 0]  # none: nothing is ever synced
+
+    def due_alone(subset: tuple[int, ...]) -> Config:
+        on = {states[i][0] for i in subset}
+        return dataclasses.replace(options, Kx=int("Kx" in on), Kv=int("Kv" in on), sync_delay=0,
+                                   Ku=[int(("Ku", j) in on) for j in range(len(p.Ku))])
+
+    return PeriodicSyncs(tuple(k for _, k in states), due_alone, exact=options.fragments == 1)
 
 
-def _local_update(cfg: Config) -> LocalUpdate:
-    """The base optimizer's multi-tensor update; ``hp`` = lr, betas1, omegas, weight_decay of this
-    update, ``corrections`` the first momenta's bias corrections after MT-DAO's switch."""
-    if cfg.base == "sgdm":
-        def update(xs, gs, moments, vs, group, hp, n, corrections):
-            kernels.sgdm_multi_(xs, gs, moments, **hp)
-    elif cfg.base == "adopt":
-        def update(xs, gs, moments, vs, group, hp, n, corrections):
-            kernels.adopt_multi_(xs, gs, moments, vs, **hp, beta2=group["beta2"], eps=group["eps"], step=n,
-                                 clip=cfg.adopt_clip)
-    else:
-        def update(xs, gs, moments, vs, group, hp, n, corrections):
-            kernels.qh_adamw_multi_(xs, gs, moments, vs, **hp, beta2=group["beta2"], eps=group["eps"], step=n,
-                                    bias_correction=cfg.bias_correction, corrections1=corrections, fused=True)
-    return update
-
-
-def _fused_local_update(cfg: Config) -> Callable[..., None]:
-    """:func:`_local_update` with the optimizer's clip, as one Triton kernel (``fused/adopt.py``);
-    ``scale`` is the norm clip's min(1, ρ/‖g‖)."""
-    from titan_commopt.fused.adopt import local_adaptive_  # Triton is imported only where it runs
-
-    def update(xs, gs, moments, vs, group, hp, n, corrections, scale):
-        local_adaptive_(xs, gs, moments, vs, base=cfg.base, **hp, beta2=group["beta2"], eps=group["eps"], step=n,
-                        bias_correction=cfg.bias_correction, corrections1=corrections, adopt_clip=cfg.adopt_clip,
-                        clip=cfg.clip, clip_threshold=cfg.clip_threshold, clip_scale=scale)
-    return update
-
-
-GradientClip = Callable[[list[torch.Tensor], Optional[torch.Tensor]], list[torch.Tensor]]
-
-
-def _gradient_clip(cfg: Config) -> Optional[GradientClip]:
-    """The optimizer's own clip of a chunk's gradients (new tensors; ``p.grad`` is never written),
-    given the replica's norm scale min(1, ρ/‖g‖) for ``norm``; ``None`` for no clip."""
-    rho = cfg.clip_threshold
-    if cfg.clip == "coordinate":
-        return lambda gs, scale: [g.clamp(-rho, rho) for g in gs]
-    if cfg.clip == "norm":
-        return lambda gs, scale: torch._foreach_mul(gs, scale)  # × 1.0 when not clipping: exact
-    return None
+def settings(resolved: Resolved) -> dict[str, Any]:
+    """The options behind the bytes: the resolved periods, the wire dtype, the fragments."""
+    o, p = resolved.options, resolve_periods(resolved.options, resolved.hparams)
+    return {"Kx": p.Kx, "Ku": list(p.Ku), "Kv": p.Kv, "transfer_dtype": o.transfer_dtype,
+            **({"fragments": o.fragments} if o.fragments > 1 else {})}
 
 
 def moment_key(j: int) -> str:
     """The state key of first momentum j; j = 0 keeps torch Adam's name, so an AdamW checkpoint's
     first moment maps onto it."""
     return "exp_avg" if j == 0 else f"exp_avg_{j}"
-
-
-def _trainable(named_params: Any) -> list:
-    """``(fqn, param)`` pairs, or param-group dicts of them, without the frozen parameters."""
-    items = list(named_params)
-    if items and isinstance(items[0], dict):
-        return [{**g, "params": [(n, p) for n, p in g["params"] if p.requires_grad]} for g in items]
-    return [(n, p) for n, p in items if p.requires_grad]
 
 
 def _replication(p: torch.Tensor, topology: Topology) -> int:
@@ -436,32 +408,6 @@ def _replication(p: torch.Tensor, topology: Topology) -> int:
     return math.prod(
         p.device_mesh.size(i) for i, pl in enumerate(p.placements) if isinstance(pl, Replicate)
     )
-
-
-
-
-# Elements per multi-tensor kernel call. On a GPU it bounds the temporaries a call allocates for its
-# whole list; on a CPU (where the foreach ops loop over the tensors anyway) a small chunk keeps every
-# operation of the update on data still in cache, and the temporaries small enough for the allocator
-# to reuse: 2^16 measured best on debugmodel (2^14 … 2^18 within noise, 2^20 ≈ 1.2× slower, one
-# chunk for everything ≈ 2× slower than that).
-_CHUNK = {"cpu": 1 << 16}
-_DEFAULT_CHUNK = 1 << 24
-
-
-def _chunks(rows: list[list[torch.Tensor]], limit: int) -> list[list[list[torch.Tensor]]]:
-    """``rows`` (the tensors of one parameter each: x, g, u_j, v) packed into chunks of at most
-    ``limit`` elements (a larger parameter is a chunk of its own)."""
-    chunks: list[list[list[torch.Tensor]]] = [[]]
-    total = 0
-    for row in rows:
-        size = row[0].numel()
-        if chunks[-1] and total + size > limit:
-            chunks.append([])
-            total = 0
-        chunks[-1].append(row)
-        total += size
-    return chunks
 
 
 
@@ -484,30 +430,27 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
             lr=hp.lr, betas1=_betas1(cfg, hp), omegas=tuple(float(w) for w in cfg.omega), beta2=_beta2(cfg, hp),
             eps=_table_or(cfg.eps, hp.eps), weight_decay=_table_or(cfg.weight_decay, hp.weight_decay),
         )
-        super().__init__(_trainable(named_params), topology, options, defaults, ledger=ledger)
+        super().__init__(trainable(named_params), topology, options, defaults, ledger=ledger)
         self.periods = resolve_periods(cfg, hp)
         # Global, not per group: read with the checkpointed step counter, a resume switches at the same
         # update; param_groups saved before the switch existed still load.
         self.switch_at = hp.warmup_steps if cfg.switch_at == "warmup" else int(cfg.switch_at)
         self._base_beta1 = float(hp.beta1)  # u_0's β before the switch
         self._corrects_switch = cfg.base == "adam" and cfg.bias_correction
-        self._local_update = _local_update(cfg)
+        self._local_update = local_update(cfg.base, adopt_clip=cfg.adopt_clip, bias_correction=cfg.bias_correction)
         self._base = cfg.base
         self._has_v = cfg.base != "sgdm"
-        self._clip = _gradient_clip(cfg)
+        self._clip = gradient_clip(cfg.clip, cfg.clip_threshold)
         self._clip_by_norm = cfg.clip == "norm"
         self._clip_threshold = cfg.clip_threshold
         nesterov = cfg.outer == "nesterov"
-        self._outer = partial(kernels.nesterov_outer_, lr=cfg.outer_lr, momentum=cfg.outer_momentum) if nesterov else None
+        self._outer = partial(updates.nesterov_outer_, lr=cfg.outer_lr, momentum=cfg.outer_momentum) if nesterov else None
         # One replica syncs nothing, unless the outer step runs (DiLoCo with one worker is not Adam).
         self._syncs = topology.replicate_size > 1 or nesterov
         self._replicate = topology.replicate if topology.replicate_size > 1 else None
         self._wire_dtype = None if cfg.transfer_dtype == "native" else comm.DTYPES[cfg.transfer_dtype]
         self._sync_delay = cfg.sync_delay
-        # The step counter: one Python int (no host read per parameter); every parameter's
-        # state["step"] is the same CPU scalar tensor holding it, so checkpoints carry it.
-        self._n = 0
-        self._step_t = torch.tensor(0.0)
+        self.start_step_counter()
         # Eager state: DCP's _init_optim_state would otherwise run a dummy zero-grad step (lr 0) on
         # an empty state, advancing the step counter (the sync schedule) and seeding ADOPT's v with 0.
         self._params: list[tuple[dict, torch.Tensor]] = []
@@ -520,11 +463,13 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
         # [commopt] kernels, decided once: the fused Triton update (fused/adopt.py) for every local step
         # but plain Adam's, which torch's fused AdamW kernel already makes in one pass.
         self._fused_update = (
-            _fused_local_update(cfg) if use_triton(options.kernels, {local(p).device for _, p in self._params})
+            fused_local_update(cfg.base, adopt_clip=cfg.adopt_clip, bias_correction=cfg.bias_correction,
+                               clip=cfg.clip, clip_threshold=cfg.clip_threshold)
+            if use_triton(options.kernels, {local(p).device for _, p in self._params})
             else None
         )
         if self._fused_update is not None:
-            from titan_commopt.fused.adopt import takes  # Triton is imported only where it runs
+            from .update_triton import takes  # Triton is imported only where it runs
 
             self._fused_takes = takes
 
@@ -582,43 +527,20 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-
-        work: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                work.append((group, p, replica_grad(p, self.topology, ledger=self.ledger)))
-        if not work:
+        loss, work = self.begin_local_step(closure, self._row_states)
+        if work is None:
             return loss
-        self._n += 1
-        n = self._n
-        self._step_t.fill_(n)
-
-        scale = self._clip_scale([g for _, _, g in work], [p for _, p, _ in work]) if self._clip_by_norm else None
-        by_group: dict[int, tuple[dict, list[list[torch.Tensor]]]] = {}
-        for group, p, g in work:
-            state = self.state[p]
-            x = local(p)
-            row = [x, g if g.dtype == x.dtype else g.to(x.dtype)]
-            row += [local(state[moment_key(j)]) for j in range(len(group["betas1"]))]
-            if self._has_v:
-                row.append(local(state["exp_avg_sq"]))
-            by_group.setdefault(id(group), (group, []))[1].append(row)
-        for group, rows in by_group.values():
+        n = work.n
+        scale = self._clip_scale([g for _, g in work.grads], [p for p, _ in work.grads]) if self._clip_by_norm else None
+        for group, rows in work.groups:
             hp, corrections = self._hparams(group, n)
             fused = self._fused_update is not None and not (
-                self._base == "adam" and kernels.is_plain_adam(len(hp["betas1"]), hp["omegas"], corrections)
+                self._base == "adam" and updates.is_plain_adam(len(hp["betas1"]), hp["omegas"], corrections)
             ) and self._fused_takes(rows)  # float64 stays on torch
             # the fused kernel makes no temporaries: one launch for the whole group, its clip folded in
-            limit = math.inf if fused else _CHUNK.get(rows[0][0].device.type, _DEFAULT_CHUNK)
-            for chunk in _chunks(rows, limit):
-                cols = [list(col) for col in zip(*chunk)]
-                nm = len(hp["betas1"])
+            limit = math.inf if fused else chunk_limit(rows[0][0].device)
+            nm = len(hp["betas1"])
+            for cols in column_chunks(rows, limit):
                 xs, gs, moments, vs = cols[0], cols[1], cols[2 : 2 + nm], cols[-1] if self._has_v else None
                 if fused:
                     self._fused_update(xs, gs, moments, vs, group, hp, n, corrections, scale)
@@ -628,6 +550,10 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
                 self._local_update(xs, gs, moments, vs, group, hp, n, corrections)
         self._sync(n)
         return loss
+
+    def _row_states(self, group: dict) -> list[str]:
+        """The states of a row, after x and g: the first momenta u_j, then v (none for sgdm)."""
+        return [moment_key(j) for j in range(len(group["betas1"]))] + (["exp_avg_sq"] if self._has_v else [])
 
     def _hparams(self, group: dict, n: int) -> tuple[dict, Optional[list[float]]]:
         """This update's lr, betas1, omegas, weight_decay of ``group`` and the first momenta's bias
@@ -698,6 +624,8 @@ FAMILY = Family(
     r_bytes=local_r_bytes,
     check=check,
     state_shape=state_shape,
+    periodic=periodic,
+    settings=settings,
     preset_sources=PRESET_SOURCES,
     summary="parameters every Kx, first moments every K_j, second moment every Kv steps (DES-LOC, MT-DAO, "
     "Local Adam, DiLoCo)",

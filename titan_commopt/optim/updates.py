@@ -196,7 +196,7 @@ def _denominator_multi(vs: Tensors, beta2: float, step: float, eps: float, bias_
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _fused_adamw_takes(*lists: Tensors) -> bool:
+def fused_adamw_takes(*lists: Tensors) -> bool:
     """Whether torch's fused AdamW kernel takes these lists: dense tensors of one floating dtype on
     one CPU or CUDA/HIP device."""
     first = lists[0][0] if lists[0] else None
@@ -211,11 +211,11 @@ def adamw_multi_(
     weight_decay: float, step: float, bias_correction: bool = True, fused: bool = False,
 ) -> None:
     """:func:`adamw_` over lists. ``fused``: torch's fused AdamW kernel where it applies (bias
-    correction on, see :func:`_fused_adamw_takes`) — the same update in one pass over each tensor
+    correction on, see :func:`fused_adamw_takes`) — the same update in one pass over each tensor
     instead of about ten (≈ 3× faster on CPU; one kernel per launch group on GPUs). It is
     ``torch.optim.AdamW(fused=True)`` — what torchtitan builds — to the last bit, and agrees with
     :func:`adamw_` (torch's single-tensor and foreach order) to round-off only."""
-    if fused and bias_correction and _fused_adamw_takes(xs, gs, ms, vs):
+    if fused and bias_correction and fused_adamw_takes(xs, gs, ms, vs):
         # the kernel reads t from a tensor per parameter (float32: exact up to 2^24 steps)
         t = torch.full((), float(step), dtype=torch.float32, device=xs[0].device)
         torch._fused_adamw_(xs, gs, ms, vs, [], [t] * len(xs), lr=lr, beta1=beta1, beta2=beta2,

@@ -42,7 +42,7 @@ buffer. The step reads no tensor value on the host (per-parameter step counts ar
 replicator's send side — transform, momentum, top-k, eq. 8 — is one kernel pass per chunk, then a
 light kernel writes the selection's wire bytes into the send buffer, and its receive side — every
 replica's bytes read in place, the replica-order sum, the inverse, φ (sign / identity), eq. 7 —
-another (``titan_commopt.fused.demo_dct``, ``fused.wire``). Where ``k`` is too large for the wire
+another (``titan_commopt.optim.demo.plan_triton``, ``fused.wire``). Where ``k`` is too large for the wire
 kernel's register tiles (``fused.wire.wire_of``) the codecs pack and unpack. The other replicators,
 and the receive side of ``rule = "muon"``, stay on torch.
 
@@ -57,6 +57,7 @@ update in flight and a resumed run equals the run that saved it (the run that sa
 update one step early, as the resumed run does). The last step's update waits for a ``flush()``.
 """
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -66,21 +67,21 @@ import torch
 
 from titan_commopt import comm
 from titan_commopt.compress.dct import Chunker
-from titan_commopt.compress.replicators import KINDS, WIRES, Replicator, make_replicator, period_of
-from titan_commopt.fused import use_triton
+from titan_commopt.compress.replicators import KINDS, WIRES, Replicator, make_replicator, period_of, rate_of
+from titan_commopt.kernels import use_triton
 from titan_commopt.options import option
 from titan_commopt.overlap import Task
 from titan_commopt.topology import R, Topology
 
-from . import kernels
-from .base import CommOptimizer
-from .base import named_params as named_params_of
-from .common import LR_SCALE_HELP, BaseHParams, local, replica_grad
-from .demo_plan import Fused, Phi, Plan, Rules, descend_shard
-from .family import Bytes, Family, Resolved, ShardShape
-from .orthogonalize import newton_schulz
+from .. import updates
+from ..base import CommOptimizer
+from ..base import named_params as named_params_of
+from ..common import LR_SCALE_HELP, BaseHParams, local, replica_grad
+from .plan import Fused, Phi, Plan, Rules, descend_shard
+from ..family import Bytes, Family, PeriodicSyncs, Resolved, ShardShape
+from ..orthogonalize import newton_schulz
 
-__all__ = ["Config", "PRESETS", "DeMo", "FAMILY", "check", "demo_r_bytes", "newton_schulz"]
+__all__ = ["Config", "PRESETS", "PRESET_SOURCES", "DeMo", "FAMILY", "check", "demo_r_bytes", "state_shape"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,16 +169,41 @@ def demo_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_siz
     return Bytes(sent, (replicate_size - 1) * sent)
 
 
+def periodic(resolved: Resolved) -> Optional[PeriodicSyncs]:
+    """The DiLoCo replicator sends the whole shard once per period; every other replicator sends
+    alike on every step."""
+    options = resolved.options
+    if options.replicator == "diloco" and period_of(options) > 1:
+        return PeriodicSyncs((period_of(options),), lambda subset: dataclasses.replace(options, compression_rate=1.0))
+    return None
+
+
+def settings(resolved: Resolved) -> dict[str, Any]:
+    """The options behind the bytes: the replicator and what sizes its payload, the wire."""
+    o = resolved.options
+    what: dict[str, Any] = {"replicator": o.replicator}
+    if o.replicator == "demo":
+        what |= {"chunk": o.chunk, "topk": o.topk}
+    elif o.replicator != "full":
+        what["rate"] = rate_of(o)
+        if o.replicator in ("striding", "diloco"):
+            what["period"] = period_of(o)
+    what["sign_before_sync"] = o.sign_before_sync
+    if not o.sign_before_sync:  # a ternary wire has no value dtype
+        what["transfer_dtype"] = o.transfer_dtype
+    return what | {"pack": o.pack, **({"wire": o.wire} if o.pack and o.replicator == "demo" else {})}
+
+
 # ---- the base step and φ, chosen by the options once -------------------------------------------------
 def momentum_direction(state: dict, group: dict, g: torch.Tensor, step: int) -> torch.Tensor:
     """DeMo-SGD: m ← β·m + g (eq. 2), in place; the replicator extracts from m itself."""
-    return kernels.heavy_ball_(local(state["momentum"]), g, group["beta"])
+    return updates.heavy_ball_(local(state["momentum"]), g, group["beta"])
 
 
 def adam_direction(state: dict, group: dict, g: torch.Tensor, step: int) -> torch.Tensor:
     """Decoupled AdamW: the moments stay local, the replicator sees the bias-corrected m̂/(√v̂+ε)."""
     b1, b2 = group["betas"]
-    return kernels.adam_direction_(g, local(state["exp_avg"]), local(state["exp_avg_sq"]), beta1=b1, beta2=b2,
+    return updates.adam_direction_(g, local(state["exp_avg"]), local(state["exp_avg_sq"]), beta1=b1, beta2=b2,
                                    eps=group["eps"], step=step)
 
 
@@ -207,9 +233,9 @@ def fused_of(cfg: Config, kernels: str, devices: set) -> Optional[Fused]:
     other replicators stay on torch."""
     if not use_triton(kernels, devices) or cfg.replicator != "demo":
         return None
-    from titan_commopt.fused import demo_dct  # only where Triton runs: its kernels are made on import
+    from . import plan_triton  # only where Triton runs: its kernels are made on import
 
-    return Fused(demo_dct, sign={"sign": True, "identity": False}.get(cfg.rule), precision=cfg.dct_precision)
+    return Fused(plan_triton, sign={"sign": True, "identity": False}.get(cfg.rule), precision=cfg.dct_precision)
 
 
 def _replica_grad32(p: torch.Tensor, topology: Topology, ledger: comm.CommLedger) -> torch.Tensor:
@@ -438,6 +464,8 @@ FAMILY = Family(
     r_bytes=demo_r_bytes,
     check=check,
     state_shape=state_shape,
+    periodic=periodic,
+    settings=settings,
     preset_sources=PRESET_SOURCES,
     summary="top-k DCT coefficients of the decoupled momentum (DeMo), or a DeToNATION replicator (FlexDeMo)",
 )

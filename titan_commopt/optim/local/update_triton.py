@@ -59,7 +59,7 @@ except ImportError:  # pragma: no cover - platform dependent: use_triton never p
 
     triton, tl = None, types.SimpleNamespace(constexpr=None)
 
-from titan_commopt.fused import interpreting
+from titan_commopt.kernels import interpreting
 
 __all__ = ["BASES", "CLIPS", "DTYPES", "takes", "local_adaptive_"]
 
