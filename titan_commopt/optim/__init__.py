@@ -32,7 +32,7 @@ FAMILY_MODULES = (
     "demo",
     "local.adaptive",
     "dion",
-    "sparseloco",
+    "local.sparseloco",
 )
 
 FAMILIES: dict[str, Family] = {}  # key → family, every registered one

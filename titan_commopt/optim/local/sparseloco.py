@@ -54,11 +54,11 @@ from titan_commopt.compress.quantize import StatisticalQuantizer
 from titan_commopt.options import option
 from titan_commopt.topology import R, Topology
 
-from . import updates
-from .base import CommOptimizer
-from .common import LR_SCALE_HELP, BaseHParams, local
-from .family import Bytes, Family, PeriodicSyncs, Resolved, ShardShape
-from .local.steps import LocalSteps, chunk_limit, column_chunks, trainable
+from .. import updates
+from ..base import CommOptimizer
+from ..common import LR_SCALE_HELP, BaseHParams, local
+from ..family import Bytes, Family, PeriodicSyncs, Resolved, ShardShape
+from .steps import LocalSteps, chunk_limit, column_chunks, trainable
 
 __all__ = ["Config", "PRESETS", "PRESET_SOURCES", "SparseLoCo", "FAMILY", "check", "sparseloco_r_bytes", "ShardCodec"]
 
