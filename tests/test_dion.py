@@ -1,4 +1,4 @@
-"""Dion (titan_commopt/optim/dion.py): the equations, the routing, and Theorem 2.1 on real meshes.
+"""Dion (titan_commopt/optim/dion/): the equations, the routing, and Theorem 2.1 on real meshes.
 
 Gradient convention of the distributed tests (the torchtitan one, TORCHTITAN_NOTES.md §8): every rank
 divides its *summed* loss by the global sample count, and FSDP2 SUMs gradients over S (gradient

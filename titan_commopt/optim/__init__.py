@@ -94,7 +94,7 @@ def resolve(
     The effective learning rate is decided here, once: the family's ``lr`` when >= 0, else
     ``hparams.lr × lr_scale`` (the preset's recommended multiplier unless the user set one). It is
     stored as the returned ``hparams.lr``, which every builder reads, so no scale is applied twice.
-    ``kernels`` is ``[commopt] kernels`` (see :func:`titan_commopt.fused.use_triton`)."""
+    ``kernels`` is ``[commopt] kernels`` (see :func:`titan_commopt.kernels.use_triton`)."""
     family = family_of(name)
     given = dict(given or {})
     hparams = hparams if hparams is not None else BaseHParams()

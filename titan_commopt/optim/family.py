@@ -178,7 +178,7 @@ class Resolved:
     hparams: BaseHParams
     user_set: frozenset[str] = frozenset()
     optimizer_lr: Optional[float] = None
-    kernels: str = "auto"  # [commopt] kernels: "auto" | "torch" | "triton" (titan_commopt.fused.use_triton)
+    kernels: str = "auto"  # [commopt] kernels: "auto" | "torch" | "triton" (titan_commopt.kernels.use_triton)
 
     def preset_keys(self) -> list[str]:
         """Keys whose value came from the preset (not set by the user)."""

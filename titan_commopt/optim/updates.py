@@ -212,7 +212,7 @@ def adamw_multi_(
 ) -> None:
     """:func:`adamw_` over lists. ``fused``: torch's fused AdamW kernel where it applies (bias
     correction on, see :func:`fused_adamw_takes`) — the same update in one pass over each tensor
-    instead of about ten (≈ 3× faster on CPU; one kernel per launch group on GPUs). It is
+    instead of about ten (one kernel per launch group on GPUs). It is
     ``torch.optim.AdamW(fused=True)`` — what torchtitan builds — to the last bit, and agrees with
     :func:`adamw_` (torch's single-tensor and foreach order) to round-off only."""
     if fused and bias_correction and fused_adamw_takes(xs, gs, ms, vs):

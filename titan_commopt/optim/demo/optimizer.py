@@ -34,7 +34,7 @@ Cost (DeMo replicator, SGD base, |R| > 1). The DCT is orthonormal and linear, so
 as its coefficients: eq. 2 becomes ``m_dct ← β·m_dct + DCT(g)``, top-k reads ``m_dct`` and eq. 8
 subtracts ``λ·`` the selected coefficients in place. A step is one forward transform (of the gradient)
 and one inverse (of the aggregate: the ``W·k`` coefficients per chunk scattered into a dense chunk,
-then two matrix products; a sparse inverse was measured slower on CPU). Shards of one local shape are
+then two matrix products). Shards of one local shape are
 batched: one transform, one top-k, one packing per shape group, written straight into the fused send
 buffer. The step reads no tensor value on the host (per-parameter step counts are Python ints).
 
@@ -42,16 +42,15 @@ buffer. The step reads no tensor value on the host (per-parameter step counts ar
 replicator's send side — transform, momentum, top-k, eq. 8 — is one kernel pass per chunk, then a
 light kernel writes the selection's wire bytes into the send buffer, and its receive side — every
 replica's bytes read in place, the replica-order sum, the inverse, φ (sign / identity), eq. 7 —
-another (``titan_commopt.optim.demo.plan_triton``, ``fused.wire``). Where ``k`` is too large for the wire
-kernel's register tiles (``fused.wire.wire_of``) the codecs pack and unpack. The other replicators,
-and the receive side of ``rule = "muon"``, stay on torch.
+another (``plan_triton.py``, with the wire of ``compress/packing_triton.py``). Where ``k`` is too
+large for the wire kernel's register tiles (``packing_triton.wire_of``) the codecs pack and unpack.
+The other replicators, and the receive side of ``rule = "muon"``, stay on torch.
 
 ``overlap``: step t's exchange (a task of the optimizer's ``runtime``, see ``titan_commopt.overlap``)
 is left parked at its all-gather at the end of ``step()`` and completed — its update applied — at the
 start of step t+1's (after that step's forward/backward, which it overlaps), so parameters are
-one update behind the momenta: a different algorithm (in a toy 2-replica regression it ended ~30 %
-higher in loss after 400 steps), off by default; the all-gather it hides is under 1 % of a CPU step
-here. An update is applied with the learning rate and weight decay of the step that computed it.
+one update behind the momenta: a different algorithm, off by default (docs/benchmarks.md §3, §4).
+An update is applied with the learning rate and weight decay of the step that computed it.
 ``flush()`` applies a pending update now; ``state_dict()`` flushes first, so a checkpoint holds no
 update in flight and a resumed run equals the run that saved it (the run that saves applies that
 update one step early, as the resumed run does). The last step's update waits for a ``flush()``.

@@ -1,6 +1,6 @@
 """DeMo's per-step work over R, laid out once per set of parameters with gradients: a :class:`Plan`.
 
-The optimizer (``optim/demo.py``) drives one step's exchange as a task of its runtime
+The optimizer (``optimizer.py``) drives one step's exchange as a task of its runtime
 (``titan_commopt.overlap``): :meth:`Plan.pack` runs the base step, extracts and writes every
 shard's payload into one fused ``uint8`` send buffer; the task all-gathers it over R;
 :meth:`Plan.apply` decodes every replica's bytes and applies eq. 7. What the plan needs of its
@@ -13,8 +13,9 @@ top-k, one packing. The send buffer holds every group's values first, then every
 Other replicators (random, striding, diloco, full) work on each flat shard in turn.
 
 With :class:`Fused` (``[commopt] kernels`` chose Triton) a DeMo group's transform, momentum, top-k and
-eq. 8 run in one kernel pass per chunk (``fused.demo_dct.encode``) and its received pairs, the
-inverse, φ and eq. 7 in another (``fused.demo_dct.decode``); packing and unpacking stay the codecs'.
+eq. 8 run in one kernel pass per chunk (``plan_triton.encode``) and its received pairs, the
+inverse, φ and eq. 7 in another (``plan_triton.decode``); the wire bytes are written and read by
+the kernels of ``compress/packing_triton.py`` where they can, by the codecs elsewhere.
 """
 
 import math
@@ -93,7 +94,7 @@ class _Group:
         self.numel = self.G * rep.chunker.numel
         self.momentum = (torch.zeros(self.rows, rep.chunker.L, device=device) if coefficient_domain else None)
         # the encode kernels' selection, then packed into the send buffer by the wire kernel
-        # (``fused.wire``) or, where it cannot, by the codecs
+        # (``compress/packing_triton.py``) or, where it cannot, by the codecs
         self.wire = fused.triton.wire_of(rep, device) if fused is not None else None
         self.selection = ((torch.empty(self.rows, rep.k, device=device),
                            torch.empty(self.rows, rep.k, dtype=torch.int64, device=device)) if fused is not None else None)
@@ -229,7 +230,7 @@ class Plan:
                       words: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The torch branches of :meth:`_pack_demo` in one kernel pass per chunk (eq. 2, top-k, eq. 8,
         and the wire bytes into ``words``, the send buffer). Returns ``None``, or the selection where
-        the kernel cannot write this group's wire (``fused.wire.wire_of``) and the codecs pack it."""
+        the kernel cannot write this group's wire (``packing_triton.wire_of``) and the codecs pack it."""
         where = dict(wire=grp.wire, words=words, value_byte=grp.value_offset, index_byte=grp.index_offset)
         if grp.momentum is not None:
             xs = [grad(p).contiguous() for p, _, _ in grp.members]

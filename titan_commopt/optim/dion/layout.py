@@ -2,7 +2,7 @@
 or not), with which shard groups (:class:`Layout`), which scalar-optimizer parameters go over R
 compressed (:func:`demo_synced`, :func:`scalar_replicator`), and the R payload that follows from it
 (:func:`dion_r_bytes`, the family's byte formula). Everything here reads only shapes, placements and
-the options, so the optimizer (``dion.py``) and the byte formula share one source of truth.
+the options, so the optimizer (``optimizer.py``) and the byte formula share one source of truth.
 """
 
 import math
@@ -58,7 +58,13 @@ def route(fqn: str, ndim: int, cfg: Config) -> str:
 
 def demo_synced(kind: str, cfg: Config) -> bool:
     """Whether a parameter of routing ``kind`` goes over R through DeMo's wire (``scalar_sync = "demo"``):
-    the embedding and the output head only (``dion.py``'s docstring says why)."""
+    the embedding and the output head only. They are all but a sliver of the scalar part's bytes;
+    norms and biases are small vectors every token moves, where top-k would drop coordinates for no
+    saving, so they stay on the dense (exact) mean. The gradient, not the AdamW direction, is
+    compressed: every replica decodes the same bytes, so the scalar optimizer's moments stay equal
+    across replicas and only the error feedback e_r is per replica; with β = 1 nothing is dropped,
+    only delayed (Σ_t q_t + e_T = Σ_t g_t). Values travel as numbers (``scalar_transfer_dtype``), as
+    Adam normalizes G itself; the mean is over all W replicas (DeMo's eq. 6)."""
     return cfg.scalar_sync == "demo" and kind in ("embed", "head")
 
 

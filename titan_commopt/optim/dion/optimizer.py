@@ -1,148 +1,47 @@
-"""Dion: distributed orthonormalized updates (Ahn et al. 2025, "Dion: Distributed Orthonormalized Updates").
+"""Dion (Ahn et al. 2025, "Dion: Distributed Orthonormalized Updates"), Algorithms 1–2.
 
-Per 2-D weight ``X ∈ R^{m×n}`` (``nn.Linear`` layout: m = out features = rows, n = in features):
+Per 2-D weight ``X ∈ R^{m×n}`` (``nn.Linear`` layout: m = out features = rows, n = in features), rank r:
 
     B = M + G                  # G: this replica's mean gradient, never all-reduced over R
-    P = orth(B Q)              # B Q all-reduce-meaned over R *before* orthogonalization
-    R = Bᵀ P                   # all-reduce-meaned over R
+    P = orth(B Q)              # B Q averaged over R before orthogonalization
+    R = Bᵀ P                   # averaged over R
     M = B − (1 − μ) P Rᵀ       # error feedback: M keeps what the rank-r update missed
     Q = colnorm(R)
     X = X (1 − η λ) − η sqrt(m/n) P Qᵀ
 
-Distributed exactly as Algorithm 2 / Theorem 2.1 (the iterates equal the centralized ones):
+Distributed as Algorithm 2 / Theorem 2.1: the iterates equal the centralized ones. Over R only P and
+R are averaged (R hierarchically where the rows are sharded: ``reduce.py``), and only where that pays,
+``(m + n)·r < m·n`` (``compress = "auto"``, the reference's rule); elsewhere the gradient is averaged
+and every replica runs the centralized update. S and T shard rows and columns (read from each
+DTensor's placements): P is orthonormalized over its row shards by CholeskyQR2, falling back to a QR
+of P gathered over them (``optim/orthogonalize.py``); ``P = Σ_j B_j Q_j`` and R's column norms are
+summed over column shards. No rank materializes an m×n matrix. Which side Q lives on (``orientation``),
+the ranks and the shard groups: ``layout.py``. A column whose R is zero moves nothing (microsoft/dion).
 
-- R (``dp_replicate``): only P (local rows × r) and R (local columns × r) are averaged, one fused
-  collective each per step and shape batch (below), instead of the ``m_loc·n_loc`` gradient. P's rows are
-  already sharded. R is needed whole on every row shard, so where X's rows are sharded (over
-  ``k`` ranks in all) R is reduced hierarchically: a reduce-scatter over the row groups (the sum
-  over row shards, fast link) leaves each rank one ``ceil(n_loc/k)``-row slice, only that slice is
-  averaged over R, and an all-gather over the row groups puts the averaged R back together — the
-  same sums in another order (Theorem 2.1). Per matrix and rank: ``(m_loc + ceil(n_loc/k))·r``
-  elements (fewer on a rank whose slice overhangs n_loc), ``(m + n)·r/k`` when k divides m and n,
-  hence below the gradient shard ``m·n/k`` wherever compression pays (up to rounding). Both the
-  reduce-scatter and the all-gather are one fused collective per row group for all matrices of a
-  shape batch. This
-  "compressed" path is used only where it pays on the global shape,
-  ``(m + n)·r < m·n`` (the reference's rule; ``compress = "auto"``); otherwise — always at full rank —
-  the gradient itself is averaged over R (one fused collective for all such matrices) and every
-  replica runs the same centralized update. ``dion_layout.dion_r_bytes`` follows the same rule.
-- S/T (weight sharding, read from each DTensor's placements): a mesh dim that shards dim 0 (FSDP2's
-  ``Shard(0)``, also ``_StridedShard(0)`` under TP: the row order never matters) makes P row-local;
-  P is orthogonalized without gathering it by Cholesky-QR (r×r Gram all-reduce-sum, twice:
-  CholeskyQR2; retried in float64 where P's dtype is not enough), falling back to a QR of P
-  gathered over the row groups (m×r, never m×n) when the Gram is not positive definite or P is
-  ill-conditioned even so; ``R = Σ_i B_iᵀ P_i`` is an all-reduce-sum. A mesh dim that shards dim 1 (TP's ``Shard(1)``, row-wise parallel layers)
-  makes Q column-sharded: ``P = Σ_j B_j Q_j`` is an all-reduce-sum and the column norms of R are
-  summed (r numbers). No rank ever materializes an m×n matrix. Mesh dims named ``tp`` are the T
-  role (``topology.tp``), every other sharding dim is S (``topology.shard``). Each S/T reduction
-  (Grams, P's column sums, R's column norms) is one fused collective for all matrices sharing the
-  same groups; R's row sums go per shape batch.
-- Q starts identical on every rank: drawn from the full (n, r) shape with a generator seeded by
-  (``seed``, FQN), then sliced to the local columns. It is kept as a DTensor (rows sharded like X's
-  columns, replicated elsewhere) so DCP checkpoints it correctly.
+Everything else (embeddings, head, norms, biases) steps with a scalar optimizer, AdamW or Lion (as
+the paper and microsoft/dion), on the replica mean of its gradient: one dense fp32 all-reduce, or for
+the embedding and head with ``scalar_sync = "demo"`` DeMo's wire on an error-fed gradient (DeMo's
+equation numbers, ``optim/demo/optimizer.py``; why these two: ``layout.demo_synced``):
 
-Everything that is not a matrix of a transformer block goes to a scalar optimizer (AdamW or Lion),
-as the paper and microsoft/dion do: embeddings (``tok_embeddings``) and the output head (``output``)
-with weight decay 0 (the head with a smaller lr for Lion: ``1/sqrt(d_in)``), norms, biases and any
-non-2-D tensor with the base weight decay. Their gradients are averaged over R (FSDP2 does not, the
-adapter hides R from it) in one fused collective (``scalar_sync = "dense"``, the default: what
-microsoft/dion does).
+    e_r ← e_r + g_r;  q_r = IDCT(topk(DCT(e_r)));  e_r ← e_r − q_r     # eq. 2 (β = 1), 3–4, 8 (λ = 1)
+    G = (1/W) Σ_r q_r;  x ← AdamW/Lion(x, G)                          # eq. 5–6: one all-gather
 
-Compressed scalar sync (``scalar_sync = "demo"``). At 8B the embedding and head gradients are
-2 × 128256 × 4096 values: the dense fp32 mean of their shards is about a third of Dion's R bytes
-at rank d/4 (``scripts/comm_report.py``). With ``"demo"`` they go through DeMo's wire (Peng, Quesnelle,
-Kingma 2024, "Decoupled Momentum Optimization", Algorithm 1, equations numbered as in ``optim/demo.py``;
-``compress.replicators.DeMoReplicator``),
-with the gradient and an error-feedback buffer in place of DeMo's momentum. Per embedding/head shard,
-on every replica r, with ``e_r`` its own buffer (zero at the start):
+State: ``momentum`` (M, per replica on the compressed path; a shape batch's momenta are one stacked
+buffer, each ``state["momentum"]`` a view of its slice), ``Q`` (a DTensor drawn identically on every
+rank from (``seed``, FQN)), the scalar optimizer's moments, and ``scalar_error`` (e_r, per replica).
+``mixed_precision`` stores M, Q and the moments in bfloat16 (the products run in the parameter
+dtype, unlike microsoft/dion's, which multiplies in the storage dtype); it, the rank and the scalar optimizer shape the state (``state_shape``). Parameters stay
+identical across replicas: every replica applies the same averaged P, R and G.
 
-    e_r ← e_r + g_r                   # g_r: this replica's gradient (DeMo eq. 2 with β = 1)
-    q_r = IDCT(topk(DCT(e_r)))        # per chunk of scalar_chunk², the scalar_topk largest (eq. 3–4)
-    e_r ← e_r − q_r                   # eq. 8 (λ = 1): what was sent leaves the buffer
-    G = (1/W) Σ_r q_r                 # eq. 5–6: one all-gather of every replica's packed selections
-    x ← AdamW/Lion(x, G)              # the scalar optimizer, as with the dense mean
+Bytes per rank and step (``layout.dion_r_bytes``): ``(m_loc + ⌈n_loc/k⌉)·r`` elements per compressed
+matrix with k row shards (``(m + n)·r/k`` when k divides m and n), the gradient shard otherwise, plus
+the scalars' dense mean or their DeMo payload.
 
-Why this form. (1) Every replica decodes the same bytes in the same order, so G, the scalar
-optimizer's moments and the parameters stay bit-identical across replicas (``params_replica_local``
-stays False); only ``e_r`` differs, and with β = 1 nothing a replica computed is dropped, only
-delayed (error feedback: Σ_t q_r,t + e_r,T = Σ_t g_r,t). Compressing the AdamW direction instead
-(DeMo's decoupled-AdamW base) would make the moments per replica; a sign-compressed Lion would work
-for Lion alone and turn its update into a vote. (2) Values travel as numbers (``scalar_transfer_dtype``,
-bf16 by default as DeMo's ``transfer_dtype``), never as signs only: G is a mean gradient that Adam
-normalizes itself; indices are bit-packed (``packing.IndexCodec``), the mean is over all W replicas
-(eq. 6, not DeMo's reference ``mean_selected``). (3) Only the embedding and head: they are all but
-~0.03 % of the scalar part's bytes at 8B; norms and biases are small vectors that every token
-moves, where top-k would drop coordinates for no measurable saving, so they stay on the dense
-all-reduce (exact). Chunking is of each rank's local shard (FSDP rows), as DeMo's. With one replica
-nothing crosses R and the dense path runs (exact, no buffer). Cost: one extra parameter-sized
-buffer per embedding/head shard (in the parameter dtype even under ``mixed_precision``: a residual
-below bf16's resolution would vanish), a DCT each way per step. The byte formula asks the same
-replicator's ``payload_bytes`` (``dion_layout.scalar_replicator``).
-
-GPU fitness and overlap. Matrices of the same param group, shape, rank and layout form a shape
-batch. Its key depends on the layouts only, so the batches are known at construction, where the state
-is made (eagerly: torchtitan's and DCP's state init would otherwise run a real step), and each batch's
-momenta live in one stacked buffer ``[k, local rows, local columns]``: every matrix's
-``state["momentum"]`` is a view of its slice (a DTensor over it where the parameter is one, so a
-checkpoint still holds one entry per matrix; a load copies the entries back into the buffer). The
-large products therefore run as one batched product per batch over that buffer, without copying M:
-B = M + G one ``_foreach_add_`` into the views, P̂ = B̂ Q and R̂ = B̂ᵀ P one ``bmm`` each and the error
-feedback M = B − (1−μ) P Rᵀ one in-place ``baddbmm_`` (a transposed orientation is a transposed view
-of the buffer: strided-batched GEMMs, no copy). Everything r-sized (Grams, Cholesky factors,
-triangular solves, column norms, the new Q) is one kernel per batch as well. The update
-X −= η sqrt(m/n) P Qᵀ stays one ``addmm_`` per matrix: the X's are separate parameters (FSDP2's
-shards), and stacking them would copy k·m·n values each way. Under ``mixed_precision`` the products
-run on a converted copy of the batch (one conversion per product and batch). A member with no
-gradient in a step is left out as torch's optimizers leave it: the others' slices are copied out of
-the buffer and back. No Triton kernel: the products are cuBLAS/rocBLAS GEMMs already; what they cost
-is their precision, which ``matmul_precision`` sets (fp32 by default, exact against microsoft/dion;
-tf32 or bf16 tensor cores). CholeskyQR2 keeps its failure flags on the device; one host
-synchronization per step reads them all (a step where some P needs the fallback synchronizes again
-for it). The R collectives are issued async in the order they
-are needed, by tasks on the optimizer's ``runtime`` (``titan_commopt.overlap``): the uncompressed
-matrices' gradients, then each batch's P mean as soon as its P exists (a task per batch, yielding
-while it is in flight, so the next batches compute theirs meanwhile), each batch's R mean as soon as
-its Bᵀ P exists (likewise), and last the scalar gradients' mean (a task parked while the matrices
-are updated, completed at the end of the step; with ``scalar_sync = "demo"`` that task issues the
-dense parameters' all-reduce and then the DeMo all-gather, and waits for both). The cross-batch
-steps (S/T sums, the stacked orthonormalization) run between these phases. Overlap changes no value: every result is waited for
-before it is read.
-
-A Dion column whose R is exactly zero after every sum moves nothing (its P column is masked, its
-Q column kept): with B = M + G zero everywhere, X changes by weight decay alone (microsoft/dion's
-rule; the QR of an all-zero P would otherwise invent directions).
-
-Orientation (``orientation``). The paper writes every matrix as X (m×n) with Q n×r. microsoft/dion,
-whose runs are the ones to match, runs some matrices transposed — on Xᵀ, with Q m×r, the error
-feedback and the update transposed back, the scale still sqrt(m/n) of X: every wide matrix (m < n),
-and for a sharded one the side its sharding picks (:func:`transposed`; FSDP rows or TP columns
-sharded: transposed, so Q follows the rows FSDP keeps local and P the side TP orthogonalizes over).
-The two forms are different algorithms (results differ by ~1e-2 relative after a few steps), so
-``"reference"`` is the default (fidelity to the authors' code) and ``"paper"`` keeps the paper's form.
-r, sqrt(m/n) and the R payload do not depend on it: transposed, P's partial sums over X's row shards
-go through the same reduce-scatter / R-mean-of-a-slice / all-gather as R's, so a rank still sends
-``(m + n)·r/k`` (``dion_layout.dion_r_bytes`` follows both forms). One layout keeps the paper's form
-under either setting: rows split by ``_StridedShard`` (FSDP over TP's column-wise layers), which
-microsoft/dion refuses and where Q could not follow X's non-contiguous rows.
-
-Mixed precision (``mixed_precision``). As microsoft/dion's mixed-precision setting: M, Q and the
-scalar optimizer's moments are stored in bfloat16 (half the optimizer memory of float32 state);
-orthogonalization and column norms always run in float32 at least. Unlike the reference, which
-multiplies in the storage dtype, the products (B Q, Bᵀ P, the rank-r corrections) run in the
-parameter dtype, one matrix converted at a time, so P and R go over the wire in the parameter
-dtype (the byte formula does not change) and bf16 rounding enters only where state is stored.
-torch's ``load_state_dict`` would cast the state to the parameter dtype; Dion casts it back to its
-storage dtype (converting, with a warning, a state saved under the other setting). Both options
-shape the checkpointed state (``state_shape``): a resume that changes them is refused.
-
-Momenta (M, and the scalar optimizer's moments on the compressed path's siblings) differ across
-replicas on the compressed path — by design (decoupled momentum) —, as do the error-feedback buffers
-of ``scalar_sync = "demo"`` (state key ``scalar_error``); checkpoints must keep them per replica.
-Gradient scale: ``topology.replica_grad`` (see topology.py).
-
-Where things live: routing, ranks, orientation, shard-group layouts and the byte formula in
-``dion_layout``; the hierarchical R reduction (a task) in ``dion_reduce``; the orthonormalization
-of P in ``orthogonalize``; the optimizer, its options and the family here.
+Compute: matrices of one param group, shape, rank and layout form a shape batch, known at
+construction: its large products are one batched GEMM over the stacked buffer (``matmul_precision``),
+its r-sized work one kernel. The R collectives are tasks on ``runtime``: batch i+1 computes while
+batch i's mean is in flight; every result is waited for before it is read. One host synchronization
+per step reads CholeskyQR2's failure flags.
 """
 
 import contextlib

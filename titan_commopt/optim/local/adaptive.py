@@ -1,122 +1,49 @@
-"""DES-LOC and MT-DAO: local adaptive optimizers with desynced state syncs, as one engine.
+"""DES-LOC and MT-DAO (also Local Adam and DiLoCo): local adaptive optimizers with desynced state
+syncs, as one engine. Papers: DES-LOC (Algorithms 1/2); MT-DAO ("Multi-timescale Distributed Adaptive
+Optimizers with Local Updates", Algorithms 1–3). Every replica steps on its own gradient ``g`` (no
+gradient all-reduce over R); each state is averaged over R on its own period:
 
-Papers: DES-LOC (Algorithms 1/2) and MT-DAO ("Multi-timescale Distributed Adaptive Optimizers with
-Local Updates", Algorithms 1-3). Every replica (R) steps on its own gradient ``g`` (no gradient
-all-reduce over R); each state is averaged over R on its own period:
-
-    g   ← clip(g, ρ)                                   # coordinate-wise or global-norm clip
+    g   ← clip(g, ρ)                                   # optional: coordinate-wise, or by the replica's norm
     u_j ← β1_j·u_j + (1−β1_j)·g          j = 1..N      # N first momenta, u_j synced every K_j
     v   ← β2·v + (1−β2)·g²                             # second moment, synced every Kv
     Δ   ← [(1−Σω_j)·g + Σω_j·û_j] / (√v̂ + ε)           # quasi-hyperbolic combination
     x   ← x·(1−η·λ) − η·Δ                              # decoupled weight decay λ
     every Kx steps: x ← OuterOpt(mean_R(x))             # averaging, or Nesterov on x_anchor − mean_R(x)
 
-after update number ``n`` (1-based, the optimizer's step counter) a state with period ``K`` is
-averaged when ``n % K == 0``; every state due at ``n`` (all parameters, all kinds) goes in ONE fused
-all-reduce over R. Period 0 = never sync (Ku = Kv = 0 is FedAvg/DiLoCo with persistent local states).
+Base optimizers (``base``): ``adam`` as above (``bias_correction``: û_j = u_j/(1−β1_j^n), v̂ likewise;
+one replica is then torch's Adam/AdamW); ``adopt`` (ADOPT, Taniguchi et al. 2024: ĝ = g / max(√v_prev,
+ε), clipped to ±(n−1)^¼, enters the momenta, Δ = (1−Σω)·ĝ + Σω_j·u_j, v updated last, step 1 only
+seeds v = g²; ADOPT's order, not MT-DAO Algorithm 2's); ``sgdm`` (MT-DAO Algorithm 3: Δ = (1−Σω)·g +
+Σω_j·u_j, no v). DES-LOC is N = 1, ω = 1. MT-DAO's switch (appendix B.2, ``switch_at`` = k): updates
+n ≤ k run the plain base optimizer on u_0 with ``[optimizer] beta1``, ω = 1; later ones the configured
+β1_j, ω_j, u_0 carried across (bias corrections count the weight each EMA has gathered). The Nesterov
+outer step (DiLoCo), anchor a = x at the last sync, momentum b: Δ = a − mean_R(x); b ← μ·b + Δ;
+x ← a − η_out·(Δ + μ·b); a ← x.
 
-Streaming sync (``fragments`` F, ``sync_delay`` τ; after Streaming DiLoCo, Douillard et al. 2025,
-"Streaming DiLoCo with overlapping communication"). The parameters, with all their states, are split
-into F fragments balanced by size (greedy, largest first; the same on every replica). Fragment f of
-a state with period K is due after update n when ``(n − ⌊f·K/F⌋) % K == 0``: the fragments' syncs
-are spread over the period, each fragment still synced once per period, so the bytes per period and
-the byte formula are unchanged while the per-step peak is ~1/F of it. Everything due at one step is
-still one fused all-reduce. With τ = 0 it blocks and averages in place (F = 1, τ = 0 is exactly the
-schedule above). With τ > 0 the all-reduce is issued async on a snapshot of what it sends and runs
-during the next τ steps (their forward, backward and optimizer work); after update n + τ it merges
-keeping the local progress of those τ steps: t ← mean_R(t at issue) + (t − t at issue) for t = x,
-u_j, v (v clamped at 0); for the Nesterov outer step the step is applied to the snapshot's mean (the
-anchor moves to it) and the local progress added on top. Replicas then differ by their local
-progress, so parameters are never all identical after the first step (``replicas_in_sync``).
-Memory: the snapshots of what is in flight (a fragment's tensors due at a step, for up to τ steps)
-plus the wire buffer — the price of the overlap. τ must be below the smallest period > 0 (a
-fragment merges before it is due again). A checkpoint (``state_dict``) first merges what is in
-flight (``flush``), so the run that saved and a run resumed from it continue identically (those
-fragments merge early, at the checkpoint's step).
-Defaults F = 1, τ = 0 (the papers' blocking schedule), by measurement (``scripts/bench_netns.py``,
-two emulated nodes, LocalAdam): on cpu_small over 10 Mbit/s streaming removed only 5–10 % of the mean
-step time (F = 8, τ = 4 and F = 32, τ = 16; the link needs more time than the steps compute); on
-debugmodel over 300 Mbit/s, F = 8, τ = 4 brought the mean step from 1.29× to 1.16× of its own at
-10 Gbit/s (once R had a process group of its own, ``topology._own_r_group``), while its loss after
-300 steps (``scripts/convergence.py``, seed 42) was +4.5 % for LocalAdam and −1.1 % for DES-LOC
-against blocking: not a gain that makes a delayed-merge algorithm the default.
+Schedule: after update n (1-based) a state with period K is due when ``n % K == 0`` (0 = never);
+everything due at one step goes in one fused all-reduce. Streaming sync (``fragments`` F,
+``sync_delay`` τ; Streaming DiLoCo, Douillard et al. 2025): fragment f of a state with period K is
+due when ``(n − ⌊f·K/F⌋) % K == 0``, so the bytes per period are unchanged and the per-step peak is
+~1/F of them; with τ > 0 the all-reduce runs during the next τ steps and merges keeping their local
+progress, t ← mean_R(t at issue) + (t − t at issue) (τ below the smallest period > 0). A checkpoint
+first merges what is in flight. ``sync.py`` holds the schedule and both ways a sync lands; F = 1,
+τ = 0 (the papers' blocking schedule) are the defaults (docs/benchmarks.md §2 measures the others).
 
-Host synchronizations: none per step in the optimizer itself. The step counter is a Python int
-(every parameter's ``state["step"]`` is one shared CPU scalar tensor holding it, for checkpoints),
-and the norm clip's scale min(1, ρ/‖g‖) stays a device tensor (multiplying by 1.0 is exact). The
-local update runs the multi-tensor kernels (``kernels.*_multi_``) over chunks of parameters: bit for
-bit the single-tensor kernels on CPU; the chunk bounds the temporaries (and, on CPU, keeps the data
-of one chunk in cache across its operations). Where ``[commopt] kernels`` picks Triton (by default on
-a CUDA/ROCm device; decided once at construction) every local step but plain Adam's runs one fused
-kernel per param group and dtype instead (``titan_commopt.optim.local.update_triton``: the clip folded in, each
-tensor read and written once); plain Adam (one momentum, ω = 1) stays on torch's fused AdamW kernel,
-which is one pass already and bit for bit torchtitan's AdamW.
+State, on the local FSDP2/TP shard and per replica (checkpoints keep each replica's): ``exp_avg``,
+``exp_avg_<j>`` (u_j, :func:`moment_key`), ``exp_avg_sq`` (v, none for sgdm), ``outer_anchor`` and
+``outer_buf`` (Nesterov with Kx > 0), ``step`` (one shared CPU scalar tensor: no host read per step).
+Parameters differ across replicas between Kx syncs (``params_replica_local``: Kx ≠ 1).
 
-DES-LOC is N = 1, ω = 1 (plain Adam locally); MT-DAO the general case. Base algorithms:
+Bytes per rank and step (:func:`local_r_bytes`): d·(1/Kx + Σ_j 1/K_j + 1/Kv) × the transfer dtype's
+bytes, d the local shard's elements, all-reduce (sent = received); fragments and τ move syncs in
+time, not their bytes. The norm clip adds one float over S and T.
 
-- ``adam``: as above; ``bias_correction`` divides u_j by 1−β1_j^n and v by 1−β2^n (the papers'
-  "local bias correction"), which makes one replica exactly torch's Adam/AdamW.
-- ``adopt`` (ADOPT, Taniguchi et al. 2024): the gradient is normalized by the *previous* second
-  moment before it enters the momenta, ĝ = g / max(√v_prev, ε) (clipped to ±(n−1)^¼ when
-  ``adopt_clip``), then Δ = (1−Σω)·ĝ + Σω_j·u_j needs no division, and v is updated last. The first
-  step only initializes v = g² (no parameter update). MT-DAO's Algorithm 2 text updates v before
-  normalizing; we follow ADOPT's order, which is what makes ADOPT converge for any β2. No bias
-  correction (ADOPT has none).
-- ``sgdm``: Δ = (1−Σω)·g + Σω_j·u_j with the EMA momenta above (MT-DAO Algorithm 3), no second
-  moment, no bias correction. With ω = 1 this is torch's ``SGD(momentum=β, dampening=0)`` at
-  lr η·(1−β) (torch's buffer is u/(1−β)).
-
-Where hyper-parameters come from: ``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay`` of this
-table win when set (≥ 0 / a non-empty list); a negative value / empty list takes torchtitan's
-``[optimizer]`` value (``hparams``). An unset ``lr`` is ``[optimizer] lr × lr_scale``, computed once by
-the registry's ``resolve`` into ``Resolved.hparams.lr``, which is what the optimizer reads (so the scale
-is never applied twice). ``lr`` is only the initial value of ``param_groups[i]["lr"]``: the LR
-scheduler owns it afterwards and every step reads it from there.
-
-Sharding: all state lives on the local FSDP2/TP shard (``local(p)``); state tensors shaped like a
-parameter are DTensors with its placement (DCP), the step counter is a plain scalar tensor in
-``state`` (checkpointable; one tensor shared by all parameters). They are *per replica* state: between syncs u, v, x differ
-across replicas, so checkpoints must keep each replica's copy. The global-norm clip sums squared
-local norms over S and T (1 float each; each tensor's norm in its own precision, float32 at least,
-squares summed in float64); nothing else leaves the replica except the R syncs.
-Gradient scale: ``topology.replica_grad`` (topology.py). The adapter reads two hooks:
-``params_replica_local`` (parameters differ across replicas between syncs: Kx ≠ 1) and
-``replicas_in_sync()`` (true right after a Kx sync of every fragment with no delay: when its drift
-check may run).
-
-Outer optimizer ``nesterov`` (DiLoCo): with ``a`` = x at the previous sync (``outer_anchor``) and
-``b`` = ``outer_buf``: Δ = a − mean_R(x); b ← μ·b + Δ; x ← a − η_out·(Δ + μ·b); a ← x. With one
-replica it still runs (DiLoCo with one worker is not plain Adam).
-
-Presets (``PRESETS``, their sources in ``PRESET_SOURCES``): ``DES-LOC`` (Adam with [optimizer]'s β, no
-weight decay, Kx=16, Ku=48=3Kx, Kv=96=6Kx, coordinate clip, 0.7 × the lr), ``DES-LOC-ADOPT`` (ADOPT,
-β1=0.95, β2=0.9999, ε=1e-6, Kx=32, Ku=96, Kv=192), ``MT-DAO`` (ADOPT, β1=0.999, ω=0.95, β2=0.9999,
-ε=1e-6, K=32 for all, switch at the end of warm-up), ``MT-DAO-halflife`` (the same with Ku=693,
-Kv=6931), ``LocalAdam`` (Kx=Ku=Kv=32), ``DiLoCo`` (Kx=32, Ku=Kv=0, Nesterov outer lr 0.7, μ 0.9).
-
-MT-DAO's switch (``switch_at`` = k; MT-DAO appendix B.2, "a simple switch from a base optimizer (e.g.
-ADOPT) to its multi-timescale variant at the end of the warmup period"): updates n ≤ k run the plain
-base optimizer — one momentum u_0 with ``[optimizer] beta1``, ω = 1 (Adam/ADOPT/SGDM as torch has
-them) — and updates n > k the configured β1_j, ω_j. u_0 is carried across the switch (u_j, j ≥ 1,
-start at zero there); with Adam's bias correction each u_j is divided by the weight it has gathered
-(1 − β^k·β1_0^(n−k) for u_0). The syncs keep their schedule. Decided by the step counter alone, so the
-same on every replica and after a resume.
-
-Clipping: under torchtitan, ``[training] max_norm`` has already clipped every replica's gradient
-by the replicas' common norm (``titan/adapter/container.py``) when ``step()`` runs. ``clip`` is a second,
-optional clip inside the optimizer: ``coordinate`` is DES-LOC's algorithm (its preset keeps it: the
-paper's analysis bounds state changes by the per-coordinate radius ρ); ``norm`` clips by this
-replica's own norm (MT-DAO's paper clips per worker; its ρ = 1 is the training loop's max_norm, so
-the preset leaves ``clip = "none"``).
-
-Where things are: ``check`` (called by the registry's ``resolve``, nowhere else) holds every
-cross-field rule (list lengths, Σω, periods, ``sync_delay``) without any collective; ``resolve_periods``
-is the one value derived from the table (``"auto"`` → a number), read by ``check``, the optimizer,
-``state_shape`` and the byte formula ``local_r_bytes``; the sync schedule and the two ways a sync
-lands (in place, or streamed and merged) are in ``local_sync.py``, run as tasks on the optimizer's
-``runtime`` (``titan_commopt.overlap``); the outer step is ``updates.nesterov_outer_``. The fused sync
-concatenates every due state into one buffer (up to 3× the local parameter shard at a step where x,
-u and v are all due): that is the price of one collective per step.
+The local step (``update.py``, or its Triton twin ``update_triton.py`` where ``[commopt] kernels``
+picks Triton; plain Adam stays on torch's fused AdamW kernel) runs the multi-tensor updates of
+``optim/updates.py`` over chunks of parameters (``steps.py``). Unset ``lr``, ``beta*``, ``eps``,
+``weight_decay`` (negative, or an empty list) take ``[optimizer]``'s; ``lr`` unset is ``[optimizer] lr ×
+lr_scale``, resolved once by the registry. ``check`` holds every cross-field rule; ``resolve_periods``
+is the one value derived from the table (``"auto"`` periods made numbers).
 """
 
 import dataclasses
@@ -223,11 +150,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Adam's β are [optimizer]'s (torchtitan's 0.9, 0.95: SmolLM2's, which DES-LOC's billion-scale runs
     # adopt). Their half-lives (6.6 and 13.5 steps) are about half of MT-DAO Table 3's β (0.95, 0.99)
     # for which Kx = 32 was chosen, so by the paper's rule (periods in proportion to half-lives) the
-    # periods are halved: Kx = 16, 9/96 of a model per step, Local Adam's K = 32 budget, ~11× fewer
-    # bytes than AdamW-HSDP. With 0.7 × AdamW-HSDP's lr this was the periods study's best at 300 and
-    # 500 steps, 3 seeds (docs/benchmarks.md §4: +1.7 % and +6.0 %, against +3.9 % and +12.6 % at
-    # Kx = 32). Alternatives: Kx = 32, Ku = [96], Kv = 192 with lr_scale 1; MT-DAO Table 3's β:
-    # beta1 = [0.95], beta2 = 0.99.
+    # periods are halved: Kx = 16, 9/96 of a model per step, Local Adam's K = 32 budget. Kx = 16 with
+    # lr_scale 0.7 is the periods study's choice (docs/benchmarks.md §4; PRESET_SOURCES has its numbers).
     "DES-LOC": {
         "base": "adam", "weight_decay": 0.0,
         "Kx": 16, "Ku": [48], "Kv": 96, "clip": "coordinate", "lr_scale": 0.7,
@@ -460,7 +384,7 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
                     self._init_state(p, len(group["betas1"]))
                     self._params.append((group, p))
         self.schedule = SyncSchedule(self.periods, [p.numel() for _, p in self._params], cfg.fragments)
-        # [commopt] kernels, decided once: the fused Triton update (fused/adopt.py) for every local step
+        # [commopt] kernels, decided once: the fused Triton update (update_triton.py) for every local step
         # but plain Adam's, which torch's fused AdamW kernel already makes in one pass.
         self._fused_update = (
             fused_local_update(cfg.base, adopt_clip=cfg.adopt_clip, bias_correction=cfg.bias_correction,
@@ -569,7 +493,7 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
             corrections = [1 - c * b ** (n - k) for c, b in zip(carried, betas1)]
         return dict(lr=group["lr"], betas1=betas1, omegas=omegas, weight_decay=group["weight_decay"]), corrections
 
-    # ---- the R syncs (local_sync.py) -------------------------------------------------------------
+    # ---- the R syncs (sync.py) ------------------------------------------------------------------
     def _sync(self, n: int) -> None:
         """Average every (state, fragment) due after update ``n`` in one fused all-reduce: now
         (``sync_delay`` = 0) or merged after update ``n + sync_delay``; merge what is due now."""
