@@ -72,8 +72,8 @@ class Config:
         64, "scalar_sync = demo: DCT chunk size s per dim (largest divisor of the dim <= s).", ge=1
     )
     scalar_topk: int = option(
-        256, "scalar_sync = demo: coefficients sent per chunk (of s*s); >= s*s keeps everything. 256 of 64x64: "
-        "at AdamW-HSDP's loss where 32 was +10 % (cpu_tiny, 500 steps), for about 3 % more bytes at 8B.", ge=1
+        256, "scalar_sync = demo: coefficients sent per chunk (of s*s); >= s*s keeps everything. 256 of 64x64 "
+        "is the quality study's choice (docs/benchmarks.md §6).", ge=1
     )
     scalar_transfer_dtype: Literal["fp32", "bf16", "fp16"] = option(
         "bf16", "scalar_sync = demo: wire dtype of the selected values (indices are bit-packed)."
