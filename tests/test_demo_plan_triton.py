@@ -2,10 +2,10 @@
 (``compress.dct`` and ``optim.demo.plan``), on the CPU under Triton's interpreter.
 
 ``TRITON_INTERPRET=1`` must be set when ``triton.jit`` decorates the kernels (at the import of
-``optim/demo/plan_triton.py``, which only the optimizers import, and only where Triton runs): the fixture sets it
-first and checks that the kernels it gets are the interpreter's. Where a GPU is present (and the
-interpreter is not asked for) the kernel tests run compiled, on the GPU. Tolerances: the transforms differ from
-torch's matmuls by fp32 round-off (a few ulps of the chunk's largest coefficient); everything else
+``plan_triton.py``, which only the optimizers import, and only where Triton runs): the fixture sets
+it first and checks that the kernels it gets are the interpreter's. Where a GPU is present (and the
+interpreter is not asked for) the kernel tests run compiled, on the GPU. Tolerances: the transforms
+differ from torch's matmuls by fp32 round-off (a few ulps of the chunk's largest coefficient); everything else
 (the selection, eq. 8, the replica-order sum, φ = sign) is compared exactly.
 """
 
