@@ -1,4 +1,4 @@
-"""The shared update kernels (``optim/updates.py``) against torch.optim or the formulas written out,
+"""The shared update functions (``optim/updates.py``) against torch.optim or the formulas written out,
 and the orthogonalization module (``optim/orthogonalize.py``), alone and row-sharded over 2 ranks."""
 
 import math

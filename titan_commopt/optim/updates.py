@@ -1,8 +1,8 @@
-"""Scalar update kernels: the per-element math of every optimizer family, written once.
+"""The update functions: the per-element math of every optimizer family, written once.
 
 In the spirit of torch's ``optim/adamw.py`` (its single-tensor path) and microsoft/dion's
 ``scalar_opts.py``: plain functions on *local* tensors (the shard behind a DTensor, see
-``common.local``), no collectives, no state dicts. A family fetches its shards, calls a kernel and
+``common.local``), no collectives, no state dicts. A family fetches its shards, calls an update and
 does its own communication around it. A trailing ``_`` means the function writes into its tensor
 arguments (the parameter ``x`` and the optimizer states).
 
@@ -14,7 +14,7 @@ by ``lerp_``/``addcmul_``, ``denom = √v / (1−β2^t) ** 0.5 + ε`` — Python
 ``math.sqrt``, which rounds differently on about 0.1 % of steps — and ``x += (−η/(1−β1^t))·m/denom``),
 so Dion's scalar AdamW matches ``torch.optim.Adam``/``AdamW`` to the last bit. LocalAdaptive's plain
 Adam (one momentum, ω = 1) uses :func:`adamw_multi_` with ``fused``: torch's fused kernel, bit for
-bit ``AdamW(fused=True)``, torchtitan's default. Kernels are not interchangeable bit for bit: a
+bit ``AdamW(fused=True)``, torchtitan's default. Updates are not interchangeable bit for bit: a
 quasi-hyperbolic step with one momentum and ω = 1 *is* :func:`adamw_` for that reason.
 """
 
@@ -172,7 +172,7 @@ def adopt_(
 
 
 # ---- multi-tensor forms --------------------------------------------------------------------------
-# The same operations in the same order as the single-tensor kernels above, each one ``torch._foreach_*``
+# The same operations in the same order as the single-tensor updates above, each one ``torch._foreach_*``
 # call over lists of tensors (one launch per operation for a whole list on a GPU instead of one per
 # tensor, no Python loop over the tensors). Bit for bit the single-tensor results on the CPU (where
 # the foreach ops run the single-tensor kernels); the same formulas on a GPU. Temporaries exist for
