@@ -21,13 +21,13 @@ from .common import BaseHParams, NamedParams, local
 from .family import Bytes, Family, Resolved, ShardShape
 
 __all__ = [
-    "FAMILIES", "FAMILY_MODULES", "register", "unregister", "NATIVE_NAMES", "family_of", "available_names", "resolve", "build_optimizer", "make",
-    "broadcast_parameters", "owns_replicate_sync", "Family", "Resolved", "ShardShape", "Bytes", "CommOptimizer",
-    "BaseHParams",
+    "FAMILIES", "FAMILY_MODULES", "register", "unregister", "NATIVE_NAMES", "family_of", "available_names",
+    "resolve", "build_optimizer", "make", "broadcast_parameters", "owns_replicate_sync", "Family", "Resolved",
+    "ShardShape", "Bytes", "CommOptimizer", "BaseHParams",
 ]
 
-# The built-in families, in the order the docs and the [commopt] table list them: each names a module of
-# this package whose FAMILY is registered at import.
+# The built-in families, in the order the docs and the [commopt] table list them: each names a module
+# (or package) of optim/ whose FAMILY is registered at import. A new family is one line here.
 FAMILY_MODULES = (
     "demo",
     "local.adaptive",
