@@ -1,13 +1,32 @@
-"""The import graph of the package: one-way layers and no circle.
+"""The architecture held against the code: the import graph (one-way layers, no circle) and the
+new-family rule.
 
 Every ``import`` counts, also the ones inside functions (a lazy import still ties the two modules
-together: the byte formulas once imported the families' internals that way while the families
-imported the formulas back), except those under ``if TYPE_CHECKING:``, which never run. Layers, from the bottom: ``comm``/``topology``/``options``/``overlap``
-and ``compress/``, ``kernels`` → ``optim/`` → ``titan/``; only ``titan/`` imports torchtitan.
+together), except those under ``if TYPE_CHECKING:``, which never run. Layers, from the bottom:
+``comm``/``topology``/``options``/``overlap``, ``kernels`` and ``compress/`` → ``optim/`` → ``titan/``;
+only ``titan/`` imports torchtitan. A new family is one module plus one registry line
+(:func:`test_a_new_family_is_one_module`).
 """
 
 import ast
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
+import torch
+
+from titan_commopt import comm, optim
+from titan_commopt.optim.base import CommOptimizer
+from titan_commopt.optim.common import LR_SCALE_HELP, local
+from titan_commopt.optim.family import Bytes, Family, PeriodicSyncs
+from titan_commopt.optim.local.steps import LocalSteps, chunk_limit, column_chunks, trainable
+from titan_commopt.options import ConfigError, option
+from titan_commopt.topology import R
 
 PACKAGE = Path(__file__).resolve().parents[1] / "titan_commopt"
 NAME = PACKAGE.name
@@ -134,25 +153,6 @@ def test_the_torchtitan_lines_stay_apart():
 # A small periodic family, written as a family module would be: local SGD whose replicas average their
 # parameters every K steps. Registered with the one line ``optim.register(FAMILY)``, it must appear
 # wherever a user meets a family.
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from titan_commopt import comm, optim  # noqa: E402
-from titan_commopt.optim.base import CommOptimizer  # noqa: E402
-from titan_commopt.optim.common import LR_SCALE_HELP, local  # noqa: E402
-from titan_commopt.optim.family import Bytes, Family, PeriodicSyncs  # noqa: E402
-from titan_commopt.optim.local.steps import LocalSteps, chunk_limit, column_chunks, trainable  # noqa: E402
-from titan_commopt.options import ConfigError, option  # noqa: E402
-from titan_commopt.topology import R  # noqa: E402
-
-
 @dataclass
 class ToyOptions:
     """``[commopt.toy]``."""
