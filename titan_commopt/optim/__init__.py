@@ -17,7 +17,8 @@ from titan_commopt.options import ConfigError, check_keys, problems
 from titan_commopt.topology import R, Topology
 
 from .base import CommOptimizer
-from .common import BaseHParams, NamedParams, local
+from .common import BaseHParams, NamedParams
+from .common import local as local_tensor  # optim.local is the local-step families' package
 from .family import Bytes, Family, Resolved, ShardShape
 
 __all__ = [
@@ -144,7 +145,7 @@ def broadcast_parameters(
     own copy; nothing else guarantees the copies agree.
     """
     for p in params:
-        comm.broadcast(local(p.data), 0, R, topology.replicate, ledger=ledger)
+        comm.broadcast(local_tensor(p.data), 0, R, topology.replicate, ledger=ledger)
 
 
 for _module in FAMILY_MODULES:  # the built-in families, registered once all above is defined
