@@ -64,7 +64,6 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -101,45 +100,6 @@ def _r_bytes(name: str, shards, replicate: int, overrides: dict, reduce_dtype: s
     return mean, (mean if burst is None else burst), at, exact, resolved
 
 
-@dataclasses.dataclass(frozen=True)
-class Periodic:
-    """The R syncs of an optimizer that sends on a period: ``periods`` of each state synced on a
-    period > 0; ``due_alone(subset)`` the options of a run that syncs exactly the states in
-    ``subset`` (indices into ``periods``) on every step and nothing else (each period 1 or 0), so
-    the family's per-step byte formula asked of it is the payload of a step where exactly those
-    states are due; ``exact`` False where syncs are split further in time (``fragments`` > 1), so
-    that payload is only an upper bound of any real step."""
-
-    periods: list[int]
-    due_alone: Callable[[tuple[int, ...]], object]
-    exact: bool = True
-
-
-def periodic_states(resolved) -> Periodic | None:
-    """The optimizer's periodic R syncs; None for one that sends alike on every step. The one place
-    that knows which options are sync periods."""
-    from titan_commopt.compress.replicators import period_of
-    from titan_commopt.optim.local_adaptive import resolve_periods
-
-    options, key = resolved.options, resolved.family.key
-    if key == "local":
-        p = resolve_periods(options, resolved.hparams)  # "auto" made numbers; Kv = 0 without v
-        states = [(field, k) for field, k in [("Kx", p.Kx), ("Kv", p.Kv)] + [(("Ku", j), k) for j, k in enumerate(p.Ku)]
-                  if k > 0]
-
-        def due_alone(subset):
-            on = {states[i][0] for i in subset}
-            return dataclasses.replace(options, Kx=int("Kx" in on), Kv=int("Kv" in on), sync_delay=0,
-                                       Ku=[int(("Ku", j) in on) for j in range(len(p.Ku))])
-
-        return Periodic([k for _, k in states], due_alone, exact=options.fragments == 1)
-    if key == "sparseloco" and options.H > 1:  # one all-gather every H steps
-        return Periodic([options.H], lambda subset: dataclasses.replace(options, H=1, sync_delay=0))
-    if key == "demo" and options.replicator == "diloco" and period_of(options) > 1:  # the shard every period
-        return Periodic([period_of(options)], lambda subset: dataclasses.replace(options, compression_rate=1.0))
-    return None
-
-
 def largest_step(resolved, shards, replicate: int, horizon: int | None = None):
     """(R payload of the largest step within the first ``horizon`` updates (None: ever), the first
     update where it comes, whether that payload is exact (else an upper bound)); ``(None, 1, True)``
@@ -150,7 +110,7 @@ def largest_step(resolved, shards, replicate: int, horizon: int | None = None):
     ``horizon`` is None)."""
     from titan_commopt.optim import Bytes
 
-    periodic = periodic_states(resolved)
+    periodic = resolved.family.periodic(resolved)
     if periodic is None:
         return None, 1, True
     best, at = Bytes(), 0
@@ -167,41 +127,11 @@ def largest_step(resolved, shards, replicate: int, horizon: int | None = None):
 
 
 def settings(resolved, reduce_dtype: str) -> dict:
-    """The resolved values behind a row's bytes (``"auto"`` periods as the numbers they resolve to).
-    A family not listed here shows every option."""
-    from titan_commopt.compress.replicators import period_of, rate_of
-    from titan_commopt.optim.local_adaptive import resolve_periods
-
+    """The resolved values behind a row's bytes (the family's ``settings``; torchtitan's own
+    optimizers: the gradient all-reduce's dtype)."""
     if resolved is None:
         return {"gradient_all_reduce": reduce_dtype}
-    o, key = resolved.options, resolved.family.key
-    if key == "local":
-        p = resolve_periods(o, resolved.hparams)
-        return {"Kx": p.Kx, "Ku": list(p.Ku), "Kv": p.Kv, "transfer_dtype": o.transfer_dtype,
-                **({"fragments": o.fragments} if o.fragments > 1 else {})}
-    if key == "sparseloco":
-        return {"H": o.H, "chunk": o.chunk, "topk": o.topk, "transform": o.transform, "quantization": o.quantization,
-                **({"sync_delay": o.sync_delay} if o.sync_delay else {})}
-    if key == "demo":
-        what = {"replicator": o.replicator}
-        if o.replicator == "demo":
-            what |= {"chunk": o.chunk, "topk": o.topk}
-        elif o.replicator != "full":
-            what["rate"] = rate_of(o)
-            if o.replicator in ("striding", "diloco"):
-                what["period"] = period_of(o)
-        what["sign_before_sync"] = o.sign_before_sync
-        if not o.sign_before_sync:  # a ternary wire has no value dtype
-            what["transfer_dtype"] = o.transfer_dtype
-        return what | {"pack": o.pack, **({"wire": o.wire} if o.pack and o.replicator == "demo" else {})}
-    if key == "dion":
-        what = {**({"rank": o.rank} if o.rank else {"rank_fraction": o.rank_fraction}), "compress": o.compress,
-                "scalar_sync": o.scalar_sync}
-        if o.scalar_sync == "demo":
-            what |= {"scalar_chunk": o.scalar_chunk, "scalar_topk": o.scalar_topk,
-                     "scalar_transfer_dtype": o.scalar_transfer_dtype}
-        return what
-    return dataclasses.asdict(o)
+    return dict(resolved.family.settings(resolved))
 
 
 LINK_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}

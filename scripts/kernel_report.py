@@ -1,6 +1,6 @@
-"""Compile every Triton kernel of ``titan_commopt/fused`` for GPU targets on a machine without a GPU,
-and report what each compiled kernel uses: registers and stack (spills) per thread on NVIDIA
-(``cuobjdump --dump-resource-usage`` on the cubin, ptxas from the Triton wheel), VGPRs and scratch
+"""Compile every Triton kernel of the package (the ``*_triton.py`` modules) for GPU targets on a
+machine without a GPU, and report what each compiled kernel uses: registers and stack (spills) per
+thread on NVIDIA (``cuobjdump --dump-resource-usage`` on the cubin, ptxas from the Triton wheel), VGPRs and scratch
 on AMD (the ``amdgcn`` assembly's metadata).
 
 Triton's interpreter (what the tests run on the CPU) is lenient: code it runs may not compile, and it
@@ -91,13 +91,13 @@ class _Recorder:
 def _demo_launches() -> list[Launch]:
     from titan_commopt.compress.packing import ValueCodec
     from titan_commopt.compress.replicators import DeMoReplicator
-    from titan_commopt.fused import demo_dct
+    from titan_commopt.optim.demo import plan_triton
 
     out, case = [], [""]
     names = ("_encode_kernel", "_wire_kernel", "_decode_kernel")
-    real = {n: getattr(demo_dct, n) for n in names}
+    real = {n: getattr(plan_triton, n) for n in names}
     for n in names:
-        setattr(demo_dct, n, _Recorder(real[n], case, out))
+        setattr(plan_triton, n, _Recorder(real[n], case, out))
     try:
         # (label, local shape, chunk, k, sign_before_sync, wire, transfer dtype, momentum)
         for label, shape, s, k, sign, wire, dtype, momentum in [
@@ -109,32 +109,32 @@ def _demo_launches() -> list[Launch]:
         ]:
             case[0] = label
             rep = DeMoReplicator(shape, ValueCodec(sign, dtype, True), s, k, True, wire=wire)
-            ch, spec = rep.chunker, demo_dct.wire_of(rep, "cpu")
+            ch, spec = rep.chunker, plan_triton.wire_of(rep, "cpu")
             n = ch.n_chunks
             vals, idx = torch.empty(n, rep.k), torch.empty(n, rep.k, dtype=torch.int64)
-            words = torch.zeros(demo_dct.words_for(rep.value_bytes + rep.index_bytes), dtype=torch.int32)
-            demo_dct.encode(ch, [torch.randn(shape)], rep.k, vals, idx,
+            words = torch.zeros(plan_triton.words_for(rep.value_bytes + rep.index_bytes), dtype=torch.int32)
+            plan_triton.encode(ch, [torch.randn(shape)], rep.k, vals, idx,
                             momentum=torch.zeros(n, ch.L) if momentum else None, beta=0.999, lam=1.0,
                             wire=spec, words=words, value_byte=0, index_byte=rep.value_bytes)
             payloads = torch.zeros(2, rep.value_bytes + rep.index_bytes, dtype=torch.uint8)
-            demo_dct.decode(ch, None, None, [torch.randn(shape).bfloat16()], [0.1], [0.1], sign=not sign,
+            plan_triton.decode(ch, None, None, [torch.randn(shape).bfloat16()], [0.1], [0.1], sign=not sign,
                             wire=spec, payloads=payloads, value_byte=0, index_byte=rep.value_bytes)
     finally:
         for n in names:
-            setattr(demo_dct, n, real[n])
+            setattr(plan_triton, n, real[n])
     return out
 
 
 def _adopt_launches() -> list[Launch]:
-    from titan_commopt.fused import adopt
+    from titan_commopt.optim.local import update_triton
 
     out, case = [], [""]
-    real = adopt._kernel
+    real = update_triton._kernel
 
     def recording(interpret):
         return _Recorder(real(interpret), case, out)
 
-    adopt._kernel = recording
+    update_triton._kernel = recording
     try:
         for base, n_moments, dtype in [("adopt", 2, torch.float32), ("adopt", 2, torch.bfloat16),
                                        ("adam", 3, torch.float32), ("sgdm", 1, torch.float32)]:
@@ -144,11 +144,11 @@ def _adopt_launches() -> list[Launch]:
             gs = [torch.randn(s).to(dtype) for s in shapes]
             moments = [[torch.zeros(s).to(dtype) for s in shapes] for _ in range(n_moments)]
             vs = [torch.ones(s).to(dtype) for s in shapes] if base != "sgdm" else None
-            adopt.local_adaptive_(xs, gs, moments, vs, base=base, lr=1e-3, betas1=[0.9, 0.99, 0.5][:n_moments],
+            update_triton.local_adaptive_(xs, gs, moments, vs, base=base, lr=1e-3, betas1=[0.9, 0.99, 0.5][:n_moments],
                                   omegas=[0.5 / n_moments] * n_moments, weight_decay=0.1, beta2=0.999, eps=1e-8,
                                   step=3, clip="coordinate", clip_threshold=1.0)
     finally:
-        adopt._kernel = real
+        update_triton._kernel = real
     return out
 
 

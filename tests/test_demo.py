@@ -259,7 +259,7 @@ def hsdp_results(four_rank_results):
 
 
 def _two_rank_world(rank, world):
-    """Both 2-replica checks (|S| = 1) in one spawn: DDP-style DeMo, then striding over a whole shard."""
+    """Both 2-replica checks (|S| = 1) in one spawn: DDP-style DeMo, then striding over every entry."""
     return {"ddp": _ddp_worker(rank, world), "striding": _striding_worker(rank, world)}
 
 
@@ -431,7 +431,7 @@ def _striding_worker(rank, world):
 
 
 def test_striding_syncs_every_entry_and_keeps_momentum_bounded(two_rank_results):
-    """Striding syncs every entry of a shard, the last ``numel mod 64`` included: an entry it skipped would
+    """Striding reaches every entry, a shard's last ``numel mod 64`` too: an entry it skipped would
     never be updated and its momentum would grow towards g/(1 − β) (≈ 473·g after 640 steps)."""
     results = [out["striding"] for out in two_rank_results]
     bound = 2.0 * sum(0.999**k for k in range(64))  # every entry is subtracted once per 64 steps; |g| <= 2

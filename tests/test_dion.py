@@ -1,4 +1,4 @@
-"""Dion (titan_commopt/optim/dion.py): the equations, the routing, and Theorem 2.1 on real meshes.
+"""Dion (titan_commopt/optim/dion/): the equations, the routing, and Theorem 2.1 on real meshes.
 
 Gradient convention of the distributed tests (the torchtitan one, TORCHTITAN_NOTES.md §8): every rank
 divides its *summed* loss by the global sample count, and FSDP2 SUMs gradients over S (gradient
@@ -19,7 +19,8 @@ from torch import nn
 
 from titan_commopt import comm
 from titan_commopt.compress.dct import Chunker, accumulate_chunks_, scatter_chunks, topk_per_chunk
-from titan_commopt.optim import ShardShape, dion, dion_reduce, make, resolve, shard_groups
+from titan_commopt.optim import ShardShape, dion, make, resolve, shard_groups
+from titan_commopt.optim.dion import reduce as dion_reduce
 from titan_commopt.optim.orthogonalize import cholesky_qr2, orthogonalize
 from titan_commopt.optim.common import BaseHParams
 from titan_commopt.options import ConfigError, validate

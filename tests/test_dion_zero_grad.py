@@ -1,6 +1,6 @@
 """Dion with a gradient that is exactly zero: the matrix changes by weight decay only (microsoft/dion's
-rule), not by a step along the unnormalized initial Q that a QR of an all-zero P's Gram (identity
-columns) would give, which moves an 8×6 matrix at lr 0.02, rank 2 further at every step.
+rule). Without it the Gram of an all-zero P falls back to a QR of zeros (identity columns) and the
+unnormalized initial Q is applied: an 8×6 matrix at lr 0.02, rank 2 moves further at every step.
 The distributed case (a zero gradient on every rank of a TP-sharded run) is in ``tests/test_tp.py``
 (``Dion/zero_w1``)."""
 

@@ -32,9 +32,9 @@ CONFIGS = {  # name: (optimizer, [commopt.demo] keys, [commopt] kernels)
 FROZEN = "0.bias"  # requires_grad = False: no state, as no step would give it one
 NO_GRAD = "2.weight"  # left without a gradient in the last step: its batch (0.weight's shape) is rebuilt
 
-# sha256 of the parameters after STEPS steps of each case with its state made in the first training
-# step and no init step run (what the eager state must reproduce), on this test's inputs; float32 CPU
-# kernels, so per torch build and CPU instruction set.
+# sha256 of the parameters after STEPS steps, recorded by an independent implementation that made the
+# state lazily in the first training step (the init step left out), on this test's inputs; float32
+# CPU kernels, so per torch build and CPU instruction set.
 RECORDED_ON = ("2.13.0+cpu", "AVX512")
 RECORDED = {
     "DeMo": "d2131a300088abcb4ff71b3e3658c3499978e66002ec02e230ffa53c17921b53",
@@ -43,9 +43,9 @@ RECORDED = {
     "FlexDeMo_random": "d706c7ba16b5713627a27c0c8f1b9a46deda09288c14b2d09c5e46da5fd5dc26",
     "DeMo_triton": "d2131a300088abcb4ff71b3e3658c3499978e66002ec02e230ffa53c17921b53",
 }
-# A state made lazily and then given init_optim_state's step is one step ahead on every count (AdamW's
-# bias corrections and the random replicator's indices follow): FlexDeMo_adamw 54567175...,
-# FlexDeMo_random f000be60... instead.
+# Had the init step counted (what init_optim_state does to a lazily made state), every step count would
+# be one ahead, and AdamW's bias corrections and the random replicator's indices with it: that gives
+# FlexDeMo_adamw 54567175... and FlexDeMo_random f000be60..., not the digests above.
 
 
 def init_optim_state(optim: torch.optim.Optimizer) -> None:

@@ -1,6 +1,6 @@
-"""Every Triton kernel of ``titan_commopt/fused`` compiles for an H100 (sm_90) and an MI250 (gfx90a),
-on this GPU-less machine: ``scripts/kernel_report.py --check`` records the launches the optimizers
-make and compiles each through Triton's own launch path (ptxas and the AMD backend ship in the
+"""Every Triton kernel of the package (the ``*_triton.py`` modules, each beside its torch twin) compiles
+for an H100 (sm_90) and an MI250 (gfx90a), on this GPU-less machine: ``scripts/kernel_report.py
+--check`` records the launches the optimizers make and compiles each through Triton's own launch path (ptxas and the AMD backend ship in the
 Triton wheel). The interpreter the other kernel tests run accepts code the compiler rejects; this
 is the check that the kernels are GPU code at all, and that none spills registers to memory. What
 each one uses is printed in the report and recorded in docs/benchmarks.md §7.
@@ -39,7 +39,7 @@ def test_every_kernel_compiles_for_h100_and_mi250(tmp_path):
     assert kernels == {"_encode_kernel", "_wire_kernel", "_decode_kernel", "_local_adaptive_body"}, kernels
     for row in rows:
         assert "FAILED" not in row and " registers, " in row and " VGPRs, " in row, row
-        # No kernel spills (a static property of the compiled code, not a timing): the DeMo encode
-        # kernel once spilled ~3 KB per thread on sm_90 (docs/benchmarks.md §7), which only a GPU
-        # timing would otherwise show.
+        # No kernel spills (a static property of the compiled code, not a timing): a spill, e.g. of
+        # the DeMo encode kernel's tiles on sm_90 (docs/benchmarks.md §7), only a GPU timing would
+        # otherwise show.
         assert " registers, 0 B stack" in row and " 0 spilled, 0 B scratch" in row, row

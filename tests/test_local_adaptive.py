@@ -1,4 +1,4 @@
-"""DES-LOC / MT-DAO engine (``titan_commopt.optim.local_adaptive``): the exact special cases of
+"""DES-LOC / MT-DAO engine (``titan_commopt.optim.local.adaptive``): the exact special cases of
 ALGORITHMS.md §3-§4, replica consistency at syncs, HSDP == single-process simulation, R bytes.
 
 Gradient convention of the FSDP test: gloo lacks AVG reduce-scatter, so FSDP2 is told to SUM over S
@@ -19,8 +19,9 @@ from torch import nn
 
 from titan_commopt import comm
 
-from titan_commopt.optim import ShardShape, family_of, local_sync, make, resolve
-from titan_commopt.optim import local_adaptive as la
+from titan_commopt.optim import ShardShape, family_of, make, resolve
+from titan_commopt.optim.local import sync as local_sync
+from titan_commopt.optim.local import adaptive as la
 from titan_commopt.optim.common import BaseHParams
 from titan_commopt.options import ConfigError
 from titan_commopt.topology import Topology

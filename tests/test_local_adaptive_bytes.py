@@ -14,7 +14,7 @@ import torch
 
 from titan_commopt import comm
 from titan_commopt.optim import BaseHParams, ShardShape, resolve, traffic
-from titan_commopt.optim import local_adaptive as la
+from titan_commopt.optim.local import adaptive as la
 from tests.dist_utils import run_distributed
 
 STEPS = 6931 * 2  # covers two Kv = 6931 events of the half-life configuration

@@ -157,3 +157,13 @@ def test_every_paper_preset_names_its_source_and_the_docs_print_it():
         for name in family.presets:
             assert family.preset_sources.get(name), name
             assert f"| **{name}** | `[{family.section}]` |" in text and family.preset_sources[name] in text
+
+
+def test_broadcast_parameters_on_one_replica_leaves_them_as_they_are():
+    """Runs outside a process group; the registry's own names are not shadowed by its subpackages
+    (``optim.local`` is the local-step families' package, not ``common.local``)."""
+    from titan_commopt import optim
+
+    params = [torch.nn.Parameter(torch.arange(3.0))]
+    optim.broadcast_parameters(params, Topology.single())
+    assert torch.equal(params[0].detach(), torch.arange(3.0))

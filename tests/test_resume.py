@@ -167,7 +167,7 @@ def test_resume_with_options_that_do_not_shape_state_is_allowed_and_logged(tmp_p
     resolved = resolve("DES-LOC", {"Kx": 64, "Ku": [128], "lr_scale": 1.0}, BaseHParams(lr=1e-2))
     with caplog.at_level("INFO"):
         assert resume_problem(_job(tmp_path, "DES-LOC"), resolved, 2) is None
-    from titan_commopt.optim.local_adaptive import PRESETS
+    from titan_commopt.optim.local.adaptive import PRESETS
 
     preset = PRESETS["DES-LOC"]
     assert f"[commopt.local] Ku {preset['Ku']} -> [128], Kx {preset['Kx']} -> 64" in caplog.text

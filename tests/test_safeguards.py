@@ -280,7 +280,7 @@ def test_persistent_nonfinite_gradients_stop_the_run(tmp_path):
     assert "failed (exitcode: 1)" in out and "titan_commopt/titan" not in out
     assert sorted(scalars["commopt/skipped_steps"]) == [(1, 0.0), (2, 1.0), (3, 2.0)]
     # DES-LOC syncs R every Kx steps: the console says when (skipped steps push it back)
-    from titan_commopt.optim.local_adaptive import PRESETS
+    from titan_commopt.optim.local.adaptive import PRESETS
 
     kx = PRESETS["DES-LOC"]["Kx"]
     assert re.search(rf"step:  1 .*R sent: 0B/step .*next R sync at step {kx}\n", out)

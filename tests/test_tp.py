@@ -35,7 +35,7 @@ from torch import nn
 
 from titan_commopt import comm
 from titan_commopt.optim import ShardShape, build_optimizer, resolve
-from titan_commopt.optim import local_adaptive as la
+from titan_commopt.optim.local import adaptive as la
 from titan_commopt.optim.common import BaseHParams
 from titan_commopt.topology import Topology
 from tests.dist_utils import run_distributed

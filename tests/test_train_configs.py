@@ -45,3 +45,23 @@ def test_config_validates(path):
         # docs/multinode.md: TensorBoard under outputs/llama3_8b_<[optimizer] name>/tb
         assert (job.job.dump_folder, job.metrics.save_tb_folder) == (f"./outputs/llama3_8b_{job.optimizer.name}", "tb")
         assert job.metrics.enable_tensorboard
+
+
+def test_every_family_ships_a_cpu_and_an_8b_config_in_the_multinode_guide():
+    """A registered family (a built-in one: FAMILY_MODULES) has a CPU config and an 8B config that run
+    one of its names, and docs/multinode.md lists that 8B config."""
+    from titan_commopt.optim import FAMILIES, family_of, owns_replicate_sync
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "multinode.md").read_text()
+    runs: dict[str, set[str]] = {}
+    for path in CONFIGS:
+        name = tomli.loads(path.read_text())["optimizer"]["name"]
+        if owns_replicate_sync(name):
+            runs.setdefault(family_of(name).key, set()).add(path.stem)
+    for key in FAMILIES:
+        stems = runs.get(key, set())
+        assert any(s.endswith("_cpu") for s in stems), f"no train_configs/*_cpu.toml runs [commopt.{key}]"
+        big = sorted(s for s in stems if s.startswith("llama3_8b_"))
+        assert big, f"no train_configs/llama3_8b_*.toml runs [commopt.{key}]"
+        for stem in big:
+            assert f"`{stem.removeprefix('llama3_8b_')}`" in guide, f"docs/multinode.md does not list {stem}.toml"

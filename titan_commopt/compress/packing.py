@@ -244,7 +244,8 @@ class EliasFano:
         # the high part as fields: one rank of high_bits bits, or k + H one-bit fields
         self.high_fields, self.high_field_bits = (1, self.high_bits) if self.ranked else (k + self.H, 1)
 
-    def _binomials(self, device: torch.device) -> torch.Tensor:
+    def binomials(self, device: torch.device) -> torch.Tensor:
+        """The ranked code's table of binomials ``C(u, j)`` (``(k + 1, k + H)`` int64) on ``device``."""
         return _binomial_table(self.k + self.H, self.k, self.RANK_BITS, torch.device(device))
 
     def encode(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,7 +255,7 @@ class EliasFano:
         low = positions & ((1 << l) - 1)
         unary = (positions >> l) + torch.arange(k, device=device)  # u_i = h_i + i, strictly increasing
         if self.ranked:
-            table = self._binomials(device)
+            table = self.binomials(device)
             high = table[torch.arange(1, k + 1, device=device), unary].sum(-1, keepdim=True)  # Σ C(u_i, i + 1)
         else:
             high = torch.zeros(rows, k + self.H, dtype=torch.uint8, device=device)
@@ -267,7 +268,7 @@ class EliasFano:
         if self.ranked:
             # unranking, largest first: u_i is the largest u with C(u, i + 1) ≤ what is left of the
             # rank (a batched search over every row; k steps, none of them per row or per bit)
-            table = self._binomials(device)
+            table = self.binomials(device)
             rank = high.reshape(rows).clone()
             unary = torch.empty(rows, k, dtype=torch.int64, device=device)
             for i in range(k - 1, -1, -1):
@@ -339,12 +340,13 @@ class CompactCodec:
     def value_bytes(self, chunks: int) -> int:
         return bits_bytes(chunks, self.value_bits) if self.sign else float_bytes(chunks * self.k, self.wire_dtype)
 
-    def _low_bytes(self, chunks: int) -> int:
+    def low_bytes(self, chunks: int) -> int:
+        """Bytes of the Elias–Fano low-bit run of ``chunks`` chunks (where the high run starts)."""
         return bits_bytes(chunks * self.k, self.positions.l)
 
     def index_bytes(self, chunks: int) -> int:
         ef = self.positions
-        return self._low_bytes(chunks) + bits_bytes(chunks * ef.high_fields, ef.high_field_bits)
+        return self.low_bytes(chunks) + bits_bytes(chunks * ef.high_fields, ef.high_field_bits)
 
     def encode_into(self, values: torch.Tensor, idx: torch.Tensor, value_out: torch.Tensor,
                     index_out: torch.Tensor) -> None:
@@ -369,7 +371,7 @@ class CompactCodec:
             else:
                 signs = torch.cat([signs, nonzero], 1)  # k = 1: (sign, non-zero)
             value_out.copy_(_pack_fields(signs.view(G, -1), 1))
-        ef, split = self.positions, self._low_bytes(rows // G)
+        ef, split = self.positions, self.low_bytes(rows // G)
         low, high = ef.encode(positions)
         index_out[:, :split].copy_(_pack_fields(low.view(G, -1), ef.l))
         index_out[:, split:].copy_(_pack_fields(high.view(G, -1), ef.high_field_bits))
@@ -380,7 +382,7 @@ class CompactCodec:
         sent)``, each ``(..., chunks, k)``; ``sent``: which pairs are selections (``None``: all are;
         with ``sign`` the non-zeros, see the class docstring)."""
         lead, k, ef = value_data.shape[:-1], self.k, self.positions
-        rows, split = math.prod(lead) * chunks, self._low_bytes(chunks)
+        rows, split = math.prod(lead) * chunks, self.low_bytes(chunks)
         low = _unpack_fields(index_data[..., :split], chunks * k, ef.l).reshape(rows, k)
         high = _unpack_fields(index_data[..., split:], chunks * ef.high_fields, ef.high_field_bits)
         positions = ef.decode(low, high.reshape(rows, ef.high_fields)).view(*lead, chunks, k)

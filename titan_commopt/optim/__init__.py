@@ -1,10 +1,12 @@
 """The registry: ``[optimizer] name`` → a family value (``optim/family.py``) and one resolved config.
 
-A new family is one module exposing ``FAMILY`` and one line in :data:`FAMILIES`.
+A new family is one module (or package) exposing ``FAMILY`` and one line in :data:`FAMILY_MODULES`;
+a family defined outside this package is registered with ``register(FAMILY)``.
 """
 
 import dataclasses
 import difflib
+import importlib
 from typing import Any, Mapping, Optional
 
 import torch
@@ -14,20 +16,48 @@ from titan_commopt import comm
 from titan_commopt.options import ConfigError, check_keys, problems
 from titan_commopt.topology import R, Topology
 
-from . import demo, dion, local_adaptive, sparseloco
 from .base import CommOptimizer
-from .common import BaseHParams, NamedParams, local
+from .common import BaseHParams, NamedParams
+from .common import local as local_tensor  # optim.local is the local-step families' package
 from .family import Bytes, Family, Resolved, ShardShape
 
 __all__ = [
-    "FAMILIES", "NATIVE_NAMES", "family_of", "available_names", "resolve", "build_optimizer", "make",
-    "broadcast_parameters", "owns_replicate_sync", "Family", "Resolved", "ShardShape", "Bytes", "CommOptimizer",
-    "BaseHParams",
+    "FAMILIES", "FAMILY_MODULES", "register", "unregister", "NATIVE_NAMES", "family_of", "available_names",
+    "resolve", "build_optimizer", "make", "broadcast_parameters", "owns_replicate_sync", "Family", "Resolved",
+    "ShardShape", "Bytes", "CommOptimizer", "BaseHParams",
 ]
 
-FAMILIES: dict[str, Family] = {f.key: f for f in (demo.FAMILY, local_adaptive.FAMILY, dion.FAMILY, sparseloco.FAMILY)}
+# The built-in families, in the order the docs and the [commopt] table list them: each names a module
+# (or package) of optim/ whose FAMILY is registered at import. A new family is one line here.
+FAMILY_MODULES = (
+    "demo",
+    "local.adaptive",
+    "dion",
+    "local.sparseloco",
+)
+
+FAMILIES: dict[str, Family] = {}  # key → family, every registered one
 
 NATIVE_NAMES = ("AdamW", "Adam")  # torchtitan's own optimizers: HSDP syncs R for them
+
+
+def register(family: Family) -> Family:
+    """Add ``family`` to the registry: its ``[commopt.<key>]`` table and optimizer names are then
+    everywhere a built-in family's are. Register before ``titan_commopt.titan`` is imported: the
+    torchtitan config classes are made from the registry once, at import. A key or an optimizer name
+    that is taken already is a ValueError."""
+    if family.key in FAMILIES:
+        raise ValueError(f"family key {family.key!r} is registered already")
+    taken = sorted(set(family.presets) & set(available_names()))
+    if taken:
+        raise ValueError(f"family {family.key!r}: optimizer names {taken} are registered already")
+    FAMILIES[family.key] = family
+    return family
+
+
+def unregister(key: str) -> Family:
+    """Remove the family of ``key`` from the registry (a test's family, once the test is done)."""
+    return FAMILIES.pop(key)
 
 
 def owns_replicate_sync(name: str) -> bool:
@@ -65,7 +95,7 @@ def resolve(
     The effective learning rate is decided here, once: the family's ``lr`` when >= 0, else
     ``hparams.lr × lr_scale`` (the preset's recommended multiplier unless the user set one). It is
     stored as the returned ``hparams.lr``, which every builder reads, so no scale is applied twice.
-    ``kernels`` is ``[commopt] kernels`` (see :func:`titan_commopt.fused.use_triton`)."""
+    ``kernels`` is ``[commopt] kernels`` (see :func:`titan_commopt.kernels.use_triton`)."""
     family = family_of(name)
     given = dict(given or {})
     hparams = hparams if hparams is not None else BaseHParams()
@@ -115,4 +145,9 @@ def broadcast_parameters(
     own copy; nothing else guarantees the copies agree.
     """
     for p in params:
-        comm.broadcast(local(p.data), 0, R, topology.replicate, ledger=ledger)
+        comm.broadcast(local_tensor(p.data), 0, R, topology.replicate, ledger=ledger)
+
+
+for _module in FAMILY_MODULES:  # the built-in families, registered once all above is defined
+    register(importlib.import_module(f".{_module}", __name__).FAMILY)
+del _module

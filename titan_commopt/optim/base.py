@@ -36,7 +36,7 @@ from titan_commopt import comm
 from titan_commopt.overlap import Runtime
 from titan_commopt.topology import Topology
 
-__all__ = ["CommOptimizer", "LocalSteps", "named_params"]
+__all__ = ["CommOptimizer", "named_params"]
 
 
 class CommOptimizer(torch.optim.Optimizer):
@@ -85,43 +85,3 @@ def named_params(param_groups: list[dict]) -> Iterator[tuple[dict, str, torch.Te
         names = group.get("param_names") or [f"param{index + i}" for i in range(len(group["params"]))]
         index += len(group["params"])
         yield from ((group, name, p) for name, p in zip(names, group["params"]))
-
-
-class LocalSteps:
-    """What the families whose replicas step locally and sync R every few steps share (the
-    local-adaptive family, SparseLoCo), mixed in before :class:`CommOptimizer`:
-
-    - one step counter for every parameter: ``self._n`` (a Python int, no host read) and
-      ``self._step_t``, the CPU scalar tensor every ``state["step"]`` is, so checkpoints carry it;
-    - ``metrics()``: the syncs in flight on ``runtime`` and the steps to the next sync;
-    - ``state_dict()`` lands every sync in flight first (waiting for its collective): a checkpoint
-      holds no half-done sync, and the run that saved continues from the same state as a run resumed
-      from it (a streaming sync then lands up to ``sync_delay`` − 1 steps early, at the checkpoint's
-      step: the one thing a checkpoint changes in the trajectory); ``load_state_dict()`` drops the
-      syncs in flight (the state they belong to is replaced) and reads the counter back once.
-    """
-
-    _n: int
-    _step_t: torch.Tensor
-
-    def metrics(self) -> dict[str, float]:
-        out = {"syncs_in_flight": float(self.runtime.in_flight)}
-        steps = self.steps_to_next_sync()
-        if steps is not None:
-            out["steps_to_next_sync"] = float(steps)
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        self.flush()
-        return super().state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.runtime.abandon()
-        super().load_state_dict(state_dict)
-        # a checkpoint of per-parameter counters: their largest, then one shared tensor again
-        steps = [s["step"] for s in self.state.values() if "step" in s]
-        self._n = int(max(float(t) for t in steps)) if steps else 0
-        self._step_t = torch.tensor(float(self._n))
-        for s in self.state.values():
-            if "step" in s:
-                s["step"] = self._step_t

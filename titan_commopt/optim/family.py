@@ -19,7 +19,7 @@ import torch
 
 from .common import BaseHParams, mesh_dim_role
 
-__all__ = ["Family", "Resolved", "ShardShape", "Bytes"]
+__all__ = ["Family", "Resolved", "ShardShape", "Bytes", "PeriodicSyncs"]
 
 
 @dataclass(frozen=True)
@@ -87,12 +87,35 @@ class ShardShape:
         return cls(fqn, local, shape, (rank, shards), itemsize, sharded=(("S", 0),))
 
 
+@dataclass(frozen=True)
+class PeriodicSyncs:
+    """The R syncs of a family that sends on a period (what a report needs to price its largest step).
+
+    ``periods``: the period of each state synced on one (> 0); ``due_alone(subset)``: the options of
+    a run that syncs exactly the states in ``subset`` (indices into ``periods``) on every step and
+    nothing else, so that the family's ``r_bytes`` asked of it is the payload of a step where exactly
+    those states are due; ``exact``: False where syncs are split further in time (e.g. fragments),
+    so that payload is only an upper bound of any real step."""
+
+    periods: tuple[int, ...]
+    due_alone: Callable[[tuple[int, ...]], Any]
+    exact: bool = True
+
+
 def no_problems(options: Any, hparams: BaseHParams) -> list[str]:
     return []
 
 
 def no_state_shape(resolved: "Resolved") -> dict[str, Any]:
     return {}
+
+
+def syncs_every_step(resolved: "Resolved") -> Optional[PeriodicSyncs]:
+    return None
+
+
+def every_option(resolved: "Resolved") -> dict[str, Any]:
+    return dataclasses.asdict(resolved.options)
 
 
 @dataclass(frozen=True)
@@ -110,6 +133,10 @@ class Family:
     - ``state_shape(resolved)``: ``{option key: value}`` of what decides the optimizer state's keys,
       shapes and meaning (JSON values); a checkpoint records it and a resume with another value is
       refused (``titan/config/resume.py``). Every other option may change on resume;
+    - ``periodic(resolved)``: its R syncs on a period (:class:`PeriodicSyncs`), or ``None`` when it
+      sends alike on every step; the comm report prices the largest step from it;
+    - ``settings(resolved)``: ``{option: value}`` of the resolved values behind its bytes, for the
+      comm report's rows (default: every option);
     - ``summary``: one line for the docs;
     - ``preset_sources``: ``{optimizer name: where its values come from}`` (paper, section/table),
       printed beside each preset in ``docs/options.md``.
@@ -125,6 +152,8 @@ class Family:
     r_bytes: Callable[[Sequence[ShardShape], "Resolved", int], Bytes]
     check: Callable[[Any, BaseHParams], list[str]] = no_problems
     state_shape: Callable[["Resolved"], Mapping[str, Any]] = no_state_shape
+    periodic: Callable[["Resolved"], Optional[PeriodicSyncs]] = syncs_every_step
+    settings: Callable[["Resolved"], Mapping[str, Any]] = every_option
     summary: str = ""
     preset_sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
@@ -149,7 +178,7 @@ class Resolved:
     hparams: BaseHParams
     user_set: frozenset[str] = frozenset()
     optimizer_lr: Optional[float] = None
-    kernels: str = "auto"  # [commopt] kernels: "auto" | "torch" | "triton" (titan_commopt.fused.use_triton)
+    kernels: str = "auto"  # [commopt] kernels: "auto" | "torch" | "triton" (titan_commopt.kernels.use_triton)
 
     def preset_keys(self) -> list[str]:
         """Keys whose value came from the preset (not set by the user)."""

@@ -1,8 +1,8 @@
-"""Scalar update kernels: the per-element math of every optimizer family, written once.
+"""The update functions: the per-element math of every optimizer family, written once.
 
 In the spirit of torch's ``optim/adamw.py`` (its single-tensor path) and microsoft/dion's
 ``scalar_opts.py``: plain functions on *local* tensors (the shard behind a DTensor, see
-``common.local``), no collectives, no state dicts. A family fetches its shards, calls a kernel and
+``common.local``), no collectives, no state dicts. A family fetches its shards, calls an update and
 does its own communication around it. A trailing ``_`` means the function writes into its tensor
 arguments (the parameter ``x`` and the optimizer states).
 
@@ -14,7 +14,7 @@ by ``lerp_``/``addcmul_``, ``denom = √v / (1−β2^t) ** 0.5 + ε`` — Python
 ``math.sqrt``, which rounds differently on about 0.1 % of steps — and ``x += (−η/(1−β1^t))·m/denom``),
 so Dion's scalar AdamW matches ``torch.optim.Adam``/``AdamW`` to the last bit. LocalAdaptive's plain
 Adam (one momentum, ω = 1) uses :func:`adamw_multi_` with ``fused``: torch's fused kernel, bit for
-bit ``AdamW(fused=True)``, torchtitan's default. Kernels are not interchangeable bit for bit: a
+bit ``AdamW(fused=True)``, torchtitan's default. Updates are not interchangeable bit for bit: a
 quasi-hyperbolic step with one momentum and ω = 1 *is* :func:`adamw_` for that reason.
 """
 
@@ -172,7 +172,7 @@ def adopt_(
 
 
 # ---- multi-tensor forms --------------------------------------------------------------------------
-# The same operations in the same order as the single-tensor kernels above, each one ``torch._foreach_*``
+# The same operations in the same order as the single-tensor updates above, each one ``torch._foreach_*``
 # call over lists of tensors (one launch per operation for a whole list on a GPU instead of one per
 # tensor, no Python loop over the tensors). Bit for bit the single-tensor results on the CPU (where
 # the foreach ops run the single-tensor kernels); the same formulas on a GPU. Temporaries exist for
@@ -196,7 +196,7 @@ def _denominator_multi(vs: Tensors, beta2: float, step: float, eps: float, bias_
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _fused_adamw_takes(*lists: Tensors) -> bool:
+def fused_adamw_takes(*lists: Tensors) -> bool:
     """Whether torch's fused AdamW kernel takes these lists: dense tensors of one floating dtype on
     one CPU or CUDA/HIP device."""
     first = lists[0][0] if lists[0] else None
@@ -211,11 +211,11 @@ def adamw_multi_(
     weight_decay: float, step: float, bias_correction: bool = True, fused: bool = False,
 ) -> None:
     """:func:`adamw_` over lists. ``fused``: torch's fused AdamW kernel where it applies (bias
-    correction on, see :func:`_fused_adamw_takes`) — the same update in one pass over each tensor
-    instead of about ten (≈ 3× faster on CPU; one kernel per launch group on GPUs). It is
+    correction on, see :func:`fused_adamw_takes`) — the same update in one pass over each tensor
+    instead of about ten (one kernel per launch group on GPUs). It is
     ``torch.optim.AdamW(fused=True)`` — what torchtitan builds — to the last bit, and agrees with
     :func:`adamw_` (torch's single-tensor and foreach order) to round-off only."""
-    if fused and bias_correction and _fused_adamw_takes(xs, gs, ms, vs):
+    if fused and bias_correction and fused_adamw_takes(xs, gs, ms, vs):
         # the kernel reads t from a tensor per parameter (float32: exact up to 2^24 steps)
         t = torch.full((), float(step), dtype=torch.float32, device=xs[0].device)
         torch._fused_adamw_(xs, gs, ms, vs, [], [t] * len(xs), lr=lr, beta1=beta1, beta2=beta2,

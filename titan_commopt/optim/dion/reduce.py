@@ -21,8 +21,8 @@ from titan_commopt import comm
 from titan_commopt.overlap import Runtime, Task
 from titan_commopt.topology import R
 
-from .dion_layout import Layout, r_slice
-from .shard_groups import buckets, sum_over
+from .layout import Layout, r_slice
+from ..shard_groups import buckets, sum_over
 
 __all__ = ["reduce_r", "reduce_r_now"]
 

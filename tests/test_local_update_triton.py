@@ -1,17 +1,17 @@
-"""The fused local-adaptive kernel (``fused/adopt.py``) against its torch twin (``optim/kernels.py``),
-run by Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``; on a CUDA machine the same tests
-run the compiled kernel on the GPU), and ``kernels = "triton"`` end to end in the optimizer.
+"""The fused local-adaptive kernel (``optim/local/update_triton.py``) against its torch twin
+(``optim/local/update.py`` over ``optim/updates.py``), run by Triton's interpreter on CPU tensors
+(``TRITON_INTERPRET=1``; on a CUDA machine the same tests run the compiled kernel on the GPU), and ``kernels = "triton"`` end to end in the optimizer.
 
 The interpreter is chosen when the kernel is jitted (``triton.jit`` reads TRITON_INTERPRET then);
-``fused/adopt.py`` jits on first use per interpreter setting, so setting the variable per test works.
+``update_triton.py`` jits on first use per interpreter setting, so setting the variable per test works.
 """
 
 import pytest
 import torch
 
 from titan_commopt import optim
-from titan_commopt.fused import triton_available
-from titan_commopt.optim import kernels
+from titan_commopt.kernels import triton_available
+from titan_commopt.optim import updates
 from titan_commopt.options import ConfigError
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
@@ -40,13 +40,13 @@ def _torch_step(base, xs, gs, moments, vs, *, clip, rho, scale, hp, step, correc
         gs = torch._foreach_mul(gs, scale)
     common = dict(lr=hp["lr"], betas1=hp["betas1"], omegas=hp["omegas"], weight_decay=hp["weight_decay"])
     if base == "adopt":
-        kernels.adopt_multi_(xs, gs, moments, vs, **common, beta2=hp["beta2"], eps=hp["eps"], step=step,
+        updates.adopt_multi_(xs, gs, moments, vs, **common, beta2=hp["beta2"], eps=hp["eps"], step=step,
                              clip=hp["adopt_clip"])
     elif base == "adam":
-        kernels.qh_adamw_multi_(xs, gs, moments, vs, **common, beta2=hp["beta2"], eps=hp["eps"], step=step,
+        updates.qh_adamw_multi_(xs, gs, moments, vs, **common, beta2=hp["beta2"], eps=hp["eps"], step=step,
                                 corrections1=corrections1)
     else:
-        kernels.sgdm_multi_(xs, gs, moments, **common)
+        updates.sgdm_multi_(xs, gs, moments, **common)
 
 
 def _run(base, n_moments, clip, wd, dtype, steps=3, ref_dtype=None, corrections=False, each_step=None):
@@ -54,7 +54,7 @@ def _run(base, n_moments, clip, wd, dtype, steps=3, ref_dtype=None, corrections=
     copies of the same values; returns both sets of (x, u_j, v). ``each_step(fused, reference)`` is
     called after every step, and the reference then restarts from the fused state (one step's
     rounding compared at a time)."""
-    from titan_commopt.fused.adopt import local_adaptive_
+    from titan_commopt.optim.local.update_triton import local_adaptive_
 
     ref_dtype = ref_dtype or dtype
     hp = dict(lr=3e-2, betas1=[0.9, 0.99, 0.6][:n_moments], omegas=[0.8 / n_moments] * n_moments,
@@ -155,7 +155,7 @@ def test_fused_bfloat16_is_the_float32_update_rounded_once(base):
 
 
 def test_noncontiguous_tensors_are_written_back():
-    from titan_commopt.fused.adopt import local_adaptive_
+    from titan_commopt.optim.local.update_triton import local_adaptive_
 
     x = torch.randn(6, 8, device=DEVICE).T  # non-contiguous
     g = torch.randn(8, 6, device=DEVICE)
@@ -163,7 +163,7 @@ def test_noncontiguous_tensors_are_written_back():
     xr, ur, vr = x.clone(), u.clone(), v.clone()
     hp = dict(lr=0.1, betas1=[0.9], omegas=[0.5], weight_decay=0.0, beta2=0.99, eps=1e-6, step=2)
     local_adaptive_([x], [g], [[u]], [v], base="adopt", **hp)
-    kernels.adopt_multi_([xr], [g], [[ur]], [vr], **hp)
+    updates.adopt_multi_([xr], [g], [[ur]], [vr], **hp)
     _assert_close([x, u, v], [xr, ur, vr], rtol=1e-6, atol=1e-7)
 
 

@@ -121,8 +121,8 @@ def wire_of(rep, device) -> Optional[Wire]:
         runs = [(compact.value_bits if compact.sign else k * fbits, k), (k * max(ef.l, 1), k), high]
         fields = dict(values=values, float_bits=fbits, bf16=bf16, sign=False, index_bits=0, compact=True,
                       ef_low=ef.l, ef_ranked=ef.ranked, ef_high_bits=ef.high_bits, ef_H=ef.H,
-                      low_bytes=compact._low_bytes(rep.chunker.n_chunks),
-                      table=ef._binomials(device) if ef.ranked else None)
+                      low_bytes=compact.low_bytes(rep.chunker.n_chunks),
+                      table=ef.binomials(device) if ef.ranked else None)
     tiles = tuple(_words_tile(bits) for bits, _ in runs)
     if any(tw * tk > MAX_RUN_CELLS for tw in tiles):
         return None

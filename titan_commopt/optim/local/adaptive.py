@@ -1,124 +1,52 @@
-"""DES-LOC and MT-DAO: local adaptive optimizers with desynced state syncs, as one engine.
+"""DES-LOC and MT-DAO (also Local Adam and DiLoCo): local adaptive optimizers with desynced state
+syncs, as one engine. Papers: DES-LOC (Algorithms 1/2); MT-DAO ("Multi-timescale Distributed Adaptive
+Optimizers with Local Updates", Algorithms 1–3). Every replica steps on its own gradient ``g`` (no
+gradient all-reduce over R); each state is averaged over R on its own period:
 
-Papers: DES-LOC (Algorithms 1/2) and MT-DAO ("Multi-timescale Distributed Adaptive Optimizers with
-Local Updates", Algorithms 1-3). Every replica (R) steps on its own gradient ``g`` (no gradient
-all-reduce over R); each state is averaged over R on its own period:
-
-    g   ← clip(g, ρ)                                   # coordinate-wise or global-norm clip
+    g   ← clip(g, ρ)                                   # optional: coordinate-wise, or by the replica's norm
     u_j ← β1_j·u_j + (1−β1_j)·g          j = 1..N      # N first momenta, u_j synced every K_j
     v   ← β2·v + (1−β2)·g²                             # second moment, synced every Kv
     Δ   ← [(1−Σω_j)·g + Σω_j·û_j] / (√v̂ + ε)           # quasi-hyperbolic combination
     x   ← x·(1−η·λ) − η·Δ                              # decoupled weight decay λ
     every Kx steps: x ← OuterOpt(mean_R(x))             # averaging, or Nesterov on x_anchor − mean_R(x)
 
-after update number ``n`` (1-based, the optimizer's step counter) a state with period ``K`` is
-averaged when ``n % K == 0``; every state due at ``n`` (all parameters, all kinds) goes in ONE fused
-all-reduce over R. Period 0 = never sync (Ku = Kv = 0 is FedAvg/DiLoCo with persistent local states).
+Base optimizers (``base``): ``adam`` as above (``bias_correction``: û_j = u_j/(1−β1_j^n), v̂ likewise;
+one replica is then torch's Adam/AdamW); ``adopt`` (ADOPT, Taniguchi et al. 2024: ĝ = g / max(√v_prev,
+ε), clipped to ±(n−1)^¼, enters the momenta, Δ = (1−Σω)·ĝ + Σω_j·u_j, v updated last, step 1 only
+seeds v = g²; ADOPT's order, not MT-DAO Algorithm 2's); ``sgdm`` (MT-DAO Algorithm 3: Δ = (1−Σω)·g +
+Σω_j·u_j, no v). DES-LOC is N = 1, ω = 1. MT-DAO's switch (appendix B.2, ``switch_at`` = k): updates
+n ≤ k run the plain base optimizer on u_0 with ``[optimizer] beta1``, ω = 1; later ones the configured
+β1_j, ω_j, u_0 carried across (bias corrections count the weight each EMA has gathered). The Nesterov
+outer step (DiLoCo), anchor a = x at the last sync, momentum b: Δ = a − mean_R(x); b ← μ·b + Δ;
+x ← a − η_out·(Δ + μ·b); a ← x.
 
-Streaming sync (``fragments`` F, ``sync_delay`` τ; after Streaming DiLoCo, Douillard et al. 2025,
-"Streaming DiLoCo with overlapping communication"). The parameters, with all their states, are split
-into F fragments balanced by size (greedy, largest first; the same on every replica). Fragment f of
-a state with period K is due after update n when ``(n − ⌊f·K/F⌋) % K == 0``: the fragments' syncs
-are spread over the period, each fragment still synced once per period, so the bytes per period and
-the byte formula are unchanged while the per-step peak is ~1/F of it. Everything due at one step is
-still one fused all-reduce. With τ = 0 it blocks and averages in place (F = 1, τ = 0 is exactly the
-schedule above). With τ > 0 the all-reduce is issued async on a snapshot of what it sends and runs
-during the next τ steps (their forward, backward and optimizer work); after update n + τ it merges
-keeping the local progress of those τ steps: t ← mean_R(t at issue) + (t − t at issue) for t = x,
-u_j, v (v clamped at 0); for the Nesterov outer step the step is applied to the snapshot's mean (the
-anchor moves to it) and the local progress added on top. Replicas then differ by their local
-progress, so parameters are never all identical after the first step (``replicas_in_sync``).
-Memory: the snapshots of what is in flight (a fragment's tensors due at a step, for up to τ steps)
-plus the wire buffer — the price of the overlap. τ must be below the smallest period > 0 (a
-fragment merges before it is due again). A checkpoint (``state_dict``) first merges what is in
-flight (``flush``), so the run that saved and a run resumed from it continue identically (those
-fragments merge early, at the checkpoint's step).
-Defaults F = 1, τ = 0 (the papers' blocking schedule), by measurement (``scripts/bench_netns.py``,
-two emulated nodes, LocalAdam): on cpu_small over 10 Mbit/s streaming removed only 5–10 % of the mean
-step time (F = 8, τ = 4 and F = 32, τ = 16; the link needs more time than the steps compute); on
-debugmodel over 300 Mbit/s, F = 8, τ = 4 brought the mean step from 1.29× to 1.16× of its own at
-10 Gbit/s (once R had a process group of its own, ``topology._own_r_group``), while its loss after
-300 steps (``scripts/convergence.py``, seed 42) was +4.5 % for LocalAdam and −1.1 % for DES-LOC
-against blocking: not a gain that makes a delayed-merge algorithm the default.
+Schedule: after update n (1-based) a state with period K is due when ``n % K == 0`` (0 = never);
+everything due at one step goes in one fused all-reduce. Streaming sync (``fragments`` F,
+``sync_delay`` τ; Streaming DiLoCo, Douillard et al. 2025): fragment f of a state with period K is
+due when ``(n − ⌊f·K/F⌋) % K == 0``, so the bytes per period are unchanged and the per-step peak is
+~1/F of them; with τ > 0 the all-reduce runs during the next τ steps and merges keeping their local
+progress, t ← mean_R(t at issue) + (t − t at issue) (τ below the smallest period > 0). A checkpoint
+first merges what is in flight. ``sync.py`` holds the schedule and both ways a sync lands; F = 1,
+τ = 0 (the papers' blocking schedule) are the defaults (docs/benchmarks.md §2 measures the others).
 
-Host synchronizations: none per step in the optimizer itself. The step counter is a Python int
-(every parameter's ``state["step"]`` is one shared CPU scalar tensor holding it, for checkpoints),
-and the norm clip's scale min(1, ρ/‖g‖) stays a device tensor (multiplying by 1.0 is exact). The
-local update runs the multi-tensor kernels (``kernels.*_multi_``) over chunks of parameters: bit for
-bit the single-tensor kernels on CPU; the chunk bounds the temporaries (and, on CPU, keeps the data
-of one chunk in cache across its operations). Where ``[commopt] kernels`` picks Triton (by default on
-a CUDA/ROCm device; decided once at construction) every local step but plain Adam's runs one fused
-kernel per param group and dtype instead (``titan_commopt.fused.adopt``: the clip folded in, each
-tensor read and written once); plain Adam (one momentum, ω = 1) stays on torch's fused AdamW kernel,
-which is one pass already and bit for bit torchtitan's AdamW.
+State, on the local FSDP2/TP shard and per replica (checkpoints keep each replica's): ``exp_avg``,
+``exp_avg_<j>`` (u_j, :func:`moment_key`), ``exp_avg_sq`` (v, none for sgdm), ``outer_anchor`` and
+``outer_buf`` (Nesterov with Kx > 0), ``step`` (one shared CPU scalar tensor: no host read per step).
+Parameters differ across replicas between Kx syncs (``params_replica_local``: Kx ≠ 1).
 
-DES-LOC is N = 1, ω = 1 (plain Adam locally); MT-DAO the general case. Base algorithms:
+Bytes per rank and step (:func:`local_r_bytes`): d·(1/Kx + Σ_j 1/K_j + 1/Kv) × the transfer dtype's
+bytes, d the local shard's elements, all-reduce (sent = received); fragments and τ move syncs in
+time, not their bytes. The norm clip adds one float over S and T.
 
-- ``adam``: as above; ``bias_correction`` divides u_j by 1−β1_j^n and v by 1−β2^n (the papers'
-  "local bias correction"), which makes one replica exactly torch's Adam/AdamW.
-- ``adopt`` (ADOPT, Taniguchi et al. 2024): the gradient is normalized by the *previous* second
-  moment before it enters the momenta, ĝ = g / max(√v_prev, ε) (clipped to ±(n−1)^¼ when
-  ``adopt_clip``), then Δ = (1−Σω)·ĝ + Σω_j·u_j needs no division, and v is updated last. The first
-  step only initializes v = g² (no parameter update). MT-DAO's Algorithm 2 text updates v before
-  normalizing; we follow ADOPT's order, which is what makes ADOPT converge for any β2. No bias
-  correction (ADOPT has none).
-- ``sgdm``: Δ = (1−Σω)·g + Σω_j·u_j with the EMA momenta above (MT-DAO Algorithm 3), no second
-  moment, no bias correction. With ω = 1 this is torch's ``SGD(momentum=β, dampening=0)`` at
-  lr η·(1−β) (torch's buffer is u/(1−β)).
-
-Where hyper-parameters come from: ``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay`` of this
-table win when set (≥ 0 / a non-empty list); a negative value / empty list takes torchtitan's
-``[optimizer]`` value (``hparams``). An unset ``lr`` is ``[optimizer] lr × lr_scale``, computed once by
-the registry's ``resolve`` into ``Resolved.hparams.lr``, which is what the optimizer reads (so the scale
-is never applied twice). ``lr`` is only the initial value of ``param_groups[i]["lr"]``: the LR
-scheduler owns it afterwards and every step reads it from there.
-
-Sharding: all state lives on the local FSDP2/TP shard (``local(p)``); state tensors shaped like a
-parameter are DTensors with its placement (DCP), the step counter is a plain scalar tensor in
-``state`` (checkpointable; one tensor shared by all parameters). They are *per replica* state: between syncs u, v, x differ
-across replicas, so checkpoints must keep each replica's copy. The global-norm clip sums squared
-local norms over S and T (1 float each; each tensor's norm in its own precision, float32 at least,
-squares summed in float64); nothing else leaves the replica except the R syncs.
-Gradient scale: ``topology.replica_grad`` (topology.py). The adapter reads two hooks:
-``params_replica_local`` (parameters differ across replicas between syncs: Kx ≠ 1) and
-``replicas_in_sync()`` (true right after a Kx sync of every fragment with no delay: when its drift
-check may run).
-
-Outer optimizer ``nesterov`` (DiLoCo): with ``a`` = x at the previous sync (``outer_anchor``) and
-``b`` = ``outer_buf``: Δ = a − mean_R(x); b ← μ·b + Δ; x ← a − η_out·(Δ + μ·b); a ← x. With one
-replica it still runs (DiLoCo with one worker is not plain Adam).
-
-Presets (``PRESETS``, their sources in ``PRESET_SOURCES``): ``DES-LOC`` (Adam with [optimizer]'s β, no
-weight decay, Kx=16, Ku=48=3Kx, Kv=96=6Kx, coordinate clip, 0.7 × the lr), ``DES-LOC-ADOPT`` (ADOPT,
-β1=0.95, β2=0.9999, ε=1e-6, Kx=32, Ku=96, Kv=192), ``MT-DAO`` (ADOPT, β1=0.999, ω=0.95, β2=0.9999,
-ε=1e-6, K=32 for all, switch at the end of warm-up), ``MT-DAO-halflife`` (the same with Ku=693,
-Kv=6931), ``LocalAdam`` (Kx=Ku=Kv=32), ``DiLoCo`` (Kx=32, Ku=Kv=0, Nesterov outer lr 0.7, μ 0.9).
-
-MT-DAO's switch (``switch_at`` = k; MT-DAO appendix B.2, "a simple switch from a base optimizer (e.g.
-ADOPT) to its multi-timescale variant at the end of the warmup period"): updates n ≤ k run the plain
-base optimizer — one momentum u_0 with ``[optimizer] beta1``, ω = 1 (Adam/ADOPT/SGDM as torch has
-them) — and updates n > k the configured β1_j, ω_j. u_0 is carried across the switch (u_j, j ≥ 1,
-start at zero there); with Adam's bias correction each u_j is divided by the weight it has gathered
-(1 − β^k·β1_0^(n−k) for u_0). The syncs keep their schedule. Decided by the step counter alone, so the
-same on every replica and after a resume.
-
-Clipping: under torchtitan, ``[training] max_norm`` has already clipped every replica's gradient
-by the replicas' common norm (``titan/adapter/container.py``) when ``step()`` runs. ``clip`` is a second,
-optional clip inside the optimizer: ``coordinate`` is DES-LOC's algorithm (its preset keeps it: the
-paper's analysis bounds state changes by the per-coordinate radius ρ); ``norm`` clips by this
-replica's own norm (MT-DAO's paper clips per worker; its ρ = 1 is the training loop's max_norm, so
-the preset leaves ``clip = "none"``).
-
-Where things are: ``check`` (called by the registry's ``resolve``, nowhere else) holds every
-cross-field rule (list lengths, Σω, periods, ``sync_delay``) without any collective; ``resolve_periods``
-is the one value derived from the table (``"auto"`` → a number), read by ``check``, the optimizer,
-``state_shape`` and the byte formula ``local_r_bytes``; the sync schedule and the two ways a sync
-lands (in place, or streamed and merged) are in ``local_sync.py``, run as tasks on the optimizer's
-``runtime`` (``titan_commopt.overlap``); the outer step is ``kernels.nesterov_outer_``. The fused sync
-concatenates every due state into one buffer (up to 3× the local parameter shard at a step where x,
-u and v are all due): that is the price of one collective per step.
+The local step (``update.py``, or its Triton twin ``update_triton.py`` where ``[commopt] kernels``
+picks Triton; plain Adam stays on torch's fused AdamW kernel) runs the multi-tensor updates of
+``optim/updates.py`` over chunks of parameters (``steps.py``). Unset ``lr``, ``beta*``, ``eps``,
+``weight_decay`` (negative, or an empty list) take ``[optimizer]``'s; ``lr`` unset is ``[optimizer] lr ×
+lr_scale``, resolved once by the registry. ``check`` holds every cross-field rule; ``resolve_periods``
+is the one value derived from the table (``"auto"`` periods made numbers).
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -128,15 +56,17 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from titan_commopt import comm
-from titan_commopt.fused import use_triton
+from titan_commopt.kernels import use_triton
 from titan_commopt.options import ConfigError, option, resolve_auto_period
 from titan_commopt.topology import R, S, T, Topology
 
-from . import kernels
-from .base import CommOptimizer, LocalSteps
-from .common import LR_SCALE_HELP, BaseHParams, local, replica_grad
-from .family import Bytes, Family, Resolved, ShardShape
-from .local_sync import DueStates, Periods, SyncSchedule, sync_in_place, sync_streaming
+from .. import updates
+from ..base import CommOptimizer
+from ..common import LR_SCALE_HELP, BaseHParams, local
+from ..family import Bytes, Family, PeriodicSyncs, Resolved, ShardShape
+from .steps import LocalSteps, column_chunks, chunk_limit, trainable
+from .update import fused_local_update, gradient_clip, local_update
+from .sync import DueStates, Periods, SyncSchedule, sync_in_place, sync_streaming
 
 __all__ = ["Config", "PRESETS", "LocalAdaptive", "FAMILY", "check", "resolve_periods", "local_r_bytes", "moment_key"]
 
@@ -220,11 +150,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Adam's β are [optimizer]'s (torchtitan's 0.9, 0.95: SmolLM2's, which DES-LOC's billion-scale runs
     # adopt). Their half-lives (6.6 and 13.5 steps) are about half of MT-DAO Table 3's β (0.95, 0.99)
     # for which Kx = 32 was chosen, so by the paper's rule (periods in proportion to half-lives) the
-    # periods are halved: Kx = 16, 9/96 of a model per step, Local Adam's K = 32 budget, ~11× fewer
-    # bytes than AdamW-HSDP. With 0.7 × AdamW-HSDP's lr this was the periods study's best at 300 and
-    # 500 steps, 3 seeds (docs/benchmarks.md §4: +1.7 % and +6.0 %, against +3.9 % and +12.6 % at
-    # Kx = 32). Alternatives: Kx = 32, Ku = [96], Kv = 192 with lr_scale 1; MT-DAO Table 3's β:
-    # beta1 = [0.95], beta2 = 0.99.
+    # periods are halved: Kx = 16, 9/96 of a model per step, Local Adam's K = 32 budget. Kx = 16 with
+    # lr_scale 0.7 is the periods study's choice (docs/benchmarks.md §4; PRESET_SOURCES has its numbers).
     "DES-LOC": {
         "base": "adam", "weight_decay": 0.0,
         "Kx": 16, "Ku": [48], "Kv": 96, "clip": "coordinate", "lr_scale": 0.7,
@@ -366,65 +293,34 @@ def local_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_si
     return Bytes(total * per_element, total * per_element)
 
 
-# ---- the local step's pieces, chosen once from the table ---------------------------------------------
-LocalUpdate = Callable[..., None]  # (xs, gs, moments, vs, group, hp, n, corrections) → None
+def periodic(resolved: Resolved) -> Optional[PeriodicSyncs]:
+    """Every state synced on a period > 0 (x, v, each u_j); a step where a subset of them is due
+    sends what a run syncing exactly that subset every step sends. With fragments a real step sends a
+    part of that (an upper bound)."""
+    options = resolved.options
+    p = resolve_periods(options, resolved.hparams)  # "auto" made numbers; Kv = 0 without v
+    states = [(key, k) for key, k in [("Kx", p.Kx), ("Kv", p.Kv)] + [(("Ku", j), k) for j, k in enumerate(p.Ku)]
+              if k > 0]  # none: nothing is ever synced
+
+    def due_alone(subset: tuple[int, ...]) -> Config:
+        on = {states[i][0] for i in subset}
+        return dataclasses.replace(options, Kx=int("Kx" in on), Kv=int("Kv" in on), sync_delay=0,
+                                   Ku=[int(("Ku", j) in on) for j in range(len(p.Ku))])
+
+    return PeriodicSyncs(tuple(k for _, k in states), due_alone, exact=options.fragments == 1)
 
 
-def _local_update(cfg: Config) -> LocalUpdate:
-    """The base optimizer's multi-tensor update; ``hp`` = lr, betas1, omegas, weight_decay of this
-    update, ``corrections`` the first momenta's bias corrections after MT-DAO's switch."""
-    if cfg.base == "sgdm":
-        def update(xs, gs, moments, vs, group, hp, n, corrections):
-            kernels.sgdm_multi_(xs, gs, moments, **hp)
-    elif cfg.base == "adopt":
-        def update(xs, gs, moments, vs, group, hp, n, corrections):
-            kernels.adopt_multi_(xs, gs, moments, vs, **hp, beta2=group["beta2"], eps=group["eps"], step=n,
-                                 clip=cfg.adopt_clip)
-    else:
-        def update(xs, gs, moments, vs, group, hp, n, corrections):
-            kernels.qh_adamw_multi_(xs, gs, moments, vs, **hp, beta2=group["beta2"], eps=group["eps"], step=n,
-                                    bias_correction=cfg.bias_correction, corrections1=corrections, fused=True)
-    return update
-
-
-def _fused_local_update(cfg: Config) -> Callable[..., None]:
-    """:func:`_local_update` with the optimizer's clip, as one Triton kernel (``fused/adopt.py``);
-    ``scale`` is the norm clip's min(1, ρ/‖g‖)."""
-    from titan_commopt.fused.adopt import local_adaptive_  # Triton is imported only where it runs
-
-    def update(xs, gs, moments, vs, group, hp, n, corrections, scale):
-        local_adaptive_(xs, gs, moments, vs, base=cfg.base, **hp, beta2=group["beta2"], eps=group["eps"], step=n,
-                        bias_correction=cfg.bias_correction, corrections1=corrections, adopt_clip=cfg.adopt_clip,
-                        clip=cfg.clip, clip_threshold=cfg.clip_threshold, clip_scale=scale)
-    return update
-
-
-GradientClip = Callable[[list[torch.Tensor], Optional[torch.Tensor]], list[torch.Tensor]]
-
-
-def _gradient_clip(cfg: Config) -> Optional[GradientClip]:
-    """The optimizer's own clip of a chunk's gradients (new tensors; ``p.grad`` is never written),
-    given the replica's norm scale min(1, ρ/‖g‖) for ``norm``; ``None`` for no clip."""
-    rho = cfg.clip_threshold
-    if cfg.clip == "coordinate":
-        return lambda gs, scale: [g.clamp(-rho, rho) for g in gs]
-    if cfg.clip == "norm":
-        return lambda gs, scale: torch._foreach_mul(gs, scale)  # × 1.0 when not clipping: exact
-    return None
+def settings(resolved: Resolved) -> dict[str, Any]:
+    """The options behind the bytes: the resolved periods, the wire dtype, the fragments."""
+    o, p = resolved.options, resolve_periods(resolved.options, resolved.hparams)
+    return {"Kx": p.Kx, "Ku": list(p.Ku), "Kv": p.Kv, "transfer_dtype": o.transfer_dtype,
+            **({"fragments": o.fragments} if o.fragments > 1 else {})}
 
 
 def moment_key(j: int) -> str:
     """The state key of first momentum j; j = 0 keeps torch Adam's name, so an AdamW checkpoint's
     first moment maps onto it."""
     return "exp_avg" if j == 0 else f"exp_avg_{j}"
-
-
-def _trainable(named_params: Any) -> list:
-    """``(fqn, param)`` pairs, or param-group dicts of them, without the frozen parameters."""
-    items = list(named_params)
-    if items and isinstance(items[0], dict):
-        return [{**g, "params": [(n, p) for n, p in g["params"] if p.requires_grad]} for g in items]
-    return [(n, p) for n, p in items if p.requires_grad]
 
 
 def _replication(p: torch.Tensor, topology: Topology) -> int:
@@ -436,32 +332,6 @@ def _replication(p: torch.Tensor, topology: Topology) -> int:
     return math.prod(
         p.device_mesh.size(i) for i, pl in enumerate(p.placements) if isinstance(pl, Replicate)
     )
-
-
-
-
-# Elements per multi-tensor kernel call. On a GPU it bounds the temporaries a call allocates for its
-# whole list; on a CPU (where the foreach ops loop over the tensors anyway) a small chunk keeps every
-# operation of the update on data still in cache, and the temporaries small enough for the allocator
-# to reuse: 2^16 measured best on debugmodel (2^14 … 2^18 within noise, 2^20 ≈ 1.2× slower, one
-# chunk for everything ≈ 2× slower than that).
-_CHUNK = {"cpu": 1 << 16}
-_DEFAULT_CHUNK = 1 << 24
-
-
-def _chunks(rows: list[list[torch.Tensor]], limit: int) -> list[list[list[torch.Tensor]]]:
-    """``rows`` (the tensors of one parameter each: x, g, u_j, v) packed into chunks of at most
-    ``limit`` elements (a larger parameter is a chunk of its own)."""
-    chunks: list[list[list[torch.Tensor]]] = [[]]
-    total = 0
-    for row in rows:
-        size = row[0].numel()
-        if chunks[-1] and total + size > limit:
-            chunks.append([])
-            total = 0
-        chunks[-1].append(row)
-        total += size
-    return chunks
 
 
 
@@ -484,30 +354,27 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
             lr=hp.lr, betas1=_betas1(cfg, hp), omegas=tuple(float(w) for w in cfg.omega), beta2=_beta2(cfg, hp),
             eps=_table_or(cfg.eps, hp.eps), weight_decay=_table_or(cfg.weight_decay, hp.weight_decay),
         )
-        super().__init__(_trainable(named_params), topology, options, defaults, ledger=ledger)
+        super().__init__(trainable(named_params), topology, options, defaults, ledger=ledger)
         self.periods = resolve_periods(cfg, hp)
         # Global, not per group: read with the checkpointed step counter, a resume switches at the same
         # update; param_groups saved before the switch existed still load.
         self.switch_at = hp.warmup_steps if cfg.switch_at == "warmup" else int(cfg.switch_at)
         self._base_beta1 = float(hp.beta1)  # u_0's β before the switch
         self._corrects_switch = cfg.base == "adam" and cfg.bias_correction
-        self._local_update = _local_update(cfg)
+        self._local_update = local_update(cfg.base, adopt_clip=cfg.adopt_clip, bias_correction=cfg.bias_correction)
         self._base = cfg.base
         self._has_v = cfg.base != "sgdm"
-        self._clip = _gradient_clip(cfg)
+        self._clip = gradient_clip(cfg.clip, cfg.clip_threshold)
         self._clip_by_norm = cfg.clip == "norm"
         self._clip_threshold = cfg.clip_threshold
         nesterov = cfg.outer == "nesterov"
-        self._outer = partial(kernels.nesterov_outer_, lr=cfg.outer_lr, momentum=cfg.outer_momentum) if nesterov else None
+        self._outer = partial(updates.nesterov_outer_, lr=cfg.outer_lr, momentum=cfg.outer_momentum) if nesterov else None
         # One replica syncs nothing, unless the outer step runs (DiLoCo with one worker is not Adam).
         self._syncs = topology.replicate_size > 1 or nesterov
         self._replicate = topology.replicate if topology.replicate_size > 1 else None
         self._wire_dtype = None if cfg.transfer_dtype == "native" else comm.DTYPES[cfg.transfer_dtype]
         self._sync_delay = cfg.sync_delay
-        # The step counter: one Python int (no host read per parameter); every parameter's
-        # state["step"] is the same CPU scalar tensor holding it, so checkpoints carry it.
-        self._n = 0
-        self._step_t = torch.tensor(0.0)
+        self.start_step_counter()
         # Eager state: DCP's _init_optim_state would otherwise run a dummy zero-grad step (lr 0) on
         # an empty state, advancing the step counter (the sync schedule) and seeding ADOPT's v with 0.
         self._params: list[tuple[dict, torch.Tensor]] = []
@@ -517,14 +384,16 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
                     self._init_state(p, len(group["betas1"]))
                     self._params.append((group, p))
         self.schedule = SyncSchedule(self.periods, [p.numel() for _, p in self._params], cfg.fragments)
-        # [commopt] kernels, decided once: the fused Triton update (fused/adopt.py) for every local step
+        # [commopt] kernels, decided once: the fused Triton update (update_triton.py) for every local step
         # but plain Adam's, which torch's fused AdamW kernel already makes in one pass.
         self._fused_update = (
-            _fused_local_update(cfg) if use_triton(options.kernels, {local(p).device for _, p in self._params})
+            fused_local_update(cfg.base, adopt_clip=cfg.adopt_clip, bias_correction=cfg.bias_correction,
+                               clip=cfg.clip, clip_threshold=cfg.clip_threshold)
+            if use_triton(options.kernels, {local(p).device for _, p in self._params})
             else None
         )
         if self._fused_update is not None:
-            from titan_commopt.fused.adopt import takes  # Triton is imported only where it runs
+            from .update_triton import takes  # Triton is imported only where it runs
 
             self._fused_takes = takes
 
@@ -582,43 +451,20 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-
-        work: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                work.append((group, p, replica_grad(p, self.topology, ledger=self.ledger)))
-        if not work:
+        loss, work = self.begin_local_step(closure, self._row_states)
+        if work is None:
             return loss
-        self._n += 1
-        n = self._n
-        self._step_t.fill_(n)
-
-        scale = self._clip_scale([g for _, _, g in work], [p for _, p, _ in work]) if self._clip_by_norm else None
-        by_group: dict[int, tuple[dict, list[list[torch.Tensor]]]] = {}
-        for group, p, g in work:
-            state = self.state[p]
-            x = local(p)
-            row = [x, g if g.dtype == x.dtype else g.to(x.dtype)]
-            row += [local(state[moment_key(j)]) for j in range(len(group["betas1"]))]
-            if self._has_v:
-                row.append(local(state["exp_avg_sq"]))
-            by_group.setdefault(id(group), (group, []))[1].append(row)
-        for group, rows in by_group.values():
+        n = work.n
+        scale = self._clip_scale([g for _, g in work.grads], [p for p, _ in work.grads]) if self._clip_by_norm else None
+        for group, rows in work.groups:
             hp, corrections = self._hparams(group, n)
             fused = self._fused_update is not None and not (
-                self._base == "adam" and kernels.is_plain_adam(len(hp["betas1"]), hp["omegas"], corrections)
+                self._base == "adam" and updates.is_plain_adam(len(hp["betas1"]), hp["omegas"], corrections)
             ) and self._fused_takes(rows)  # float64 stays on torch
             # the fused kernel makes no temporaries: one launch for the whole group, its clip folded in
-            limit = math.inf if fused else _CHUNK.get(rows[0][0].device.type, _DEFAULT_CHUNK)
-            for chunk in _chunks(rows, limit):
-                cols = [list(col) for col in zip(*chunk)]
-                nm = len(hp["betas1"])
+            limit = math.inf if fused else chunk_limit(rows[0][0].device)
+            nm = len(hp["betas1"])
+            for cols in column_chunks(rows, limit):
                 xs, gs, moments, vs = cols[0], cols[1], cols[2 : 2 + nm], cols[-1] if self._has_v else None
                 if fused:
                     self._fused_update(xs, gs, moments, vs, group, hp, n, corrections, scale)
@@ -628,6 +474,10 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
                 self._local_update(xs, gs, moments, vs, group, hp, n, corrections)
         self._sync(n)
         return loss
+
+    def _row_states(self, group: dict) -> list[str]:
+        """The states of a row, after x and g: the first momenta u_j, then v (none for sgdm)."""
+        return [moment_key(j) for j in range(len(group["betas1"]))] + (["exp_avg_sq"] if self._has_v else [])
 
     def _hparams(self, group: dict, n: int) -> tuple[dict, Optional[list[float]]]:
         """This update's lr, betas1, omegas, weight_decay of ``group`` and the first momenta's bias
@@ -643,7 +493,7 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
             corrections = [1 - c * b ** (n - k) for c, b in zip(carried, betas1)]
         return dict(lr=group["lr"], betas1=betas1, omegas=omegas, weight_decay=group["weight_decay"]), corrections
 
-    # ---- the R syncs (local_sync.py) -------------------------------------------------------------
+    # ---- the R syncs (sync.py) ------------------------------------------------------------------
     def _sync(self, n: int) -> None:
         """Average every (state, fragment) due after update ``n`` in one fused all-reduce: now
         (``sync_delay`` = 0) or merged after update ``n + sync_delay``; merge what is due now."""
@@ -698,6 +548,8 @@ FAMILY = Family(
     r_bytes=local_r_bytes,
     check=check,
     state_shape=state_shape,
+    periodic=periodic,
+    settings=settings,
     preset_sources=PRESET_SOURCES,
     summary="parameters every Kx, first moments every K_j, second moment every Kv steps (DES-LOC, MT-DAO, "
     "Local Adam, DiLoCo)",

@@ -1,11 +1,11 @@
 """DeMo's DCT replicator in two Triton kernels, one pass each way per chunk (the torch twin is
-``compress.dct.Chunker`` + ``compress.dct.topk_per_chunk`` + ``optim.demo_plan.Plan``).
+``compress.dct.Chunker`` + ``compress.dct.topk_per_chunk`` + ``plan.Plan``).
 
 - :func:`encode`: per ``c0 × c1`` chunk of a shard — read the chunk, forward DCT ``B₀ X B₁ᵀ``
   (two ``tl.dot``), DeMo-SGD's momentum ``m ← β·m + DCT(g)`` in place (eq. 2, coefficient
   domain), the ``k`` largest magnitudes by ``k`` rounds of max-and-mask (no sort), eq. 8's
   ``m[sel] ← m[sel] − λ·m[sel]``, and the selection (values, int64 positions in the chunk) written to
-  ``(n_chunks, k)`` buffers; then, given the replicator's wire (``fused.wire``), a second kernel (one
+  ``(n_chunks, k)`` buffers; then, given the replicator's wire (``compress/packing_triton.py``), a second kernel (one
   warp per chunk) reads each chunk's ``k`` pairs back and writes their wire bytes into the send
   buffer — byte for byte what the codecs (``compress.packing``) write. Not inside the first kernel:
   its 64 × 64 tiles and rounds already fill the registers (``scripts/kernel_report.py``), and the
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .wire import read_constexprs, read_selection, wire_of, words_for, write_selection
+from titan_commopt.compress.packing_triton import read_constexprs, read_selection, wire_of, words_for, write_selection
 
 __all__ = ["PRECISIONS", "encode", "decode", "wire_of", "words_for"]
 
@@ -133,7 +133,7 @@ def _decode_kernel(val_ptr, idx_ptr, weight_ptr, bytes_ptr, table_ptr, value_bit
     tl.debug_barrier()
     replica_bytes = bytes_ptr  # replica w's row of the gathered bytes (pointer arithmetic is 64-bit)
     for w in range(W):  # replica order: ((0 + q₀) + q₁) + …, as compress.dct.accumulate_chunks_
-        if WIRE:  # replica w's bytes of this chunk, read in place (``fused.wire``)
+        if WIRE:  # replica w's bytes of this chunk, read in place (``packing_triton``)
             v, at, n = read_selection(replica_bytes, table_ptr, value_bit, index_bit, chunk, j, K, VALUES, FLOAT_BITS,
                                       BF16, INDEX_BITS, COMPACT, EF_LOW, EF_RANKED, EF_HIGH_BITS, EF_H, LOW_BYTES, TN)
             replica_bytes += replica_stride
@@ -203,7 +203,7 @@ def encode(chunker, xs, k: int, values: torch.Tensor, indices: torch.Tensor,
     place (``β·m + DCT(x)``), the top-k taken of it, then ``λ`` times the selection subtracted (eq. 8);
     ``None``: the top-k of ``DCT(x)`` itself (the decoupled AdamW base).
 
-    ``wire`` (a ``fused.wire.Wire`` of the shards' replicator) with ``words`` (the send buffer as
+    ``wire`` (a ``packing_triton.Wire`` of the shards' replicator) with ``words`` (the send buffer as
     int32 words, zeroed): the selection's wire bytes written there too — shard ``i``'s values at byte
     ``value_byte + i·wire.value_bytes``, its indices at ``index_byte + i·wire.index_bytes`` — what the
     replicator's ``write`` puts there, by a second, light kernel that reads the ``k`` pairs per chunk
@@ -234,7 +234,7 @@ def decode(chunker, values: torch.Tensor | None, indices: torch.Tensor | None, p
     len(params)·n_chunks, k)``, replica order; for the plain mean (eq. 6) the values already divided
     by ``W``; ``selected``: with ``mean_selected``, ``(W, rows, k)`` float32 weights (1 where a pair is
     a selection), and the sum is divided by the number of replicas that selected each coefficient —
-    or as wire bytes: ``wire`` (a ``fused.wire.Wire``) and ``payloads`` (``(W, bytes)`` uint8, every
+    or as wire bytes: ``wire`` (a ``packing_triton.Wire``) and ``payloads`` (``(W, bytes)`` uint8, every
     replica's send buffer), shard ``i``'s values at byte ``value_byte + i·wire.value_bytes`` and its
     indices at ``index_byte + i·wire.index_bytes`` of each row, read inside the kernel
     (``mean_selected`` says which mean). ``params``: the contiguous local shards

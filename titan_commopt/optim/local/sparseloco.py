@@ -41,6 +41,7 @@ the parameter's placements); a parameter replicated over T is processed identica
 The byte formula is :func:`sparseloco_r_bytes`. Host synchronizations: none per step.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Sequence
 
@@ -53,11 +54,11 @@ from titan_commopt.compress.quantize import StatisticalQuantizer
 from titan_commopt.options import option
 from titan_commopt.topology import R, Topology
 
-from . import kernels
-from .base import CommOptimizer, LocalSteps
-from .common import LR_SCALE_HELP, BaseHParams, local, replica_grad
-from .family import Bytes, Family, Resolved, ShardShape
-from .local_adaptive import _CHUNK, _DEFAULT_CHUNK, _chunks, _trainable
+from .. import updates
+from ..base import CommOptimizer
+from ..common import LR_SCALE_HELP, BaseHParams, local
+from ..family import Bytes, Family, PeriodicSyncs, Resolved, ShardShape
+from .steps import LocalSteps, chunk_limit, column_chunks, trainable
 
 __all__ = ["Config", "PRESETS", "PRESET_SOURCES", "SparseLoCo", "FAMILY", "check", "sparseloco_r_bytes", "ShardCodec"]
 
@@ -190,6 +191,21 @@ def sparseloco_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replica
     return Bytes(sent, (replicate_size - 1) * sent)
 
 
+def periodic(resolved: Resolved) -> Optional[PeriodicSyncs]:
+    """One all-gather every H steps."""
+    options = resolved.options
+    if options.H > 1:
+        return PeriodicSyncs((options.H,), lambda subset: dataclasses.replace(options, H=1, sync_delay=0))
+    return None
+
+
+def settings(resolved: Resolved) -> dict[str, Any]:
+    """The options behind the bytes."""
+    o = resolved.options
+    return {"H": o.H, "chunk": o.chunk, "topk": o.topk, "transform": o.transform, "quantization": o.quantization,
+            **({"sync_delay": o.sync_delay} if o.sync_delay else {})}
+
+
 class SparseLoCo(LocalSteps, CommOptimizer):
     """SparseLoCo on one replica's shards (see the module docstring). Per-parameter state:
     ``step`` (shared), ``exp_avg``, ``exp_avg_sq`` (AdamW's), ``outer_anchor`` (x at the last outer
@@ -201,13 +217,12 @@ class SparseLoCo(LocalSteps, CommOptimizer):
                  ledger: Optional["comm.CommLedger"] = None) -> None:
         cfg, hp = options.options, options.hparams
         defaults = dict(lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay)
-        super().__init__(_trainable(named_params), topology, options, defaults, ledger=ledger)
+        super().__init__(trainable(named_params), topology, options, defaults, ledger=ledger)
         self.cfg = cfg
         self.H, self._sync_delay = cfg.H, cfg.sync_delay
         self._replicate = topology.replicate if topology.replicate_size > 1 else None
         self._codecs: dict[tuple, ShardCodec] = {}
-        self._n = 0
-        self._step_t = torch.tensor(0.0)
+        self.start_step_counter()
         self._params: list[torch.Tensor] = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -237,27 +252,14 @@ class SparseLoCo(LocalSteps, CommOptimizer):
     # ---- step -------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        work = [(group, p, replica_grad(p, self.topology, ledger=self.ledger))
-                for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if not work:
+        loss, work = self.begin_local_step(closure, lambda group: ["exp_avg", "exp_avg_sq"])
+        if work is None:
             return loss
-        self._n += 1
-        n = self._n
-        self._step_t.fill_(n)
-        by_group: dict[int, tuple[dict, list[list[torch.Tensor]]]] = {}
-        for group, p, g in work:
-            x, state = local(p), self.state[p]
-            row = [x, g if g.dtype == x.dtype else g.to(x.dtype), local(state["exp_avg"]), local(state["exp_avg_sq"])]
-            by_group.setdefault(id(group), (group, []))[1].append(row)
-        for group, rows in by_group.values():
+        n = work.n
+        for group, rows in work.groups:
             b1, b2 = group["betas"]
-            for chunk in _chunks(rows, _CHUNK.get(rows[0][0].device.type, _DEFAULT_CHUNK)):
-                xs, gs, ms, vs = (list(col) for col in zip(*chunk))
-                kernels.adamw_multi_(xs, gs, ms, vs, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+            for xs, gs, ms, vs in column_chunks(rows, chunk_limit(rows[0][0].device)):
+                updates.adamw_multi_(xs, gs, ms, vs, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
                                      weight_decay=group["weight_decay"], step=n, fused=True)  # inner AdamW
         if n % self.H == 0:
             if self._sync_delay:
@@ -316,6 +318,8 @@ FAMILY = Family(
     r_bytes=sparseloco_r_bytes,
     check=check,
     state_shape=state_shape,
+    periodic=periodic,
+    settings=settings,
     preset_sources=PRESET_SOURCES,
     summary="H local AdamW steps, then chunked top-k of the error-fed pseudo-gradient in 2-bit values, one "
     "all-gather, outer SGD on the mean (SparseLoCo)",

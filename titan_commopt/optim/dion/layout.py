@@ -2,13 +2,13 @@
 or not), with which shard groups (:class:`Layout`), which scalar-optimizer parameters go over R
 compressed (:func:`demo_synced`, :func:`scalar_replicator`), and the R payload that follows from it
 (:func:`dion_r_bytes`, the family's byte formula). Everything here reads only shapes, placements and
-the options, so the optimizer (``dion.py``) and the byte formula share one source of truth.
+the options, so the optimizer (``optimizer.py``) and the byte formula share one source of truth.
 """
 
 import math
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -18,17 +18,15 @@ from titan_commopt.compress.packing import WIRE_DTYPES, ValueCodec
 from titan_commopt.compress.replicators import DeMoReplicator
 from titan_commopt.topology import T, Topology
 
-from .common import mesh_dim_role
-from .family import Bytes, Resolved, ShardShape
-from .shard_groups import Groups
+from ..common import mesh_dim_role
+from ..family import Bytes, Resolved, ShardShape
+from ..shard_groups import Groups
+from .config import Config
 
 try:  # FSDP2 over TP shards an already row-sharded dim again: a strided row split
     from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # pragma: no cover - older torch
     _StridedShard = ()  # type: ignore[assignment]
-
-if TYPE_CHECKING:
-    from .dion import Config
 
 __all__ = [
     "KINDS", "route", "dion_rank", "compressed", "transposed", "initial_q", "r_slice", "Layout", "layout_of",
@@ -44,7 +42,7 @@ def _names(csv: str) -> set[str]:
     return {s.strip() for s in csv.split(",") if s.strip()}
 
 
-def route(fqn: str, ndim: int, cfg: "Config") -> str:
+def route(fqn: str, ndim: int, cfg: Config) -> str:
     """``"dion"``, ``"embed"``, ``"head"`` or ``"scalar"`` for a parameter, by FQN and rank.
 
     Embedding and head are found by module name (any dotted component), because by shape they are
@@ -58,13 +56,19 @@ def route(fqn: str, ndim: int, cfg: "Config") -> str:
     return "dion" if ndim == 2 else "scalar"
 
 
-def demo_synced(kind: str, cfg: "Config") -> bool:
+def demo_synced(kind: str, cfg: Config) -> bool:
     """Whether a parameter of routing ``kind`` goes over R through DeMo's wire (``scalar_sync = "demo"``):
-    the embedding and the output head only (``dion.py``'s docstring says why)."""
+    the embedding and the output head only. They are all but a sliver of the scalar part's bytes;
+    norms and biases are small vectors every token moves, where top-k would drop coordinates for no
+    saving, so they stay on the dense (exact) mean. The gradient, not the AdamW direction, is
+    compressed: every replica decodes the same bytes, so the scalar optimizer's moments stay equal
+    across replicas and only the error feedback e_r is per replica; with β = 1 nothing is dropped,
+    only delayed (Σ_t q_t + e_T = Σ_t g_t). Values travel as numbers (``scalar_transfer_dtype``), as
+    Adam normalizes G itself; the mean is over all W replicas (DeMo's eq. 6)."""
     return cfg.scalar_sync == "demo" and kind in ("embed", "head")
 
 
-def scalar_replicator(shape: Sequence[int], cfg: "Config", device: Any = None) -> DeMoReplicator:
+def scalar_replicator(shape: Sequence[int], cfg: Config, device: Any = None) -> DeMoReplicator:
     """DeMo's replicator for a local shard of ``shape`` of a :func:`demo_synced` parameter: DCT chunks of
     ``scalar_chunk``, the ``scalar_topk`` largest coefficients of each, values in
     ``scalar_transfer_dtype`` (never only their signs: a gradient mean, not a sign vote), indices
@@ -73,12 +77,12 @@ def scalar_replicator(shape: Sequence[int], cfg: "Config", device: Any = None) -
     return DeMoReplicator(tuple(shape), codec, cfg.scalar_chunk, cfg.scalar_topk, pack=True, device=device)
 
 
-def dion_rank(m: int, n: int, cfg: "Config") -> int:
+def dion_rank(m: int, n: int, cfg: Config) -> int:
     r = cfg.rank if cfg.rank > 0 else math.ceil(cfg.rank_fraction * min(m, n))
     return max(1, min(r, m, n))
 
 
-def compressed(m: int, n: int, r: int, cfg: "Config") -> bool:
+def compressed(m: int, n: int, r: int, cfg: Config) -> bool:
     """Whether the R sync sends P and R instead of the gradient (decided on the global shape)."""
     if cfg.compress != "auto":
         return cfg.compress == "always"
@@ -167,7 +171,7 @@ def _split_of(groups: Groups) -> tuple[int, int]:
     return index, count
 
 
-def layout_of(fqn: str, p: torch.Tensor, topology: Topology, cfg: "Config") -> Layout:
+def layout_of(fqn: str, p: torch.Tensor, topology: Topology, cfg: Config) -> Layout:
     m, n = p.shape
     r = dion_rank(m, n, cfg)
     lay = Layout(fqn, m, n, r, compressed(m, n, r, cfg), [], [], 0)

@@ -1,6 +1,6 @@
 """DeMo's per-step work over R, laid out once per set of parameters with gradients: a :class:`Plan`.
 
-The optimizer (``optim/demo.py``) drives one step's exchange as a task of its runtime
+The optimizer (``optimizer.py``) drives one step's exchange as a task of its runtime
 (``titan_commopt.overlap``): :meth:`Plan.pack` runs the base step, extracts and writes every
 shard's payload into one fused ``uint8`` send buffer; the task all-gathers it over R;
 :meth:`Plan.apply` decodes every replica's bytes and applies eq. 7. What the plan needs of its
@@ -13,8 +13,9 @@ top-k, one packing. The send buffer holds every group's values first, then every
 Other replicators (random, striding, diloco, full) work on each flat shard in turn.
 
 With :class:`Fused` (``[commopt] kernels`` chose Triton) a DeMo group's transform, momentum, top-k and
-eq. 8 run in one kernel pass per chunk (``fused.demo_dct.encode``) and its received pairs, the
-inverse, φ and eq. 7 in another (``fused.demo_dct.decode``); packing and unpacking stay the codecs'.
+eq. 8 run in one kernel pass per chunk (``plan_triton.encode``) and its received pairs, the
+inverse, φ and eq. 7 in another (``plan_triton.decode``); the wire bytes are written and read by
+the kernels of ``compress/packing_triton.py`` where they can, by the codecs elsewhere.
 """
 
 import math
@@ -26,8 +27,8 @@ import torch
 from titan_commopt.compress.dct import Chunker
 from titan_commopt.compress.replicators import DeMoReplicator, Replicator
 
-from . import kernels
-from .common import local
+from .. import updates
+from ..common import local
 
 __all__ = ["Phi", "Rules", "Fused", "Plan", "descend_shard", "GROUP_NUMEL"]
 
@@ -60,11 +61,11 @@ class Rules:
 @dataclass(frozen=True)
 class Fused:
     """The DCT replicator's Triton kernels, chosen once by the optimizer: ``kernels`` is the module
-    ``titan_commopt.fused.demo_dct`` (imported only when Triton runs); ``sign``: φ is sign (``True``),
+    ``titan_commopt.optim.demo.plan_triton`` (imported only when Triton runs); ``sign``: φ is sign (``True``),
     identity (``False``) or not elementwise (``None``, Muon: the receiving side stays on torch);
     ``precision``: of the kernels' products (``demo_dct.PRECISIONS``)."""
 
-    kernels: Any
+    triton: Any
     sign: Optional[bool]
     precision: str = "ieee"
 
@@ -79,7 +80,7 @@ def descend_shard(p: torch.Tensor, update: torch.Tensor, lr: float, weight_decay
             x = blocks.blocks(x)
         else:
             update = update.reshape(x.shape)
-    kernels.descend_(x, update.to(x.dtype), lr, weight_decay)  # eq. 7
+    updates.descend_(x, update.to(x.dtype), lr, weight_decay)  # eq. 7
 
 
 class _Group:
@@ -93,8 +94,8 @@ class _Group:
         self.numel = self.G * rep.chunker.numel
         self.momentum = (torch.zeros(self.rows, rep.chunker.L, device=device) if coefficient_domain else None)
         # the encode kernels' selection, then packed into the send buffer by the wire kernel
-        # (``fused.wire``) or, where it cannot, by the codecs
-        self.wire = fused.kernels.wire_of(rep, device) if fused is not None else None
+        # (``compress/packing_triton.py``) or, where it cannot, by the codecs
+        self.wire = fused.triton.wire_of(rep, device) if fused is not None else None
         self.selection = ((torch.empty(self.rows, rep.k, device=device),
                            torch.empty(self.rows, rep.k, dtype=torch.int64, device=device)) if fused is not None else None)
         self.device = device
@@ -191,7 +192,7 @@ class Plan:
             return None, Sent([], [])
         device, words = self.groups[0].device, None
         if self.fused is not None:  # the kernels OR their bits into zeroed 32-bit words
-            words = torch.zeros(self.fused.kernels.words_for(self.send_bytes), dtype=torch.int32, device=device)
+            words = torch.zeros(self.fused.triton.words_for(self.send_bytes), dtype=torch.int32, device=device)
             send = words.view(torch.uint8)[: self.send_bytes]
         else:
             send = torch.empty(self.send_bytes, dtype=torch.uint8, device=device)
@@ -229,16 +230,16 @@ class Plan:
                       words: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The torch branches of :meth:`_pack_demo` in one kernel pass per chunk (eq. 2, top-k, eq. 8,
         and the wire bytes into ``words``, the send buffer). Returns ``None``, or the selection where
-        the kernel cannot write this group's wire (``fused.wire.wire_of``) and the codecs pack it."""
+        the kernel cannot write this group's wire (``packing_triton.wire_of``) and the codecs pack it."""
         where = dict(wire=grp.wire, words=words, value_byte=grp.value_offset, index_byte=grp.index_offset)
         if grp.momentum is not None:
             xs = [grad(p).contiguous() for p, _, _ in grp.members]
             group = grp.members[0][1]
-            self.fused.kernels.encode(grp.rep.chunker, xs, grp.rep.k, *grp.selection, momentum=grp.momentum,
+            self.fused.triton.encode(grp.rep.chunker, xs, grp.rep.k, *grp.selection, momentum=grp.momentum,
                                       beta=group["beta"], lam=group["lam"], precision=self.fused.precision, **where)
         else:
             xs = [rules.direction(st, group, grad(p), steps[id(p)]).contiguous() for p, group, st in grp.members]
-            self.fused.kernels.encode(grp.rep.chunker, xs, grp.rep.k, *grp.selection, precision=self.fused.precision,
+            self.fused.triton.encode(grp.rep.chunker, xs, grp.rep.k, *grp.selection, precision=self.fused.precision,
                                       **where)
         return grp.selection if grp.wire is None else None
 
@@ -286,7 +287,7 @@ class Plan:
                     us.append(u)
                 else:
                     descend_shard(p, u, lr, wd, blocks=ch)
-            for (lr, wd), (xs, us) in batched.items():  # kernels.descend_ on every shard, one call each
+            for (lr, wd), (xs, us) in batched.items():  # updates.descend_ on every shard, one call each
                 if wd != 0:
                     torch._foreach_mul_(xs, 1 - lr * wd)
                 torch._foreach_add_(xs, us, alpha=-lr)
@@ -308,12 +309,12 @@ class Plan:
         rep, (tmp, out, work) = grp.rep, self.scratch[grp.device]
         lrs, wds = [lr for _, lr, _ in members], [wd for _, _, wd in members]
         if grp.wire is not None:
-            fused.kernels.decode(rep.chunker, None, None, shards, lrs, wds, fused.sign, dense=work, count=tmp,
+            fused.triton.decode(rep.chunker, None, None, shards, lrs, wds, fused.sign, dense=work, count=tmp,
                                  precision=fused.precision, wire=grp.wire, payloads=payloads,
                                  value_byte=grp.value_offset, index_byte=grp.index_offset,
                                  mean_selected=rep.mean_selected)
             return True
         vals, idx, selected = rep.received(values, indices)
-        fused.kernels.decode(rep.chunker, vals, idx, shards, lrs, wds, fused.sign, selected=selected, dense=work,
+        fused.triton.decode(rep.chunker, vals, idx, shards, lrs, wds, fused.sign, selected=selected, dense=work,
                              count=tmp if selected is not None else None, precision=fused.precision)
         return True

@@ -1,7 +1,7 @@
 """DeMo (Peng, Quesnelle, Kingma 2024, "Decoupled Momentum Optimization") and FlexDeMo/DeToNATION
 ("DeToNATION: Decoupled Torch Network-Aware Training on Interlinked Online Nodes").
 
-Per parameter, on the local FSDP2 shard (S is reduce-scattered by FSDP2 as usual), on every replica:
+Per parameter, on the local FSDP2/TP shard (S is reduce-scattered by FSDP2 as usual), on every replica:
 
     m ← β·m + g                       # eq. 2, fp32, never synchronized (DeMo-SGD base)
     q, wire ← Replicator.extract(m)   # DeMo: DCT-II chunks + top-k; Random / Striding / DiLoCo / Full
@@ -10,53 +10,38 @@ Per parameter, on the local FSDP2 shard (S is reduce-scattered by FSDP2 as usual
     p ← p·(1 − η·wd) − η·φ(Q)         # eq. 7; φ = sign | identity | Muon (Newton–Schulz on the shard)
 
 The Decoupled-AdamW base keeps AdamW's two moments local and lets the replicator act on the AdamW
-update ``m̂/(√v̂+ε)`` instead of ``m`` (no momentum subtraction: the moments are AdamW's own).
+update ``m̂/(√v̂+ε)`` instead of ``m`` (no momentum subtraction: the moments are AdamW's own). With the
+DCT replicator and the SGD base the momentum is kept as its DCT coefficients (the DCT is orthonormal
+and linear): eq. 2 becomes ``m_dct ← β·m_dct + DCT(g)`` and eq. 8 subtracts in place, so a step is one
+forward transform and one inverse. A tensor with ≥ 2 dims is chunked as the matrix ``(d0, prod(rest))``
+of its local shard, a vector 1-D (``compress/dct.py``); ``rule = "muon"`` orthogonalizes each local
+shard (Muon proper where the parameter is whole).
 
 Only R carries traffic: rank j of one replica exchanges with rank j of the others, one fused
-all-gather per step (``comm.all_gather`` of a ``uint8`` buffer; sizes known from shapes, so no
-header). With |R| = 1 nothing is extracted: it is the base optimizer on FSDP (``φ(m)``). With |S| = 1
-it is DDP-style DeMo. A rank never gathers a parameter. Every replica decodes the same bytes in the
-same order, so parameters stay bit-identical across replicas while momenta differ (per-replica
-state: checkpoints keep it per replica).
+all-gather per step. Every replica decodes the same bytes in the same order, so parameters stay
+bit-identical across replicas while the momenta differ. With |R| = 1 nothing is extracted: the base
+optimizer on FSDP (``φ(m)``). TP and FSDP only change which shard a rank works on
+(``common.replica_grad`` lays the gradient out as its parameter); a parameter replicated over T is
+processed identically on every T rank.
 
-Shapes: a tensor with ≥ 2 dims is chunked as the matrix ``(d0, prod(rest))`` of its local shard, a
-vector 1-D (see ``compress/dct.py``). The byte formula is :func:`demo_r_bytes`.
+State (per replica; checkpoints keep each replica's): ``step`` and, by base, ``momentum`` (m; in the
+DCT domain its chunk-major coefficients, saved in the parameter domain) or AdamW's ``exp_avg`` and
+``exp_avg_sq``, all float32.
 
-Tensor parallelism (T) and FSDP (S) only change which local shard a rank works on: the gradient is
-first brought to the parameter's placements (``common.replica_grad``: a ``Partial`` norm-weight
-gradient is summed over T, a ``Replicate`` embedding gradient sliced), and everything above —
-chunking, top-k, the replicators' indices, the sign — acts on that shard. A parameter replicated
-over T is processed identically on every T rank (same gradient, same bytes), so its copies stay
-equal. ``rule = "muon"`` orthogonalizes each local shard on its own: Muon proper only where the
-parameter is whole (|S| = |T| = 1), a per-shard Newton–Schulz otherwise.
+Bytes per rank and step (:func:`demo_r_bytes`): every shard's packed payload (values and indices,
+the replicator's wire), averaged over the replicator's period; received = (W − 1) × sent.
 
-Cost (DeMo replicator, SGD base, |R| > 1). The DCT is orthonormal and linear, so the momentum is kept
-as its coefficients: eq. 2 becomes ``m_dct ← β·m_dct + DCT(g)``, top-k reads ``m_dct`` and eq. 8
-subtracts ``λ·`` the selected coefficients in place. A step is one forward transform (of the gradient)
-and one inverse (of the aggregate: the ``W·k`` coefficients per chunk scattered into a dense chunk,
-then two matrix products; a sparse inverse was measured slower on CPU). Shards of one local shape are
-batched: one transform, one top-k, one packing per shape group, written straight into the fused send
-buffer. The step reads no tensor value on the host (per-parameter step counts are Python ints).
-
-``[commopt] kernels``: where it runs Triton (chosen once at construction, :func:`fused_of`), the DCT
-replicator's send side — transform, momentum, top-k, eq. 8 — is one kernel pass per chunk, then a
-light kernel writes the selection's wire bytes into the send buffer, and its receive side — every
-replica's bytes read in place, the replica-order sum, the inverse, φ (sign / identity), eq. 7 —
-another (``titan_commopt.fused.demo_dct``, ``fused.wire``). Where ``k`` is too large for the wire
-kernel's register tiles (``fused.wire.wire_of``) the codecs pack and unpack. The other replicators,
-and the receive side of ``rule = "muon"``, stay on torch.
-
-``overlap``: step t's exchange (a task of the optimizer's ``runtime``, see ``titan_commopt.overlap``)
-is left parked at its all-gather at the end of ``step()`` and completed — its update applied — at the
-start of step t+1's (after that step's forward/backward, which it overlaps), so parameters are
-one update behind the momenta: a different algorithm (in a toy 2-replica regression it ended ~30 %
-higher in loss after 400 steps), off by default; the all-gather it hides is under 1 % of a CPU step
-here. An update is applied with the learning rate and weight decay of the step that computed it.
-``flush()`` applies a pending update now; ``state_dict()`` flushes first, so a checkpoint holds no
-update in flight and a resumed run equals the run that saved it (the run that saves applies that
-update one step early, as the resumed run does). The last step's update waits for a ``flush()``.
+The step (``plan.py``): shards of one local shape are batched, one transform, one top-k and one
+packing per group, written straight into the send buffer; no tensor value is read on the host.
+Where ``[commopt] kernels`` runs Triton (:func:`fused_of`) the DCT replicator's send and receive
+sides are ``plan_triton.py``'s kernels, its wire ``compress/packing_triton.py``'s where the
+registers allow (else the codecs). ``overlap``: step t's exchange stays parked at its all-gather
+until the start of step t+1's, so parameters are one update behind the momenta (a different
+algorithm, off by default: docs/benchmarks.md §3, §4); ``state_dict()`` lands it first, so a
+checkpoint holds no update in flight.
 """
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -66,21 +51,21 @@ import torch
 
 from titan_commopt import comm
 from titan_commopt.compress.dct import Chunker
-from titan_commopt.compress.replicators import KINDS, WIRES, Replicator, make_replicator, period_of
-from titan_commopt.fused import use_triton
+from titan_commopt.compress.replicators import KINDS, WIRES, Replicator, make_replicator, period_of, rate_of
+from titan_commopt.kernels import use_triton
 from titan_commopt.options import option
 from titan_commopt.overlap import Task
 from titan_commopt.topology import R, Topology
 
-from . import kernels
-from .base import CommOptimizer
-from .base import named_params as named_params_of
-from .common import LR_SCALE_HELP, BaseHParams, local, replica_grad
-from .demo_plan import Fused, Phi, Plan, Rules, descend_shard
-from .family import Bytes, Family, Resolved, ShardShape
-from .orthogonalize import newton_schulz
+from .. import updates
+from ..base import CommOptimizer
+from ..base import named_params as named_params_of
+from ..common import LR_SCALE_HELP, BaseHParams, local, replica_grad
+from .plan import Fused, Phi, Plan, Rules, descend_shard
+from ..family import Bytes, Family, PeriodicSyncs, Resolved, ShardShape
+from ..orthogonalize import newton_schulz
 
-__all__ = ["Config", "PRESETS", "DeMo", "FAMILY", "check", "demo_r_bytes", "newton_schulz"]
+__all__ = ["Config", "PRESETS", "PRESET_SOURCES", "DeMo", "FAMILY", "check", "demo_r_bytes", "state_shape"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,16 +153,41 @@ def demo_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_siz
     return Bytes(sent, (replicate_size - 1) * sent)
 
 
+def periodic(resolved: Resolved) -> Optional[PeriodicSyncs]:
+    """The DiLoCo replicator sends the whole shard once per period; every other replicator sends
+    alike on every step."""
+    options = resolved.options
+    if options.replicator == "diloco" and period_of(options) > 1:
+        return PeriodicSyncs((period_of(options),), lambda subset: dataclasses.replace(options, compression_rate=1.0))
+    return None
+
+
+def settings(resolved: Resolved) -> dict[str, Any]:
+    """The options behind the bytes: the replicator and what sizes its payload, the wire."""
+    o = resolved.options
+    what: dict[str, Any] = {"replicator": o.replicator}
+    if o.replicator == "demo":
+        what |= {"chunk": o.chunk, "topk": o.topk}
+    elif o.replicator != "full":
+        what["rate"] = rate_of(o)
+        if o.replicator in ("striding", "diloco"):
+            what["period"] = period_of(o)
+    what["sign_before_sync"] = o.sign_before_sync
+    if not o.sign_before_sync:  # a ternary wire has no value dtype
+        what["transfer_dtype"] = o.transfer_dtype
+    return what | {"pack": o.pack, **({"wire": o.wire} if o.pack and o.replicator == "demo" else {})}
+
+
 # ---- the base step and φ, chosen by the options once -------------------------------------------------
 def momentum_direction(state: dict, group: dict, g: torch.Tensor, step: int) -> torch.Tensor:
     """DeMo-SGD: m ← β·m + g (eq. 2), in place; the replicator extracts from m itself."""
-    return kernels.heavy_ball_(local(state["momentum"]), g, group["beta"])
+    return updates.heavy_ball_(local(state["momentum"]), g, group["beta"])
 
 
 def adam_direction(state: dict, group: dict, g: torch.Tensor, step: int) -> torch.Tensor:
     """Decoupled AdamW: the moments stay local, the replicator sees the bias-corrected m̂/(√v̂+ε)."""
     b1, b2 = group["betas"]
-    return kernels.adam_direction_(g, local(state["exp_avg"]), local(state["exp_avg_sq"]), beta1=b1, beta2=b2,
+    return updates.adam_direction_(g, local(state["exp_avg"]), local(state["exp_avg_sq"]), beta1=b1, beta2=b2,
                                    eps=group["eps"], step=step)
 
 
@@ -207,9 +217,9 @@ def fused_of(cfg: Config, kernels: str, devices: set) -> Optional[Fused]:
     other replicators stay on torch."""
     if not use_triton(kernels, devices) or cfg.replicator != "demo":
         return None
-    from titan_commopt.fused import demo_dct  # only where Triton runs: its kernels are made on import
+    from . import plan_triton  # only where Triton runs: its kernels are made on import
 
-    return Fused(demo_dct, sign={"sign": True, "identity": False}.get(cfg.rule), precision=cfg.dct_precision)
+    return Fused(plan_triton, sign={"sign": True, "identity": False}.get(cfg.rule), precision=cfg.dct_precision)
 
 
 def _replica_grad32(p: torch.Tensor, topology: Topology, ledger: comm.CommLedger) -> torch.Tensor:
@@ -438,6 +448,8 @@ FAMILY = Family(
     r_bytes=demo_r_bytes,
     check=check,
     state_shape=state_shape,
+    periodic=periodic,
+    settings=settings,
     preset_sources=PRESET_SOURCES,
     summary="top-k DCT coefficients of the decoupled momentum (DeMo), or a DeToNATION replicator (FlexDeMo)",
 )

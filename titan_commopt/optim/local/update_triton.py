@@ -1,8 +1,8 @@
 """The local-adaptive update (ADOPT, quasi-hyperbolic Adam, SGD with EMA momenta) as one Triton kernel.
 
-The torch twin is ``optim/kernels.py``: :func:`local_adaptive_` computes what its ``adopt_multi_``,
-``qh_adamw_multi_`` (with N momenta, ω ≠ 1 or MT-DAO's switch corrections) and ``sgdm_multi_`` compute,
-after the optimizer's own gradient clip (coordinate-wise to ±ρ, or by the replica norm's scale
+The torch twin is ``update.py`` (over ``optim/updates.py``): :func:`local_adaptive_` computes what
+its ``adopt_multi_``, ``qh_adamw_multi_`` (with N momenta, ω ≠ 1 or MT-DAO's switch corrections) and
+``sgdm_multi_`` compute, after the optimizer's own gradient clip (coordinate-wise to ±ρ, or by the replica norm's scale
 min(1, ρ/‖g‖)), in one pass over memory: each element of (x, g, u_1..u_N, v) is read once and
 x, u_j, v written once, every intermediate in float32 registers. torch's eager path makes about
 sixteen passes (each ``_foreach`` operation reads and writes whole tensors, plus the clip's copy).
@@ -59,7 +59,7 @@ except ImportError:  # pragma: no cover - platform dependent: use_triton never p
 
     triton, tl = None, types.SimpleNamespace(constexpr=None)
 
-from titan_commopt.fused import interpreting
+from titan_commopt.kernels import interpreting
 
 __all__ = ["BASES", "CLIPS", "DTYPES", "takes", "local_adaptive_"]
 

@@ -6,7 +6,7 @@ alone (the same on every replica and after a resume). :func:`sync_in_place` and
 for the optimizer's :class:`~titan_commopt.overlap.Runtime`: in place and blocking (``sync_delay``
 = 0), or on a snapshot whose all-reduce stays in flight for ``sync_delay`` steps and is then merged
 keeping the local progress of those steps (Streaming DiLoCo). The math is in
-``local_adaptive``'s module docstring.
+``adaptive.py``'s module docstring.
 """
 
 from dataclasses import dataclass, field

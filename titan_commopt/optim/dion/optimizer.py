@@ -1,148 +1,47 @@
-"""Dion: distributed orthonormalized updates (Ahn et al. 2025, "Dion: Distributed Orthonormalized Updates").
+"""Dion (Ahn et al. 2025, "Dion: Distributed Orthonormalized Updates"), Algorithms 1–2.
 
-Per 2-D weight ``X ∈ R^{m×n}`` (``nn.Linear`` layout: m = out features = rows, n = in features):
+Per 2-D weight ``X ∈ R^{m×n}`` (``nn.Linear`` layout: m = out features = rows, n = in features), rank r:
 
     B = M + G                  # G: this replica's mean gradient, never all-reduced over R
-    P = orth(B Q)              # B Q all-reduce-meaned over R *before* orthogonalization
-    R = Bᵀ P                   # all-reduce-meaned over R
+    P = orth(B Q)              # B Q averaged over R before orthogonalization
+    R = Bᵀ P                   # averaged over R
     M = B − (1 − μ) P Rᵀ       # error feedback: M keeps what the rank-r update missed
     Q = colnorm(R)
     X = X (1 − η λ) − η sqrt(m/n) P Qᵀ
 
-Distributed exactly as Algorithm 2 / Theorem 2.1 (the iterates equal the centralized ones):
+Distributed as Algorithm 2 / Theorem 2.1: the iterates equal the centralized ones. Over R only P and
+R are averaged (R hierarchically where the rows are sharded: ``reduce.py``), and only where that pays,
+``(m + n)·r < m·n`` (``compress = "auto"``, the reference's rule); elsewhere the gradient is averaged
+and every replica runs the centralized update. S and T shard rows and columns (read from each
+DTensor's placements): P is orthonormalized over its row shards by CholeskyQR2, falling back to a QR
+of P gathered over them (``optim/orthogonalize.py``); ``P = Σ_j B_j Q_j`` and R's column norms are
+summed over column shards. No rank materializes an m×n matrix. Which side Q lives on (``orientation``),
+the ranks and the shard groups: ``layout.py``. A column whose R is zero moves nothing (microsoft/dion).
 
-- R (``dp_replicate``): only P (local rows × r) and R (local columns × r) are averaged, one fused
-  collective each per step and shape batch (below), instead of the ``m_loc·n_loc`` gradient. P's rows are
-  already sharded. R is needed whole on every row shard, so where X's rows are sharded (over
-  ``k`` ranks in all) R is reduced hierarchically: a reduce-scatter over the row groups (the sum
-  over row shards, fast link) leaves each rank one ``ceil(n_loc/k)``-row slice, only that slice is
-  averaged over R, and an all-gather over the row groups puts the averaged R back together — the
-  same sums in another order (Theorem 2.1). Per matrix and rank: ``(m_loc + ceil(n_loc/k))·r``
-  elements (fewer on a rank whose slice overhangs n_loc), ``(m + n)·r/k`` when k divides m and n,
-  hence below the gradient shard ``m·n/k`` wherever compression pays (up to rounding). Both the
-  reduce-scatter and the all-gather are one fused collective per row group for all matrices of a
-  shape batch. This
-  "compressed" path is used only where it pays on the global shape,
-  ``(m + n)·r < m·n`` (the reference's rule; ``compress = "auto"``); otherwise — always at full rank —
-  the gradient itself is averaged over R (one fused collective for all such matrices) and every
-  replica runs the same centralized update. ``dion_layout.dion_r_bytes`` follows the same rule.
-- S/T (weight sharding, read from each DTensor's placements): a mesh dim that shards dim 0 (FSDP2's
-  ``Shard(0)``, also ``_StridedShard(0)`` under TP: the row order never matters) makes P row-local;
-  P is orthogonalized without gathering it by Cholesky-QR (r×r Gram all-reduce-sum, twice:
-  CholeskyQR2; retried in float64 where P's dtype is not enough), falling back to a QR of P
-  gathered over the row groups (m×r, never m×n) when the Gram is not positive definite or P is
-  ill-conditioned even so; ``R = Σ_i B_iᵀ P_i`` is an all-reduce-sum. A mesh dim that shards dim 1 (TP's ``Shard(1)``, row-wise parallel layers)
-  makes Q column-sharded: ``P = Σ_j B_j Q_j`` is an all-reduce-sum and the column norms of R are
-  summed (r numbers). No rank ever materializes an m×n matrix. Mesh dims named ``tp`` are the T
-  role (``topology.tp``), every other sharding dim is S (``topology.shard``). Each S/T reduction
-  (Grams, P's column sums, R's column norms) is one fused collective for all matrices sharing the
-  same groups; R's row sums go per shape batch.
-- Q starts identical on every rank: drawn from the full (n, r) shape with a generator seeded by
-  (``seed``, FQN), then sliced to the local columns. It is kept as a DTensor (rows sharded like X's
-  columns, replicated elsewhere) so DCP checkpoints it correctly.
+Everything else (embeddings, head, norms, biases) steps with a scalar optimizer, AdamW or Lion (as
+the paper and microsoft/dion), on the replica mean of its gradient: one dense fp32 all-reduce, or for
+the embedding and head with ``scalar_sync = "demo"`` DeMo's wire on an error-fed gradient (DeMo's
+equation numbers, ``optim/demo/optimizer.py``; why these two: ``layout.demo_synced``):
 
-Everything that is not a matrix of a transformer block goes to a scalar optimizer (AdamW or Lion),
-as the paper and microsoft/dion do: embeddings (``tok_embeddings``) and the output head (``output``)
-with weight decay 0 (the head with a smaller lr for Lion: ``1/sqrt(d_in)``), norms, biases and any
-non-2-D tensor with the base weight decay. Their gradients are averaged over R (FSDP2 does not, the
-adapter hides R from it) in one fused collective (``scalar_sync = "dense"``, the default: what
-microsoft/dion does).
+    e_r ← e_r + g_r;  q_r = IDCT(topk(DCT(e_r)));  e_r ← e_r − q_r     # eq. 2 (β = 1), 3–4, 8 (λ = 1)
+    G = (1/W) Σ_r q_r;  x ← AdamW/Lion(x, G)                          # eq. 5–6: one all-gather
 
-Compressed scalar sync (``scalar_sync = "demo"``). At 8B the embedding and head gradients are
-2 × 128256 × 4096 values: the dense fp32 mean of their shards is about a third of Dion's R bytes
-at rank d/4 (``scripts/comm_report.py``). With ``"demo"`` they go through DeMo's wire (Peng, Quesnelle,
-Kingma 2024, "Decoupled Momentum Optimization", Algorithm 1, equations numbered as in ``optim/demo.py``;
-``compress.replicators.DeMoReplicator``),
-with the gradient and an error-feedback buffer in place of DeMo's momentum. Per embedding/head shard,
-on every replica r, with ``e_r`` its own buffer (zero at the start):
+State: ``momentum`` (M, per replica on the compressed path; a shape batch's momenta are one stacked
+buffer, each ``state["momentum"]`` a view of its slice), ``Q`` (a DTensor drawn identically on every
+rank from (``seed``, FQN)), the scalar optimizer's moments, and ``scalar_error`` (e_r, per replica).
+``mixed_precision`` stores M, Q and the moments in bfloat16 (the products run in the parameter
+dtype, unlike microsoft/dion's, which multiplies in the storage dtype); it, the rank and the scalar optimizer shape the state (``state_shape``). Parameters stay
+identical across replicas: every replica applies the same averaged P, R and G.
 
-    e_r ← e_r + g_r                   # g_r: this replica's gradient (DeMo eq. 2 with β = 1)
-    q_r = IDCT(topk(DCT(e_r)))        # per chunk of scalar_chunk², the scalar_topk largest (eq. 3–4)
-    e_r ← e_r − q_r                   # eq. 8 (λ = 1): what was sent leaves the buffer
-    G = (1/W) Σ_r q_r                 # eq. 5–6: one all-gather of every replica's packed selections
-    x ← AdamW/Lion(x, G)              # the scalar optimizer, as with the dense mean
+Bytes per rank and step (``layout.dion_r_bytes``): ``(m_loc + ⌈n_loc/k⌉)·r`` elements per compressed
+matrix with k row shards (``(m + n)·r/k`` when k divides m and n), the gradient shard otherwise, plus
+the scalars' dense mean or their DeMo payload.
 
-Why this form. (1) Every replica decodes the same bytes in the same order, so G, the scalar
-optimizer's moments and the parameters stay bit-identical across replicas (``params_replica_local``
-stays False); only ``e_r`` differs, and with β = 1 nothing a replica computed is dropped, only
-delayed (error feedback: Σ_t q_r,t + e_r,T = Σ_t g_r,t). Compressing the AdamW direction instead
-(DeMo's decoupled-AdamW base) would make the moments per replica; a sign-compressed Lion would work
-for Lion alone and turn its update into a vote. (2) Values travel as numbers (``scalar_transfer_dtype``,
-bf16 by default as DeMo's ``transfer_dtype``), never as signs only: G is a mean gradient that Adam
-normalizes itself; indices are bit-packed (``packing.IndexCodec``), the mean is over all W replicas
-(eq. 6, not DeMo's reference ``mean_selected``). (3) Only the embedding and head: they are all but
-~0.03 % of the scalar part's bytes at 8B; norms and biases are small vectors that every token
-moves, where top-k would drop coordinates for no measurable saving, so they stay on the dense
-all-reduce (exact). Chunking is of each rank's local shard (FSDP rows), as DeMo's. With one replica
-nothing crosses R and the dense path runs (exact, no buffer). Cost: one extra parameter-sized
-buffer per embedding/head shard (in the parameter dtype even under ``mixed_precision``: a residual
-below bf16's resolution would vanish), a DCT each way per step. The byte formula asks the same
-replicator's ``payload_bytes`` (``dion_layout.scalar_replicator``).
-
-GPU fitness and overlap. Matrices of the same param group, shape, rank and layout form a shape
-batch. Its key depends on the layouts only, so the batches are known at construction, where the state
-is made (eagerly: torchtitan's and DCP's state init would otherwise run a real step), and each batch's
-momenta live in one stacked buffer ``[k, local rows, local columns]``: every matrix's
-``state["momentum"]`` is a view of its slice (a DTensor over it where the parameter is one, so a
-checkpoint still holds one entry per matrix; a load copies the entries back into the buffer). The
-large products therefore run as one batched product per batch over that buffer, without copying M:
-B = M + G one ``_foreach_add_`` into the views, P̂ = B̂ Q and R̂ = B̂ᵀ P one ``bmm`` each and the error
-feedback M = B − (1−μ) P Rᵀ one in-place ``baddbmm_`` (a transposed orientation is a transposed view
-of the buffer: strided-batched GEMMs, no copy). Everything r-sized (Grams, Cholesky factors,
-triangular solves, column norms, the new Q) is one kernel per batch as well. The update
-X −= η sqrt(m/n) P Qᵀ stays one ``addmm_`` per matrix: the X's are separate parameters (FSDP2's
-shards), and stacking them would copy k·m·n values each way. Under ``mixed_precision`` the products
-run on a converted copy of the batch (one conversion per product and batch). A member with no
-gradient in a step is left out as torch's optimizers leave it: the others' slices are copied out of
-the buffer and back. No Triton kernel: the products are cuBLAS/rocBLAS GEMMs already; what they cost
-is their precision, which ``matmul_precision`` sets (fp32 by default, exact against microsoft/dion;
-tf32 or bf16 tensor cores). CholeskyQR2 keeps its failure flags on the device; one host
-synchronization per step reads them all (a step where some P needs the fallback synchronizes again
-for it). The R collectives are issued async in the order they
-are needed, by tasks on the optimizer's ``runtime`` (``titan_commopt.overlap``): the uncompressed
-matrices' gradients, then each batch's P mean as soon as its P exists (a task per batch, yielding
-while it is in flight, so the next batches compute theirs meanwhile), each batch's R mean as soon as
-its Bᵀ P exists (likewise), and last the scalar gradients' mean (a task parked while the matrices
-are updated, completed at the end of the step; with ``scalar_sync = "demo"`` that task issues the
-dense parameters' all-reduce and then the DeMo all-gather, and waits for both). The cross-batch
-steps (S/T sums, the stacked orthonormalization) run between these phases. Overlap changes no value: every result is waited for
-before it is read.
-
-A Dion column whose R is exactly zero after every sum moves nothing (its P column is masked, its
-Q column kept): with B = M + G zero everywhere, X changes by weight decay alone (microsoft/dion's
-rule; the QR of an all-zero P would otherwise invent directions).
-
-Orientation (``orientation``). The paper writes every matrix as X (m×n) with Q n×r. microsoft/dion,
-whose runs are the ones to match, runs some matrices transposed — on Xᵀ, with Q m×r, the error
-feedback and the update transposed back, the scale still sqrt(m/n) of X: every wide matrix (m < n),
-and for a sharded one the side its sharding picks (:func:`transposed`; FSDP rows or TP columns
-sharded: transposed, so Q follows the rows FSDP keeps local and P the side TP orthogonalizes over).
-The two forms are different algorithms (results differ by ~1e-2 relative after a few steps), so
-``"reference"`` is the default (fidelity to the authors' code) and ``"paper"`` keeps the paper's form.
-r, sqrt(m/n) and the R payload do not depend on it: transposed, P's partial sums over X's row shards
-go through the same reduce-scatter / R-mean-of-a-slice / all-gather as R's, so a rank still sends
-``(m + n)·r/k`` (``dion_layout.dion_r_bytes`` follows both forms). One layout keeps the paper's form
-under either setting: rows split by ``_StridedShard`` (FSDP over TP's column-wise layers), which
-microsoft/dion refuses and where Q could not follow X's non-contiguous rows.
-
-Mixed precision (``mixed_precision``). As microsoft/dion's mixed-precision setting: M, Q and the
-scalar optimizer's moments are stored in bfloat16 (half the optimizer memory of float32 state);
-orthogonalization and column norms always run in float32 at least. Unlike the reference, which
-multiplies in the storage dtype, the products (B Q, Bᵀ P, the rank-r corrections) run in the
-parameter dtype, one matrix converted at a time, so P and R go over the wire in the parameter
-dtype (the byte formula does not change) and bf16 rounding enters only where state is stored.
-torch's ``load_state_dict`` would cast the state to the parameter dtype; Dion casts it back to its
-storage dtype (converting, with a warning, a state saved under the other setting). Both options
-shape the checkpointed state (``state_shape``): a resume that changes them is refused.
-
-Momenta (M, and the scalar optimizer's moments on the compressed path's siblings) differ across
-replicas on the compressed path — by design (decoupled momentum) —, as do the error-feedback buffers
-of ``scalar_sync = "demo"`` (state key ``scalar_error``); checkpoints must keep them per replica.
-Gradient scale: ``topology.replica_grad`` (see topology.py).
-
-Where things live: routing, ranks, orientation, shard-group layouts and the byte formula in
-``dion_layout``; the hierarchical R reduction (a task) in ``dion_reduce``; the orthonormalization
-of P in ``orthogonalize``; the optimizer, its options and the family here.
+Compute: matrices of one param group, shape, rank and layout form a shape batch, known at
+construction: its large products are one batched GEMM over the stacked buffer (``matmul_precision``),
+its r-sized work one kernel. The R collectives are tasks on ``runtime``: batch i+1 computes while
+batch i's mean is in flight; every result is waited for before it is read. One host synchronization
+per step reads CholeskyQR2's failure flags.
 """
 
 import contextlib
@@ -150,132 +49,33 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Literal, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan_commopt import comm
-from titan_commopt.options import option
 from titan_commopt.overlap import Task
 from titan_commopt.topology import R, Topology
 
-from . import kernels
-from .base import CommOptimizer
-from .base import named_params as params_with_names
-from .common import LR_SCALE_HELP, BaseHParams, local, replica_grad
-from .dion_layout import (
+from .. import updates
+from ..base import CommOptimizer
+from ..base import named_params as params_with_names
+from ..common import BaseHParams, local, replica_grad
+from ..family import Family, Resolved
+from ..orthogonalize import orthonormalizer
+from ..shard_groups import group_key, sum_over
+from .config import PRESET_SOURCES, PRESETS, Config
+from .layout import (
     KINDS, Layout, compressed, demo_synced, dion_r_bytes, dion_rank, initial_q, layout_of, r_slice, route,
     scalar_replicator, transposed,
 )
-from .dion_reduce import reduce_r
-from .family import Family, Resolved
-from .orthogonalize import orthonormalizer
-from .shard_groups import group_key, sum_over
+from .reduce import reduce_r
 
-__all__ = [
-    "Config", "PRESETS", "Dion", "FAMILY", "state_shape", "orient_", "Layout", "route", "dion_rank", "compressed",
-    "transposed", "initial_q", "r_slice", "dion_r_bytes",
-]
+__all__ = ["Dion", "FAMILY", "state_shape", "orient_"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Config:
-    """``[commopt.dion]``."""
-
-    rank: int = option(0, "Rank r of every Dion matrix update; 0 = use rank_fraction.", ge=0)
-    rank_fraction: float = option(
-        0.25, "r = ceil(rank_fraction · min(m, n)) when rank = 0 (1.0 = full rank).", gt=0.0, le=1.0
-    )
-    mu: float = option(0.95, "Momentum decay μ of the error-feedback momentum.", ge=0.0, lt=1.0)
-    orthogonalize: Literal["qr", "cholesky_qr"] = option(
-        "cholesky_qr",
-        "How P is orthonormalized: cholesky_qr (CholeskyQR2 with an r×r Gram all-reduce over the "
-        "row shards; falls back to qr when ill-conditioned) or qr (Householder QR; P is gathered "
-        "over row shards, m×r).",
-    )
-    compress: Literal["auto", "always", "never"] = option(
-        "auto",
-        "Replicate (R) sync of Dion matrices: auto = all-reduce P and R ((m+n)·r) only where "
-        "(m+n)·r < m·n, else the full gradient; always / never force one path.",
-    )
-    scalar_optimizer: Literal["adamw", "lion"] = option(
-        "adamw", "Optimizer of embeddings, output head, norms, biases."
-    )
-    scalar_lr_scale: float = option(1.0, "lr of the scalar optimizer = [optimizer] lr × this.", gt=0.0)
-    lr: float = option(
-        -1.0, "Initial learning rate; negative = [optimizer] lr × lr_scale. Wins over lr_scale (and over "
-        "the preset's lr_scale) when set. scalar_lr_scale and head_lr_scale multiply this effective lr.",
-    )
-    lr_scale: float = option(1.0, LR_SCALE_HELP, gt=0.0)
-    head_lr_scale: float = option(
-        0.0,
-        "Extra lr factor of the output head; 0 = auto: 1/sqrt(d_in) with Lion (microsoft/dion), "
-        "1 with AdamW.",
-        ge=0.0,
-    )
-    embed_names: str = option(
-        "tok_embeddings,embed_tokens,wte", "Comma-separated module names routed as embeddings."
-    )
-    head_names: str = option("output,lm_head", "Comma-separated module names routed as the output head.")
-    colnorm_eps: float = option(1e-8, "ε added to the column norms of R (as microsoft/dion).", ge=0.0)
-    seed: int = option(0, "Seed of the initial Q (identical on every rank).", ge=0)
-    orientation: Literal["reference", "paper"] = option(
-        "reference",
-        "Which side of each matrix Q lives on: reference = microsoft/dion's rule (a wide matrix, m < n, "
-        "runs transposed; a sharded one is oriented by its sharding: transposed when FSDP (S) shards "
-        "its rows or TP its columns, not when FSDP shards its columns or TP its rows); paper = the "
-        "paper's form for every matrix (Q n×r). Results differ by ~1e-2 relative after a few steps; "
-        "sqrt(m/n), r and the R-sync bytes do not change.",
-    )
-    scalar_sync: Literal["dense", "demo"] = option(
-        "dense",
-        "Replicate (R) sync of the embedding and output-head gradients: dense = one fp32 all-reduce of the "
-        "gradient shard (microsoft/dion); demo = DCT-chunked top-k of the gradient plus a per-replica "
-        "error-feedback buffer, the replicas' selections all-gathered and averaged (DeMo's wire), then "
-        "the scalar optimizer steps on that mean. Norms and biases stay dense either way. No effect "
-        "with one replica.",
-    )
-    scalar_chunk: int = option(
-        64, "scalar_sync = demo: DCT chunk size s per dim (largest divisor of the dim <= s).", ge=1
-    )
-    scalar_topk: int = option(
-        256, "scalar_sync = demo: coefficients sent per chunk (of s*s); >= s*s keeps everything. 256 of 64x64: "
-        "at AdamW-HSDP's loss where 32 was +10 % (cpu_tiny, 500 steps), for about 3 % more bytes at 8B.", ge=1
-    )
-    scalar_transfer_dtype: Literal["fp32", "bf16", "fp16"] = option(
-        "bf16", "scalar_sync = demo: wire dtype of the selected values (indices are bit-packed)."
-    )
-    mixed_precision: bool = option(
-        False,
-        "Store Dion's momentum and Q and the scalar optimizer's moments in bfloat16 (microsoft/dion's "
-        "mixed-precision setting); products, orthogonalization and column norms still run in the "
-        "parameter dtype (float32 at least), and P and R go over the wire in the parameter dtype.",
-    )
-    matmul_precision: Literal["fp32", "tf32", "bf16"] = option(
-        "fp32",
-        "Precision of Dion's large products (B Q, Bᵀ P and the rank-r updates P Rᵀ, P Qᵀ) on float32 "
-        "parameters: fp32 = IEEE float32 (microsoft/dion's results); tf32 = TensorFloat-32 tensor cores "
-        "on CUDA (torch's fp32_precision = \"tf32\", set around these products only; no effect on a CPU); "
-        "bf16 = operands rounded to bfloat16, products accumulated and returned in float32 (bf16 tensor "
-        "cores on CUDA, emulated exactly on a CPU). Orthonormalization and column norms stay float32.",
-    )
-
-
-# lr_scale: the quality study's best lr ÷ AdamW-HSDP's best (docs/benchmarks.md §4).
-PRESETS: dict[str, dict[str, Any]] = {"Dion": {"lr_scale": 1.92}}
-
-# Where each preset's values come from (docs/options.md prints it beside the preset).
-PRESET_SOURCES: dict[str, str] = {
-    "Dion": "Dion (Ahn et al.): Algorithms 1–2 (error-feedback momentum μ, rank r, √(m/n) scale), §5 (rank "
-    "d/4 to d/16; AdamW for embedding, head, norms); microsoft/dion's Dion class: μ = 0.95, ε = 1e-8, the "
-    "transposed orientation of wide and row-sharded matrices, fp32 orthogonalization. One difference by "
-    "choice: rank_fraction = 0.25 where microsoft/dion defaults to 1.0 (full rank, no compression of R).",
-}
-
 
 
 # ---- routing into param groups -------------------------------------------------------------------
@@ -316,13 +116,13 @@ def _route_groups(named_params: Iterable[Any], cfg: Config, hparams: BaseHParams
 # ---- the scalar optimizer (AdamW or Lion), chosen once -------------------------------------------
 def _adamw(x: torch.Tensor, g: torch.Tensor, moments: list[torch.Tensor], group: dict, step: float) -> None:
     (beta1, beta2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
-    kernels.adamw_(x, g, moments[0], moments[1], lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+    updates.adamw_(x, g, moments[0], moments[1], lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
                    weight_decay=wd, step=step)
 
 
 def _lion(x: torch.Tensor, g: torch.Tensor, moments: list[torch.Tensor], group: dict, step: float) -> None:
     (beta1, beta2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
-    kernels.lion_(x, g, moments[0], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd)
+    updates.lion_(x, g, moments[0], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd)
 
 
 @dataclass(frozen=True)
@@ -791,7 +591,7 @@ class Dion(CommOptimizer):
             b.stack.buffer.index_copy_(0, b.index, _oriented(b.B, b.lay))
         scale = math.sqrt(b.lay.m / b.lay.n)  # X's m, n whatever the orientation
         for j, x in enumerate(b.params):  # X's are separate parameters: one product each
-            x = _oriented(kernels.decoupled_decay_(local(x), lr, wd), b.lay)
+            x = _oriented(updates.decoupled_decay_(local(x), lr, wd), b.lay)
             self._products.addmm_(x, P[j], Q[j].T, alpha=-lr * scale)  # X −= η sqrt(m/n) P Qᵀ
 
     def _scalar_task(self, scalars: list) -> Task:
@@ -858,6 +658,17 @@ class Dion(CommOptimizer):
 
 
 # ---- the family ----------------------------------------------------------------------------------
+def settings(resolved: Resolved) -> dict[str, Any]:
+    """The options behind the bytes: the rank, the compression rule, the scalars' sync."""
+    o = resolved.options
+    what = {**({"rank": o.rank} if o.rank else {"rank_fraction": o.rank_fraction}), "compress": o.compress,
+            "scalar_sync": o.scalar_sync}
+    if o.scalar_sync == "demo":
+        what |= {"scalar_chunk": o.scalar_chunk, "scalar_topk": o.scalar_topk,
+                 "scalar_transfer_dtype": o.scalar_transfer_dtype}
+    return what
+
+
 def state_shape(resolved: Resolved) -> dict[str, Any]:
     """What shapes the checkpointed state: the rank (Q is n×r), the orientation (Q is m×r where a
     matrix runs transposed), the storage dtype (mixed precision), the scalar optimizer (its moments),
@@ -884,5 +695,6 @@ FAMILY = Family(
     build=Dion,
     r_bytes=dion_r_bytes,
     state_shape=state_shape,
+    settings=settings,
     summary="low-rank P (m×r) and R (n×r) per matrix; embeddings, head, norms and biases by AdamW or Lion",
 )

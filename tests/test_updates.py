@@ -1,4 +1,4 @@
-"""The shared update kernels (``optim/kernels.py``) against torch.optim or the formulas written out,
+"""The shared update functions (``optim/updates.py``) against torch.optim or the formulas written out,
 and the orthogonalization module (``optim/orthogonalize.py``), alone and row-sharded over 2 ranks."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from titan_commopt.optim import kernels
+from titan_commopt.optim import updates
 from titan_commopt.optim.orthogonalize import cholesky_qr2, gathered_qr, newton_schulz, orthogonalize
 from tests.dist_utils import run_distributed
 
@@ -38,7 +38,7 @@ def test_adamw_is_torch_bit_for_bit(dtype, wd, ref_cls, b2, steps):
     for t, g in enumerate(_grads(x.shape, dtype, steps), 1):
         if t == 10:  # a scheduler's lr change
             lr = ref_opt.param_groups[0]["lr"] = 1e-2
-        kernels.adamw_(x, g, m, v, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=t)
+        updates.adamw_(x, g, m, v, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=t)
         ref.grad = g.clone()
         ref_opt.step()
     st = ref_opt.state[ref]
@@ -61,8 +61,8 @@ def test_fused_adamw_multi_is_torchs_fused_adamw_bit_for_bit(dtype):
         if t == 10:  # a scheduler's lr change
             lr = ref_opt.param_groups[0]["lr"] = 1e-2
         hp = dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=t)
-        kernels.adamw_multi_(xs, gs, ms, vs, **hp, fused=True)
-        kernels.adamw_multi_(plain, gs, pms, pvs, **hp)
+        updates.adamw_multi_(xs, gs, ms, vs, **hp, fused=True)
+        updates.adamw_multi_(plain, gs, pms, pvs, **hp)
         for r, g in zip(refs, gs):
             r.grad = g.clone()
         ref_opt.step()
@@ -73,7 +73,7 @@ def test_fused_adamw_multi_is_torchs_fused_adamw_bit_for_bit(dtype):
     for x, y in zip(xs + ms + vs, plain + pms + pvs):
         torch.testing.assert_close(x, y, **tol)
     # the fused path needs one dtype and device: otherwise the multi-tensor form runs
-    assert not kernels._fused_adamw_takes(xs, [g.double() for g in gs], ms, vs) or dtype == F64
+    assert not updates.fused_adamw_takes(xs, [g.double() for g in gs], ms, vs) or dtype == F64
 
 
 def test_adamw_without_bias_correction():
@@ -82,7 +82,7 @@ def test_adamw_without_bias_correction():
     m, v = torch.zeros_like(x), torch.zeros_like(x)
     xr, mr, vr = x.clone(), m.clone(), v.clone()
     for t, g in enumerate(_grads(7, F64), 1):
-        kernels.adamw_(x, g, m, v, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=t,
+        updates.adamw_(x, g, m, v, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=t,
                        bias_correction=False)
         mr, vr = b1 * mr + (1 - b1) * g, b2 * vr + (1 - b2) * g * g
         xr = xr * (1 - lr * wd) - lr * mr / (vr.sqrt() + eps)
@@ -96,8 +96,8 @@ def test_qh_adamw_one_momentum_is_adamw_and_n_momenta_follow_the_formula():
     x, y = _start(9, torch.float32), _start(9, torch.float32)
     mx, vx, my, vy = (torch.zeros(9) for _ in range(4))
     for t, g in enumerate(_grads(9, torch.float32), 1):
-        kernels.qh_adamw_(x, g, [mx], vx, betas1=(0.8,), omegas=(1.0,), step=t, **hp)
-        kernels.adamw_(y, g, my, vy, beta1=0.8, step=t, **hp)
+        updates.qh_adamw_(x, g, [mx], vx, betas1=(0.8,), omegas=(1.0,), step=t, **hp)
+        updates.adamw_(y, g, my, vy, beta1=0.8, step=t, **hp)
     assert torch.equal(x, y) and torch.equal(mx, my) and torch.equal(vx, vy)
     # N = 2 (MT-DAO, Algorithm 1): x ← x(1−ηλ) − η[(1−Σω)g + Σ ω_j û_j] / (√v̂ + ε)
     b, w = (0.5, 0.99), (0.3, 0.6)
@@ -105,7 +105,7 @@ def test_qh_adamw_one_momentum_is_adamw_and_n_momenta_follow_the_formula():
     us, v = [torch.zeros(7, dtype=F64) for _ in b], torch.zeros(7, dtype=F64)
     xr, ur, vr = x.clone(), [u.clone() for u in us], v.clone()
     for n, g in enumerate(_grads(7, F64), 1):
-        kernels.qh_adamw_(x, g, us, v, betas1=b, omegas=w, step=n, **hp)
+        updates.qh_adamw_(x, g, us, v, betas1=b, omegas=w, step=n, **hp)
         ur = [bj * uj + (1 - bj) * g for bj, uj in zip(b, ur)]
         vr = b2 * vr + (1 - b2) * g * g
         num = (1 - sum(w)) * g + sum(wj * uj / (1 - bj**n) for wj, uj, bj in zip(w, ur, b))
@@ -119,9 +119,9 @@ def test_adam_direction_is_the_update_adamw_applies():
     x = _start((5, 3), torch.float32)
     mx, vx = m.clone(), v.clone()
     for t, g in enumerate(_grads((5, 3), torch.float32), 1):
-        d = kernels.adam_direction_(g, m, v, beta1=b1, beta2=b2, eps=eps, step=t)
+        d = updates.adam_direction_(g, m, v, beta1=b1, beta2=b2, eps=eps, step=t)
         before = x.clone()
-        kernels.adamw_(x, g, mx, vx, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=0.0, step=t)
+        updates.adamw_(x, g, mx, vx, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=0.0, step=t)
         assert torch.equal(m, mx) and torch.equal(v, vx)  # the same moments
         expect = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)  # m̂ / (√v̂ + ε)
         torch.testing.assert_close(d, expect, rtol=1e-6, atol=1e-7)
@@ -134,7 +134,7 @@ def test_lion_follows_the_formula():
     x, m = _start(11, F64), torch.zeros(11, dtype=F64)
     xr, mr = x.clone(), m.clone()
     for g in _grads(11, F64):
-        kernels.lion_(x, g, m, lr=lr, beta1=b1, beta2=b2, weight_decay=wd)
+        updates.lion_(x, g, m, lr=lr, beta1=b1, beta2=b2, weight_decay=wd)
         xr = xr * (1 - lr * wd) - lr * torch.sign(b1 * mr + (1 - b1) * g)
         mr = b2 * mr + (1 - b2) * g
     assert torch.equal(x, xr)  # a sign step: the same bits as long as no sign flips
@@ -150,7 +150,7 @@ def test_heavy_ball_then_descend_is_torch_sgd_momentum_bit_for_bit(dtype):
     ref = x.clone().requires_grad_()
     ref_opt = torch.optim.SGD([ref], lr=lr, momentum=beta, foreach=False)
     for g in _grads(x.shape, dtype):
-        kernels.descend_(x, kernels.heavy_ball_(m, g, beta), lr)
+        updates.descend_(x, updates.heavy_ball_(m, g, beta), lr)
         ref.grad = g.clone()
         ref_opt.step()
     assert torch.equal(x, ref.detach()) and torch.equal(m, ref_opt.state[ref]["momentum_buffer"])
@@ -164,7 +164,7 @@ def test_sgdm_is_torch_sgd_at_scaled_lr_and_quasi_hyperbolic_otherwise():
     # EMA momentum u = (1−β)·buf of torch's undampened buffer → torch lr = η(1−β)
     ref_opt = torch.optim.SGD([ref], lr=lr * (1 - beta), momentum=beta)
     for g in _grads(x.shape, F64):
-        kernels.sgdm_(x, g, [u], lr=lr, betas1=(beta,), omegas=(1.0,), weight_decay=0.0)
+        updates.sgdm_(x, g, [u], lr=lr, betas1=(beta,), omegas=(1.0,), weight_decay=0.0)
         ref.grad = g.clone()
         ref_opt.step()
     torch.testing.assert_close(x, ref.detach(), rtol=1e-12, atol=1e-13)
@@ -174,7 +174,7 @@ def test_sgdm_is_torch_sgd_at_scaled_lr_and_quasi_hyperbolic_otherwise():
     us = [torch.zeros(6, dtype=F64) for _ in b]
     xr, ur = x.clone(), [u.clone() for u in us]
     for g in _grads(6, F64):
-        kernels.sgdm_(x, g, us, lr=lr, betas1=b, omegas=w, weight_decay=wd)
+        updates.sgdm_(x, g, us, lr=lr, betas1=b, omegas=w, weight_decay=wd)
         ur = [bj * uj + (1 - bj) * g for bj, uj in zip(b, ur)]
         xr = xr * (1 - lr * wd) - lr * ((1 - sum(w)) * g + sum(wj * uj for wj, uj in zip(w, ur)))
     torch.testing.assert_close(x, xr, rtol=1e-12, atol=1e-14)
@@ -187,7 +187,7 @@ def test_adopt_follows_the_formula(clip):
     x, u, v = x0.clone(), torch.zeros(7, dtype=F64), torch.zeros(7, dtype=F64)
     xr, ur, vr = x0.clone(), u.clone(), None
     for n, g in enumerate(_grads(7, F64), 1):
-        kernels.adopt_(x, g, [u], v, lr=lr, betas1=(b1,), omegas=(w,), beta2=b2, eps=eps, weight_decay=wd,
+        updates.adopt_(x, g, [u], v, lr=lr, betas1=(b1,), omegas=(w,), beta2=b2, eps=eps, weight_decay=wd,
                        step=n, clip=clip)
         if vr is None:  # step 1 only initializes v = g²
             vr = g * g
@@ -205,8 +205,8 @@ def test_adopt_follows_the_formula(clip):
 
 def test_decoupled_decay_skips_a_zero_decay():
     x = _start(4, torch.float32)
-    assert kernels.decoupled_decay_(x, 0.1, 0.0) is x and torch.equal(x, _start(4, torch.float32))
-    torch.testing.assert_close(kernels.decoupled_decay_(x.clone(), 0.1, 0.5), x * 0.95)
+    assert updates.decoupled_decay_(x, 0.1, 0.0) is x and torch.equal(x, _start(4, torch.float32))
+    torch.testing.assert_close(updates.decoupled_decay_(x.clone(), 0.1, 0.5), x * 0.95)
 
 
 # ---- multi-tensor forms = the single-tensor kernels, bit for bit (CPU) ------------------------------
@@ -227,18 +227,18 @@ def test_multi_tensor_kernels_equal_single_tensor_bit_for_bit(name, dtype):
         for i, g in enumerate(gs):
             x, us, v = single[0][i], [u[i] for u in single[1]], single[2][i]
             if name == "sgdm":
-                kernels.sgdm_(x, g, us, **kw)
+                updates.sgdm_(x, g, us, **kw)
             elif name == "adopt":
-                kernels.adopt_(x, g, us, v, **kw, beta2=0.9, eps=1e-6, step=t)
+                updates.adopt_(x, g, us, v, **kw, beta2=0.9, eps=1e-6, step=t)
             else:
-                kernels.qh_adamw_(x, g, us, v, **kw, beta2=0.9, eps=1e-6, step=t)
+                updates.qh_adamw_(x, g, us, v, **kw, beta2=0.9, eps=1e-6, step=t)
         xs, moments, vs = multi
         if name == "sgdm":
-            kernels.sgdm_multi_(xs, gs, moments, **kw)
+            updates.sgdm_multi_(xs, gs, moments, **kw)
         elif name == "adopt":
-            kernels.adopt_multi_(xs, gs, moments, vs, **kw, beta2=0.9, eps=1e-6, step=t)
+            updates.adopt_multi_(xs, gs, moments, vs, **kw, beta2=0.9, eps=1e-6, step=t)
         else:
-            kernels.qh_adamw_multi_(xs, gs, moments, vs, **kw, beta2=0.9, eps=1e-6, step=t)
+            updates.qh_adamw_multi_(xs, gs, moments, vs, **kw, beta2=0.9, eps=1e-6, step=t)
     flat = lambda c: [c[0], *c[1], c[2]]  # noqa: E731
     for a, b in zip(flat(single), flat(multi)):
         assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -1,11 +1,11 @@
-"""DeMo's DCT replicator in Triton (``titan_commopt.fused.demo_dct``) against its torch twin
-(``compress.dct`` and ``optim.demo_plan``), on the CPU under Triton's interpreter.
+"""DeMo's DCT replicator in Triton (``titan_commopt.optim.demo.plan_triton``) against its torch twin
+(``compress.dct`` and ``optim.demo.plan``), on the CPU under Triton's interpreter.
 
 ``TRITON_INTERPRET=1`` must be set when ``triton.jit`` decorates the kernels (at the import of
-``fused.demo_dct``, which only the optimizers import, and only where Triton runs): the fixture sets it
-first and checks that the kernels it gets are the interpreter's. Where a GPU is present (and the
-interpreter is not asked for) the kernel tests run compiled, on the GPU. Tolerances: the transforms differ from
-torch's matmuls by fp32 round-off (a few ulps of the chunk's largest coefficient); everything else
+``plan_triton.py``, which only the optimizers import, and only where Triton runs): the fixture sets
+it first and checks that the kernels it gets are the interpreter's. Where a GPU is present (and the
+interpreter is not asked for) the kernel tests run compiled, on the GPU. Tolerances: the transforms
+differ from torch's matmuls by fp32 round-off (a few ulps of the chunk's largest coefficient); everything else
 (the selection, eq. 8, the replica-order sum, φ = sign) is compared exactly.
 """
 
@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from titan_commopt.compress.dct import Chunker, accumulate_chunks_, scatter_chunks, topk_per_chunk
-from titan_commopt.optim import demo, make
+from titan_commopt.optim import make
+from titan_commopt.optim import demo
+from titan_commopt.optim.demo.plan import descend_shard
 from titan_commopt.optim.common import BaseHParams
 from titan_commopt.options import ConfigError
 from titan_commopt.topology import Topology
@@ -33,12 +35,12 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 
 @pytest.fixture
-def kernels(monkeypatch):
-    """``fused.demo_dct``, with the tensors the test makes on its device (the GPU, or the CPU under
+def plan_triton(monkeypatch):
+    """``optim/demo/plan_triton.py``, with the tensors the test makes on its device (the GPU, or the CPU under
     Triton's interpreter)."""
     if not ON_GPU:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    module = importlib.import_module("titan_commopt.fused.demo_dct")
+    module = importlib.import_module("titan_commopt.optim.demo.plan_triton")
     if not ON_GPU:
         from triton.runtime.interpreter import InterpretedFunction
 
@@ -73,7 +75,7 @@ def _sorted(vals, idx):
 @pytest.mark.parametrize("shape,s", SHAPES)
 @pytest.mark.parametrize("k,momentum,dtype", [(1, True, torch.float32), (5, True, torch.bfloat16),
                                               (16, False, torch.float32)])
-def test_encode_equals_torch(kernels, shape, s, k, momentum, dtype):
+def test_encode_equals_torch(plan_triton, shape, s, k, momentum, dtype):
     torch.manual_seed(0)
     ch, G = Chunker(shape, s, device=DEVICE), 2
     k = min(k, ch.L)
@@ -83,7 +85,7 @@ def test_encode_equals_torch(kernels, shape, s, k, momentum, dtype):
     vals = torch.empty(_rows(ch, G), k)
     idx = torch.empty(_rows(ch, G), k, dtype=torch.int64)
     m = m0.clone() if momentum else None
-    kernels.encode(ch, xs, k, vals, idx, momentum=m, beta=0.9, lam=1.0)
+    plan_triton.encode(ch, xs, k, vals, idx, momentum=m, beta=0.9, lam=1.0)
     ref_vals, ref_idx = _sorted(ref_vals, ref_idx)
     vals_s, idx_s = _sorted(vals, idx)
     assert torch.equal(idx_s, ref_idx)  # the same selection
@@ -94,7 +96,7 @@ def test_encode_equals_torch(kernels, shape, s, k, momentum, dtype):
         assert torch.equal(m.gather(-1, idx), torch.zeros_like(vals))  # eq. 8 with λ = 1: exactly zero
 
 
-def test_encode_ties_take_the_smallest_position_and_keep_the_sum(kernels):
+def test_encode_ties_take_the_smallest_position_and_keep_the_sum(plan_triton):
     """A zero gradient with β = 1 puts the momentum itself through top-k (the DCT of zeros is zeros):
     a chunk with a tie at the k-th magnitude, and one with fewer non-zeros than k."""
     ch, k = Chunker((4, 4), 4, device=DEVICE), 4
@@ -105,7 +107,7 @@ def test_encode_ties_take_the_smallest_position_and_keep_the_sum(kernels):
         m0 = torch.tensor([row])
         m = m0.clone()
         vals, idx = torch.empty(1, k), torch.empty(1, k, dtype=torch.int64)
-        kernels.encode(ch, [x], k, vals, idx, momentum=m, beta=1.0, lam=1.0)
+        plan_triton.encode(ch, [x], k, vals, idx, momentum=m, beta=1.0, lam=1.0)
         ref_vals, ref_idx, ref_m = _torch_encode(ch, [x], k, m0, beta=1.0, lam=1.0)
         # the same magnitudes selected and left, whichever tied position each path took
         assert torch.equal(vals.abs().sort(-1).values, ref_vals.abs().sort(-1).values)
@@ -116,11 +118,11 @@ def test_encode_ties_take_the_smallest_position_and_keep_the_sum(kernels):
     assert chosen[1] == [[3, 11, 0, 1]]  # the two non-zeros, then zeros from position 0
 
 
-def test_encode_selects_nan_first_as_torch_does(kernels):
+def test_encode_selects_nan_first_as_torch_does(plan_triton):
     ch, k = Chunker((4, 4), 4, device=DEVICE), 3
     m0 = torch.tensor([[1.0, 0, 0, 0, 0, float("nan"), 0, 0, 0, 0, 0, 0, 0, 0, 0, -2]])
     vals, idx = torch.empty(1, k), torch.empty(1, k, dtype=torch.int64)
-    kernels.encode(ch, [torch.zeros(4, 4)], k, vals, idx, momentum=m0.clone(), beta=1.0, lam=1.0)
+    plan_triton.encode(ch, [torch.zeros(4, 4)], k, vals, idx, momentum=m0.clone(), beta=1.0, lam=1.0)
     _, ref_idx, _ = _torch_encode(ch, [torch.zeros(4, 4)], k, m0, beta=1.0, lam=1.0)
     assert idx.tolist() == [[5, 15, 0]] and sorted(ref_idx[0].tolist()) == [0, 5, 15]
 
@@ -136,7 +138,7 @@ def _torch_decode(ch, vals, idx, ps, lr, wd, sign, selected=None):
         Q.sign_()
     blocks = ch.chunk_major_to_blocks(Q.view(len(ps), -1))
     for i, p in enumerate(ps):
-        demo.descend_shard(p, blocks[i], lr, wd, blocks=ch)
+        descend_shard(p, blocks[i], lr, wd, blocks=ch)
     return dense
 
 
@@ -153,7 +155,7 @@ def _received(ch, W, G, k, seed):
 @pytest.mark.parametrize("W,sign,mean_selected,dtype,wd", [(3, True, False, torch.float32, 0.1),
                                                           (2, False, True, torch.float32, 0.0),
                                                           (1, False, False, torch.bfloat16, 0.1)])
-def test_decode_equals_torch(kernels, shape, s, W, sign, mean_selected, dtype, wd):
+def test_decode_equals_torch(plan_triton, shape, s, W, sign, mean_selected, dtype, wd):
     torch.manual_seed(1)
     ch, G, lr = Chunker(shape, s, device=DEVICE), 2, 0.05
     k = min(4, ch.L)
@@ -165,7 +167,7 @@ def test_decode_equals_torch(kernels, shape, s, W, sign, mean_selected, dtype, w
     ref = [p.clone() for p in ps]
     dense_ref = _torch_decode(ch, vals, idx, ref, lr, wd, sign, selected)
     dense = torch.empty(_rows(ch, G) * ch.L)
-    kernels.decode(ch, vals, idx, ps, [lr] * G, [wd] * G, sign, selected=selected, dense=dense)
+    plan_triton.decode(ch, vals, idx, ps, [lr] * G, [wd] * G, sign, selected=selected, dense=dense)
     if not mean_selected:
         assert torch.equal(dense.view_as(dense_ref), dense_ref)  # the replica-order sum, bit for bit
     for p, r in zip(ps, ref):
@@ -187,7 +189,7 @@ WIRE_CODECS = [(True, True, "compact", torch.float32), (False, True, "compact", 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.parametrize("shape,s,k", WIRE_SHAPES)
 @pytest.mark.parametrize("sign,pack,wire,dtype", WIRE_CODECS)
-def test_encode_writes_the_bytes_the_codecs_write(kernels, shape, s, k, sign, pack, wire, dtype):
+def test_encode_writes_the_bytes_the_codecs_write(plan_triton, shape, s, k, sign, pack, wire, dtype):
     """The encode kernel's wire bytes are the replicator's ``write`` of the same selection, byte for
     byte, for shards at odd byte offsets of one buffer (neighbouring runs share words), with an
     all-zero shard and chunks with fewer than k non-zeros (the compact sign code's marks)."""
@@ -196,7 +198,7 @@ def test_encode_writes_the_bytes_the_codecs_write(kernels, shape, s, k, sign, pa
 
     torch.manual_seed(0)
     rep = DeMoReplicator(shape, ValueCodec(sign, dtype, pack), s, k, pack, wire=wire, device=DEVICE)
-    spec = kernels.wire_of(rep, DEVICE)
+    spec = plan_triton.wire_of(rep, DEVICE)
     assert spec is not None and spec.compact == (wire == "compact")
     ch, G = rep.chunker, 3
     xs = [torch.randn(shape) for _ in range(G)]
@@ -208,8 +210,8 @@ def test_encode_writes_the_bytes_the_codecs_write(kernels, shape, s, k, sign, pa
     value_byte = 3
     index_byte = value_byte + G * rep.value_bytes + 1
     total = index_byte + G * rep.index_bytes + 2
-    words = torch.zeros(kernels.words_for(total), dtype=torch.int32)
-    kernels.encode(ch, xs, rep.k, vals, idx, wire=spec, words=words, value_byte=value_byte, index_byte=index_byte)
+    words = torch.zeros(plan_triton.words_for(total), dtype=torch.int32)
+    plan_triton.encode(ch, xs, rep.k, vals, idx, wire=spec, words=words, value_byte=value_byte, index_byte=index_byte)
     expected = torch.zeros(total, dtype=torch.uint8)
     rep.write(vals, idx, expected[value_byte: value_byte + G * rep.value_bytes].view(G, -1),
               expected[index_byte: index_byte + G * rep.index_bytes].view(G, -1))
@@ -217,14 +219,14 @@ def test_encode_writes_the_bytes_the_codecs_write(kernels, shape, s, k, sign, pa
     assert torch.equal(got, expected), f"bytes differ at {(got != expected).nonzero().flatten()[:8].tolist()}"
     # the raw selection is what encode gives without the wire, and the kernels' top-k (checked above)
     vals2, idx2 = torch.empty_like(vals), torch.empty_like(idx)
-    kernels.encode(ch, xs, rep.k, vals2, idx2)
+    plan_triton.encode(ch, xs, rep.k, vals2, idx2)
     assert torch.equal(vals2, vals) and torch.equal(idx2, idx)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.parametrize("shape,s,k", WIRE_SHAPES)
 @pytest.mark.parametrize("codec", range(len(WIRE_CODECS)))
-def test_decode_reads_the_wire_as_the_codecs_do(kernels, shape, s, k, codec):
+def test_decode_reads_the_wire_as_the_codecs_do(plan_triton, shape, s, k, codec):
     """Decoding the replicas' wire bytes inside the kernel updates the shards bit for bit as decoding
     them with the codecs (``DeMoReplicator.received``) and handing the kernel the pairs; chunks with
     fewer than k non-zeros (none at all, one, two) exercise the compact sign code's marks.
@@ -236,7 +238,7 @@ def test_decode_reads_the_wire_as_the_codecs_do(kernels, shape, s, k, codec):
     torch.manual_seed(1)
     rep = DeMoReplicator(shape, ValueCodec(sign, dtype, pack), s, k, pack, wire=wire, device=DEVICE,
                          mean_selected=mean_selected)
-    spec = kernels.wire_of(rep, DEVICE)
+    spec = plan_triton.wire_of(rep, DEVICE)
     ch, G, W = rep.chunker, 2, 3
     value_byte = 1
     index_byte = value_byte + G * rep.value_bytes + 3
@@ -254,7 +256,7 @@ def test_decode_reads_the_wire_as_the_codecs_do(kernels, shape, s, k, codec):
     lrs, wds = [0.1, 0.05], [0.0, 0.1]
     from_bytes = [p.clone() for p in params]
     dense, count = torch.empty(rows * ch.L), torch.empty(rows * ch.L)
-    kernels.decode(ch, None, None, from_bytes, lrs, wds, sign=not sign, wire=spec, payloads=payloads,
+    plan_triton.decode(ch, None, None, from_bytes, lrs, wds, sign=not sign, wire=spec, payloads=payloads,
                    value_byte=value_byte, index_byte=index_byte, mean_selected=rep.mean_selected, dense=dense,
                    count=count)
     values = payloads[:, value_byte: value_byte + G * rep.value_bytes].view(W, G, -1)
@@ -266,20 +268,20 @@ def test_decode_reads_the_wire_as_the_codecs_do(kernels, shape, s, k, codec):
     if mean_selected:
         assert torch.equal(count.view(rows, ch.L), accumulate_chunks_(torch.zeros(rows, ch.L), idx, selected))
     from_pairs = [p.clone() for p in params]
-    kernels.decode(ch, vals, idx, from_pairs, lrs, wds, sign=not sign, selected=selected)
+    plan_triton.decode(ch, vals, idx, from_pairs, lrs, wds, sign=not sign, selected=selected)
     for got, expected, before in zip(from_bytes, from_pairs, params):
         assert not torch.equal(expected, before)
         assert torch.equal(got, expected)
 
 
-def test_wire_left_to_the_codecs_where_the_kernel_cannot_write_it(kernels):
+def test_wire_left_to_the_codecs_where_the_kernel_cannot_write_it(plan_triton):
     """k above ``wire.MAX_TK`` (or a run too long for the register tile): no wire, the codecs pack."""
     from titan_commopt.compress.packing import ValueCodec
     from titan_commopt.compress.replicators import DeMoReplicator
 
-    assert kernels.wire_of(DeMoReplicator((64, 64), ValueCodec(True, torch.float32, True), 64, 128, True),
+    assert plan_triton.wire_of(DeMoReplicator((64, 64), ValueCodec(True, torch.float32, True), 64, 128, True),
                            DEVICE) is None
-    assert kernels.wire_of(DeMoReplicator((8, 8), ValueCodec(False, torch.float32, False), 8, 64, False,
+    assert plan_triton.wire_of(DeMoReplicator((8, 8), ValueCodec(False, torch.float32, False), 8, 64, False,
                                           wire="packed"), DEVICE) is None  # 64 int64 indices: 4096 bits a run
 
 
@@ -296,11 +298,11 @@ def test_dct_precision_reaches_the_kernels():
     kernels' own (the interpreter computes in fp32 either way: TF32 is checked only on a GPU)."""
     import typing
 
-    from titan_commopt.fused import demo_dct
+    from titan_commopt.optim.demo import plan_triton
 
-    assert typing.get_args(demo.Config.__annotations__["dct_precision"]) == demo_dct.PRECISIONS
+    assert typing.get_args(demo.Config.__annotations__["dct_precision"]) == plan_triton.PRECISIONS
     model = nn.Linear(4, 4)
-    for precision in demo_dct.PRECISIONS:
+    for precision in plan_triton.PRECISIONS:
         opt = make("DeMo", model.named_parameters(), Topology(), BaseHParams(lr=0.1), kernels="triton",
                    dct_precision=precision)
         assert opt.fused.precision == precision

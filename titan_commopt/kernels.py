@@ -1,18 +1,16 @@
-"""Fused Triton kernels for the optimizers' hot loops, each beside the torch code it must equal.
+"""``[commopt] kernels``: which implementation runs the optimizers' per-element and per-chunk math,
+chosen once per optimizer at construction:
 
-The torch implementation (in ``optim/`` and ``compress/``) stays the reference and the CPU path; a
-kernel here is a faster way to compute the same thing on a GPU, chosen once per optimizer at
-construction by ``[commopt] kernels``:
-
-- ``"torch"``: torch's eager operators everywhere;
+- ``"torch"``: torch's eager operators everywhere (the reference, and the CPU path);
 - ``"triton"``: the Triton kernels (on a CUDA/ROCm device; on the CPU only under Triton's
   interpreter, ``TRITON_INTERPRET=1``, which is how the tests run them without a GPU);
 - ``"auto"`` (default): Triton where the parameters live on a CUDA/ROCm device and Triton imports,
   torch elsewhere.
 
-This package sits at the bottom of the import graph beside ``compress/``: it imports torch and
-Triton only, never ``optim/`` or the adapter. Triton's AMD backend runs the same kernels (no
-CUDA-only intrinsics are used).
+Each Triton kernel lives beside the torch code it must equal, named for it (``optim/local/update.py``
+and ``update_triton.py``, ``optim/demo/plan.py`` and ``plan_triton.py``, ``compress/packing.py`` and
+``packing_triton.py``); a ``*_triton`` module is imported only where Triton runs. Triton's AMD
+backend runs the same kernels (no CUDA-only intrinsics are used).
 """
 
 import functools
