@@ -100,7 +100,7 @@ def test_comm_report_shows_the_resolved_settings_behind_each_row(capsys):
     rows = {r["optimizer"]: r["settings"] for r in comm_report.report(
         "cpu_tiny", 2, 2, ["AdamW", "DES-LOC", "FlexDeMo", "Dion"], {"local": {"Ku": ["auto"]}})}
     assert rows["DES-LOC"] == {"Kx": 16, "Ku": [8], "Kv": 96, "transfer_dtype": "fp32"}  # auto: β1 0.9's half-life
-    assert rows["FlexDeMo"] == {"replicator": "demo", "chunk": 32, "topk": 16, "sign_before_sync": True, "pack": True,
+    assert rows["FlexDeMo"] == {"replicator": "demo", "chunk": 32, "topk": 32, "sign_before_sync": True, "pack": True,
                                  "wire": "compact"}
     assert rows["Dion"] == {"rank_fraction": 0.25, "compress": "auto", "scalar_sync": "dense"}
     assert rows["AdamW"] == {"gradient_all_reduce": "float32"}
