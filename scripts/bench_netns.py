@@ -213,8 +213,11 @@ def train_args(name: str, args, overrides: dict) -> list[str]:
         "--parallelism.data_parallel_shard_degree", str(args.nproc_per_node),
         "--optimizer.name", name, *cli_overrides(name, overrides),
     ]
+    warmup = args.lr_warmup
+    if args.lr_warmup_frac is not None:  # as scripts/convergence.py: a fraction of each run's own schedule
+        warmup = max(1, int(schedule_of(name, args) * args.lr_warmup_frac))
     for flag, value in (("--training.dataset", args.dataset), ("--optimizer.lr", args.lr),
-                        ("--lr_scheduler.warmup_steps", args.lr_warmup), ("--debug.seed", args.seed)):
+                        ("--lr_scheduler.warmup_steps", warmup), ("--debug.seed", args.seed)):
         if value is not None:
             train += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
     return train
@@ -447,7 +450,11 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--dataset", help="[training] dataset (default: the config's)")
     p.add_argument("--lr", type=float, help="[optimizer] lr of every optimizer (default: the config's; the presets scale it)")
-    p.add_argument("--lr-warmup", type=int, help="[lr_scheduler] warmup_steps (default: the config's)")
+    warm = p.add_mutually_exclusive_group()
+    warm.add_argument("--lr-warmup", type=int, help="[lr_scheduler] warmup_steps (default: the config's)")
+    warm.add_argument("--lr-warmup-frac", type=float,
+                      help="[lr_scheduler] warmup_steps as this fraction of each run's training steps "
+                      "(scripts/convergence.py's: 0.05)")
     p.add_argument("--seed", type=int, help="[debug] seed (default: the config's)")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per process")
     p.add_argument("--repeats", type=int, default=1,
