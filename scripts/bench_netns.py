@@ -237,7 +237,8 @@ def stop(procs: list[subprocess.Popen]) -> None:
             time.sleep(0.1)
 
 
-def run_pair(name: str, addrs, args, dump: Path, overrides: dict, target: float | None = None) -> dict:
+def run_pair(name: str, addrs, args, dump: Path, overrides: dict, target: float | None = None,
+             budget: float | None = None) -> dict:
     """One run of ``name`` across the two nodes. Window mode: step time and bytes over steps
     ``--warmup``+1 … ``--steps``. ``--to-loss`` mode (``args.to_loss`` set): until the trailing mean
     loss reaches ``target`` (None: train the whole schedule; the target is then this run's own final
@@ -272,8 +273,9 @@ def run_pair(name: str, addrs, args, dump: Path, overrides: dict, target: float 
             if sampler.reached.is_set():
                 stopped = "reached"
                 break
-            if to_loss and args.budget and 1 in sampler.times and time.monotonic() - sampler.times[1] > args.budget:
+            if to_loss and budget and 1 in sampler.times and time.monotonic() - sampler.times[1] > budget:
                 stopped = "budget"
+                sampler.samples.setdefault(max(sampler.times), tx_bytes())  # the link bytes up to here
                 break
             if time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(name, args.timeout)
@@ -466,6 +468,8 @@ def main(argv=None) -> int:
     p.add_argument("--schedule", nargs="*", default=[], metavar="NAME=STEPS",
                    help="--to-loss: training steps (lr schedule) of one optimizer, e.g. DiLoCo=2000")
     p.add_argument("--budget", type=float, help="--to-loss: wall-clock seconds after step 1 before a run is stopped")
+    p.add_argument("--budget-x", type=float, help="--to-loss auto: the budget of each run, this multiple of "
+                   "AdamW-HSDP's time to its loss in the same round (with --budget: the smaller)")
     p.add_argument("--subnet", default="10.213.77.0/24", help="private /24 living only in the namespaces")
     p.add_argument("--set", nargs="*", default=[], metavar="FAMILY.OPTION=VALUE")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
@@ -484,6 +488,8 @@ def main(argv=None) -> int:
     a.schedule = parse_schedule(a.schedule, names)
     fixed_target = None
     if a.to_loss is not None:
+        if a.budget_x is not None and a.to_loss != "auto":
+            raise SystemExit("--budget-x: allowed only with --to-loss auto (a multiple of AdamW-HSDP's time)")
         if a.to_loss == "auto":
             if "AdamW" not in names:
                 raise SystemExit("--to-loss auto: AdamW must be among --optimizers (its final loss is the target)")
@@ -507,7 +513,7 @@ def main(argv=None) -> int:
             print(f"\n## link: {applied}; {a.flavor}, |R|=2 nodes x |S|={a.nproc_per_node}, "
                   f"batch {a.batch} x seq {a.seq_len} per rank, {what}", flush=True)
             for round_ in range(a.repeats):  # rounds interleave the optimizers
-                target = fixed_target
+                target, budget = fixed_target, a.budget
                 for name in names:
                     if a.to_loss == "auto" and name != "AdamW" and target is None:
                         print(f"# {name} @ {rate}, round {round_}: skipped (no AdamW-HSDP target this round)",
@@ -516,7 +522,8 @@ def main(argv=None) -> int:
                         continue
                     try:
                         r = run_pair(name, addrs, a, out / f"{rate}_{name}_{round_}", overrides,
-                                     target=None if a.to_loss == "auto" and name == "AdamW" else target)
+                                     target=None if a.to_loss == "auto" and name == "AdamW" else target,
+                                     budget=None if a.to_loss == "auto" and name == "AdamW" else budget)
                     except (RuntimeError, KeyError, subprocess.TimeoutExpired) as error:
                         print(f"# {name} @ {rate} failed: {error}", file=sys.stderr, flush=True)
                         if a.to_loss is not None:
@@ -525,6 +532,8 @@ def main(argv=None) -> int:
                     if a.to_loss is not None:
                         if name == "AdamW" and a.to_loss == "auto":
                             target = r["target"]
+                            if a.budget_x and r["time_to_loss_s"]:
+                                budget = min(x for x in (a.budget, a.budget_x * r["time_to_loss_s"]) if x)
                         results.setdefault(f"{rate}/{name}", []).append(r)
                         t = r["time_to_loss_s"]
                         print(f"  {name}, round {round_}: " + (f"loss {r['target']:.4f} at step {r['reached_at_step']} "
