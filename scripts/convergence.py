@@ -73,9 +73,37 @@ def run_one(name, lr, seed, steps, flavor, dataset, out: Path, overrides, log_fr
     return result
 
 
+def final_window(run: dict) -> int:
+    """Steps in a run's final loss: the last 10 %."""
+    return max(1, len(run["loss"]) // 10)
+
+
 def final_loss(run: dict) -> float:
-    tail = max(1, len(run["loss"]) // 10)
+    tail = final_window(run)
     return sum(run["loss"][-tail:]) / tail
+
+
+def step_reaching(run: dict, target: float, window: int) -> int | None:
+    """The first step at which the mean of the last ``window`` logged losses is at most ``target``."""
+    losses = run["loss"]
+    total = sum(losses[:window - 1])
+    for i in range(window - 1, len(losses)):
+        total += losses[i]
+        if total / window <= target:
+            return run["steps"][i]
+        total -= losses[i - window + 1]
+    return None
+
+
+def adamw_targets(results: dict) -> dict | None:
+    """AdamW-HSDP at its best lr: ``loss`` {seed: final loss}, ``window`` (its final-loss window) and
+    ``steps`` {seed: the step its trailing mean first reaches its own final loss}; None without AdamW."""
+    adamw = best_runs(results).get("AdamW")
+    if not adamw:
+        return None
+    window = final_window(adamw[0])
+    return {"loss": {r["seed"]: final_loss(r) for r in adamw}, "window": window,
+            "steps": {r["seed"]: step_reaching(r, final_loss(r), window) for r in adamw}}
 
 
 def cells(results: dict) -> dict:
@@ -118,9 +146,13 @@ def sweep_table(results: dict) -> str:
     return table(["optimizer", "--optimizer.lr (* best)", "final loss (mean last 10%)"], rows)
 
 
-def final_table(results: dict) -> str:
-    """Each optimizer at its best lr, against AdamW-HSDP at its best."""
+def final_table(results: dict, targets: dict | None = None) -> str:
+    """Each optimizer at its best lr, against AdamW-HSDP at its best; with ``targets`` (AdamW-HSDP's
+    final loss per seed and its window, ``--targets-from``: e.g. a 500-step study's, for longer runs)
+    also the step at which each seed's trailing mean first reaches its seed's target (its own final
+    loss for AdamW-HSDP), and the mean of those steps ÷ AdamW-HSDP's."""
     at_best = best_runs(results)
+    targets = targets or adamw_targets(results)
     adamw = at_best.get("AdamW")
     base = statistics.fmean(final_loss(r) for r in adamw) if adamw else None
     base_bytes = adamw[0]["r_bytes"][-1] if adamw else None  # the same at every lr and seed
@@ -131,9 +163,29 @@ def final_table(results: dict) -> str:
         sent = runs[0]["r_bytes"][-1]
         fewer = f"{base_bytes / sent:.0f}x" if base_bytes and sent > 0 and name != "AdamW" else "-"
         wall = statistics.fmean(r["seconds"] for r in runs)
-        rows.append([name, f"{runs[0]['lr']:g}", _mean_spread(losses), gap, human(sent), fewer, f"{wall:.0f}"])
-    return table(["optimizer", "best --optimizer.lr", "final loss", "vs AdamW-HSDP best", "R sent total (rank 0)",
-                  "fewer R bytes", "wall s"], rows)
+        row = [name, f"{runs[0]['lr']:g}", _mean_spread(losses), gap, human(sent), fewer, f"{wall:.0f}"]
+        if targets:
+            row += _reaching(runs, targets)
+        rows.append(row)
+    heads = ["optimizer", "best --optimizer.lr", "final loss", "vs AdamW-HSDP best", "R sent total (rank 0)",
+             "fewer R bytes", "wall s"]
+    if targets:
+        heads += ["reaches AdamW-HSDP's loss at step (per seed)", "steps ÷ AdamW-HSDP's"]
+    return table(heads, rows)
+
+
+def _reaching(runs: list[dict], targets: dict) -> list[str]:
+    """[the step each seed first reaches its seed's AdamW-HSDP loss ("-": never), the mean over seeds of
+    that step ÷ AdamW-HSDP's own step of the same seed ("-" where a seed never reaches it)]."""
+    mean_loss = statistics.fmean(targets["loss"].values())
+    mean_step = statistics.fmean(targets["steps"].values())
+    steps, ratios = [], []
+    for r in runs:
+        reached = step_reaching(r, targets["loss"].get(r["seed"], mean_loss), targets["window"])
+        steps.append(f"{r['seed']}: {reached if reached is not None else '-'}")
+        if reached is not None:
+            ratios.append(reached / targets["steps"].get(r["seed"], mean_step))
+    return [", ".join(steps), "-" if len(ratios) < len(runs) else f"{statistics.fmean(ratios):.3f}"]
 
 
 def plot(results: dict, out: Path, title: str) -> list[Path]:
@@ -182,6 +234,8 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", nargs="*", type=int, default=[42], help="[debug] seed of each run (model init)")
     p.add_argument("--out", default="outputs/convergence")
     p.add_argument("--report", action="store_true", help="run nothing: tables and plots of <out>/convergence.json")
+    p.add_argument("--targets-from", help="another study's out folder whose AdamW-HSDP final losses (per seed) are "
+                   "the targets of the 'reaches AdamW-HSDP's loss' column (default: this study's)")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -220,7 +274,8 @@ def main(argv=None) -> int:
     paths = plot(results, out, f"{a.flavor}, {a.dataset}, 2 replicas x 2 shards, {a.steps} steps")
     print(sweep_table(results))
     print()
-    print(final_table(results))
+    targets = adamw_targets(json.loads((Path(a.targets_from) / "convergence.json").read_text())) if a.targets_from else None
+    print(final_table(results, targets))
     print("\nplots: " + ", ".join(map(str, paths)))
     return 0
 

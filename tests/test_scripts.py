@@ -100,7 +100,7 @@ def test_comm_report_shows_the_resolved_settings_behind_each_row(capsys):
     rows = {r["optimizer"]: r["settings"] for r in comm_report.report(
         "cpu_tiny", 2, 2, ["AdamW", "DES-LOC", "FlexDeMo", "Dion"], {"local": {"Ku": ["auto"]}})}
     assert rows["DES-LOC"] == {"Kx": 16, "Ku": [8], "Kv": 96, "transfer_dtype": "fp32"}  # auto: β1 0.9's half-life
-    assert rows["FlexDeMo"] == {"replicator": "demo", "chunk": 32, "topk": 16, "sign_before_sync": True, "pack": True,
+    assert rows["FlexDeMo"] == {"replicator": "demo", "chunk": 32, "topk": 32, "sign_before_sync": True, "pack": True,
                                  "wire": "compact"}
     assert rows["Dion"] == {"rank_fraction": 0.25, "compress": "auto", "scalar_sync": "dense"}
     assert rows["AdamW"] == {"gradient_all_reduce": "float32"}
@@ -225,3 +225,28 @@ def test_comm_report_param_dtype_changes_only_the_all_gathers():
 
     shard_elements = sum(ShardShape.fsdp(n, s, 2).numel for n, s in param_shapes("cpu_tiny"))
     assert fp32[0]["S_sent"] - bf16[0]["S_sent"] == 2 * shard_elements * 2  # 2 all-gathers x 2 bytes saved per element
+
+
+def test_steps_to_a_loss_read_the_first_step_whose_trailing_mean_reaches_it():
+    from scripts import bench_netns, convergence
+
+    losses = [5.0, 4.0, 3.0, 2.0, 1.0, 3.0]  # trailing means of 2: 4.5 (step 2), 3.5, 2.5, 1.5, 2.0
+    run = {"steps": [1, 2, 3, 4, 5, 6], "loss": losses}
+    assert convergence.step_reaching(run, 2.5, 2) == 4 and convergence.step_reaching(run, 1.0, 2) is None
+    means = bench_netns.trailing_means(dict(zip(run["steps"], losses)), 2)
+    assert means == {2: 4.5, 3: 3.5, 4: 2.5, 5: 1.5, 6: 2.0}
+    assert bench_netns.first_at_most(means, 2.0) == 5 and bench_netns.first_at_most(means, 1.0) is None
+    targets = convergence.adamw_targets({"a": {"name": "AdamW", "lr": 0.1, "seed": 42, **run}})
+    # the final loss is the mean of the last 10 % (here 1 step): 3.0, first reached (trailing 1) at step 3
+    assert targets == {"loss": {42: 3.0}, "window": 1, "steps": {42: 3}}
+
+
+def test_project_time_to_loss_prints_every_assumption_and_refuses_a_missing_ratio(capsys):
+    from scripts import project_time_to_loss as project
+
+    assert project.main(["--optimizers", "AdamW", "FlexDeMo", "--links", "10gbit", "--steps-ratio", "FlexDeMo=2"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s per GPU" in out and "FlexDeMo: " in out and "| FlexDeMo | 2 |" in out
+    assert project.main(["--optimizers", "AdamW", "FlexDeMo", "--links", "10gbit"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--steps-ratio: no ratio for FlexDeMo" in err[0]
