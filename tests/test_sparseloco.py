@@ -20,6 +20,7 @@ import torch
 from titan_commopt import comm
 from titan_commopt.compress.dct import chunk_size, dct_basis
 from titan_commopt.optim import ShardShape, build_optimizer, resolve
+from titan_commopt.optim.sparseloco import sparseloco_s_bytes
 from titan_commopt.options import ConfigError
 from titan_commopt.topology import Topology
 from tests.dist_utils import run_distributed
@@ -27,18 +28,26 @@ from tests.test_tp import HP, L, N, W, _index, _parallelize, _replica_grads, _sl
 
 H, STEPS = 2, 6  # three syncs
 BASE = dict(H=H, chunk=4, topk=3)
+TEMPLAR = dict(aggregate="senders", clip="median_norm", topk_rule="even")  # Templar's outer step
+PAPER = dict(aggregate="senders", topk_rule="area")  # the paper code's
 CASES = {
     "2bit": {},
     "2bit/beta0.5_alpha0.7": dict(error_decay=0.5, outer_lr=0.7),
     "fp32": dict(quantization="none"),
     "dct": dict(transform="dct"),
     "sync_delay1": dict(sync_delay=1),
+    "templar": TEMPLAR,
+    # the authors' α = 0.7 in both e and the step (their rule) is our outer_lr = 0.49
+    "templar/authors_alpha0.7": dict(TEMPLAR, outer_lr=0.49, authors_alpha=0.7),
+    "paper": PAPER,
+    "fp32/median_norm": dict(quantization="none", clip="median_norm", topk=5),
 }
-MESH_CASES = ["2bit", "dct"]
+MESH_CASES = ["2bit", "dct", "templar"]
 
 
 def _resolved(case, **changes):
-    return resolve("SparseLoCo", {**BASE, **CASES[case], **changes}, HP)
+    given = {k: v for k, v in CASES[case].items() if k != "authors_alpha"}
+    return resolve("SparseLoCo", {**BASE, **given, **changes}, HP)
 
 
 # ---- the distributed runs -------------------------------------------------------------------------
@@ -87,6 +96,9 @@ def _worker(rank, world, dims, names, cases):
                                                               tuple((0, d) for d in p.shape) for n, p in named},
             in_sync=in_sync, R_sent=ledger.totals.get("R_sent", 0.0),
             formula=resolved.family.r_bytes([ShardShape.of(n, p) for n, p in named], resolved, W).sent,
+            S_sent=ledger.totals.get("S_sent", 0.0), T_sent=ledger.totals.get("T_sent", 0.0),
+            formula_S=sparseloco_s_bytes([ShardShape.of(n, p) for n, p in named], resolved, "S").sent,
+            formula_T=sparseloco_s_bytes([ShardShape.of(n, p) for n, p in named], resolved, "T").sent,
             states_ok=all(isinstance(v, DTensor) and v.placements == p.placements for p in opt.state
                           for k, v in opt.state[p].items() if k != "step") if "tp" in names or "fsdp" in names else True,
         )
@@ -137,15 +149,25 @@ def rt(meshes):
     return [res["tp"] for res in meshes]
 
 
-# ---- the simulation (the paper's Algorithm 1, plainly) ---------------------------------------------
-def _chunks_of(shape, s):
-    """(c0, c1) of a matrix piece (rows, rest), (c,) of a vector: the largest divisors <= s."""
-    dims = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (math.prod(shape),)
-    return dims, tuple(chunk_size(d, s) for d in dims)
+# ---- the simulation (the paper's Algorithm 1 with the authors' codes' options, plainly) --------------
+def _flat(shape):
+    return (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (math.prod(shape),)
 
 
-def _to_chunks(x, s, dct):
-    dims, cs = _chunks_of(x.shape, s)
+def _grid(shape, sl, s):
+    """Chunk sizes of the piece ``sl`` of a tensor of ``shape``: the whole tensor's (largest divisors
+    <= s of its dims) where the piece is a union of its chunks, else the piece's own."""
+    whole = tuple(chunk_size(d, s) for d in _flat(shape))
+    for d, (start, extent) in enumerate(sl):
+        if extent == shape[d]:
+            continue
+        if d > 1 or (d == 1 and len(shape) > 2) or start % whole[d] or extent % whole[d]:
+            return tuple(chunk_size(d, s) for d in _flat(tuple(n for _, n in sl)))
+    return whole
+
+
+def _to_chunks(x, cs, dct):
+    dims = _flat(x.shape)
     if len(dims) == 1:
         c = x.reshape(-1, cs[0])
         return c @ dct_basis(cs[0], dtype=x.dtype).T if dct else c.clone()
@@ -157,8 +179,8 @@ def _to_chunks(x, s, dct):
     return blocks.reshape(-1, c0 * c1)
 
 
-def _from_chunks(c, shape, s, dct):
-    dims, cs = _chunks_of(shape, s)
+def _from_chunks(c, shape, cs, dct):
+    dims = _flat(shape)
     if len(dims) == 1:
         return (c @ dct_basis(cs[0], dtype=c.dtype) if dct else c).reshape(shape)
     (d0, d1), (c0, c1) = dims, cs
@@ -169,8 +191,20 @@ def _from_chunks(c, shape, s, dct):
     return blocks.permute(0, 2, 1, 3).reshape(shape)
 
 
+def _k(cfg, L):
+    """Values kept per chunk: ours min(topk, L); Templar's _clamp_topk (at least 2, even); the paper
+    code's k scaled to the chunk's area (without DCT)."""
+    if cfg.topk_rule == "even":
+        k = max(2, min(cfg.topk, L))
+        return min(L, k - k % 2)
+    if cfg.topk_rule == "area" and cfg.transform == "none":
+        return min(L, max(1, round(L * cfg.topk / cfg.chunk**2)))
+    return min(cfg.topk, L)
+
+
 def _quantize(v, bins=4, rng=6.0):
-    """The reference code's statistical quantizer on the flat selected values: the dequantized values."""
+    """The reference code's statistical quantizer on the flat selected values of one whole tensor
+    (float32, as the reference computes it): the dequantized values."""
     v = v.float()
     shift = v.mean()
     c = v - shift
@@ -185,23 +219,47 @@ def _quantize(v, bins=4, rng=6.0):
     return lookup[q] + shift
 
 
+def reference_aggregate(cfg, sent, L):
+    """One piece's aggregate of every replica's ``(indices, values)`` (``(chunks, k)`` each), as the
+    codes write it: with the clip each replica's values scaled by min(1, median / (‖v_r‖ + 1e-8)),
+    ‖v_r‖ over its whole tensor (given as the third item), torch.median (the lower one for even R);
+    ``senders``: scatter_reduce's mean over the replicas that sent a coordinate (include_self=False,
+    every replica's indices concatenated along the chunk); ``mean``: the sum over replicas ÷ R."""
+    vals = [v for _, v, _ in sent]
+    if cfg.clip == "median_norm":
+        norms = torch.stack([norm for _, _, norm in sent])
+        median = torch.median(norms)
+        vals = [v * torch.clamp(median / (n + 1e-8), max=1) for v, n in zip(vals, norms)]
+    chunks = sent[0][0].shape[0]
+    if cfg.aggregate == "senders":
+        idx, cat = torch.cat([i for i, _, _ in sent], -1), torch.cat(vals, -1)
+        return torch.zeros(chunks, L).scatter_reduce_(-1, idx, cat, reduce="mean", include_self=False)
+    out = torch.zeros(chunks, L)
+    for (i, _, _), v in zip(sent, vals):
+        out.scatter_add_(-1, i, v / len(sent))
+    return out
+
+
 def simulate(case, pieces):
     cfg = _resolved(case).options
     hp = _resolved(case).hparams
+    # the authors' outer lr (both codes): e ← β·e + α·Δ and x ← x − α·agg; ours at outer_lr = α²
+    authors_alpha = CASES[case].get("authors_alpha")
+    ef_scale, alpha = (authors_alpha, authors_alpha) if authors_alpha else (1.0, cfg.outer_lr)
     models = [make_net() for _ in range(W)]
     inner = [torch.optim.AdamW(m.parameters(), lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
                                weight_decay=hp.weight_decay, fused=True) for m in models]
     params = [dict(m.named_parameters()) for m in models]
     anchor = {n: p.detach().clone() for n, p in params[0].items()}
     err = {(n, sl, r): torch.zeros_like(anchor[n][_index(sl)]) for n in anchor for sl in pieces[n] for r in range(W)}
-    pending = []  # (lands after step, {(n, sl): mean}, snapshots)
+    pending = []  # (lands after step, {(n, sl): aggregate}, snapshots)
     dct = cfg.transform == "dct"
 
-    def land(means, snaps):
+    def land(aggs, snaps):
         with torch.no_grad():
-            for (n, sl), mean in means.items():
+            for (n, sl), agg in aggs.items():
                 a = anchor[n][_index(sl)]
-                a.sub_(mean, alpha=cfg.outer_lr)
+                a.sub_(agg, alpha=alpha)
                 for r in range(W):
                     x = params[r][n][_index(sl)]
                     if snaps is None:
@@ -216,32 +274,42 @@ def simulate(case, pieces):
                 p.grad = grads[n]
             inner[r].step()
         if t % cfg.H == 0:
-            means, snaps = {}, ({} if cfg.sync_delay else None)
+            aggs, snaps = {}, ({} if cfg.sync_delay else None)
             with torch.no_grad():
                 for n in anchor:
-                    for sl in pieces[n]:
-                        a = anchor[n][_index(sl)]
-                        mean = torch.zeros_like(_to_chunks(a, cfg.chunk, False), dtype=torch.float32)
-                        for r in range(W):
-                            x = params[r][n][_index(sl)]
-                            e = err[(n, sl, r)]
-                            e.mul_(cfg.error_decay).add_(a - x)  # e ← β e + Δ
-                            ec = _to_chunks(e, cfg.chunk, dct)
-                            idx = ec.abs().topk(min(cfg.topk, ec.shape[1]), dim=-1).indices
-                            vals = ec.gather(-1, idx)
-                            deq = (_quantize(vals.reshape(-1), rng=cfg.quant_range) if cfg.quantization == "2bit"
-                                   else vals.reshape(-1).float()).view(vals.shape)
-                            sent = torch.zeros(ec.shape).scatter_(-1, idx, deq)
-                            e.sub_(_from_chunks(sent.to(e.dtype), e.shape, cfg.chunk, dct))  # e ← e − Δ̂
-                            mean.scatter_add_(-1, idx, deq / W)
+                    shape = tuple(anchor[n].shape)
+                    grids = {sl: _grid(shape, sl, cfg.chunk) for sl in pieces[n]}
+                    sent = {}  # (sl, r) -> (indices, dequantized values)
+                    for r in range(W):
+                        selected = {}
+                        for sl in pieces[n]:
+                            x, e = params[r][n][_index(sl)], err[(n, sl, r)]
+                            e.mul_(cfg.error_decay).add_(anchor[n][_index(sl)] - x, alpha=ef_scale)  # e ← β e + Δ
+                            ec = _to_chunks(e, grids[sl], dct)
+                            idx = ec.abs().topk(_k(cfg, ec.shape[1]), dim=-1).indices
+                            selected[sl] = (idx, ec.gather(-1, idx), ec.shape)
                             if snaps is not None:
                                 snaps[(n, sl, r)] = x.clone()
-                        means[(n, sl)] = _from_chunks(mean.to(a.dtype), a.shape, cfg.chunk, dct)
-            pending.append((t + cfg.sync_delay, means, snaps))
+                        flat = torch.cat([v.reshape(-1) for _, v, _ in selected.values()])  # the whole tensor's
+                        deq = _quantize(flat, rng=cfg.quant_range) if cfg.quantization == "2bit" else flat.float()
+                        norm, at = deq.norm(), 0
+                        for sl, (idx, v, ec_shape) in selected.items():
+                            d = deq[at: at + v.numel()].view(v.shape)
+                            at += v.numel()
+                            dense = torch.zeros(ec_shape).scatter_(-1, idx, d)
+                            err[(n, sl, r)].sub_(_from_chunks(dense.to(anchor[n].dtype), err[(n, sl, r)].shape,
+                                                              grids[sl], dct))  # e ← e − Δ̂
+                            sent[(sl, r)] = (idx, d, norm)
+                    for sl in pieces[n]:
+                        L = math.prod(grids[sl])
+                        agg = reference_aggregate(cfg, [sent[(sl, r)] for r in range(W)], L)
+                        aggs[(n, sl)] = _from_chunks(agg.to(anchor[n].dtype), anchor[n][_index(sl)].shape,
+                                                     grids[sl], dct)
+            pending.append((t + cfg.sync_delay, aggs, snaps))
         while pending and pending[0][0] <= t:
             land(*pending.pop(0)[1:])
-    for _, means, snaps in pending:  # flush()
-        land(means, snaps)
+    for _, aggs, snaps in pending:  # flush()
+        land(aggs, snaps)
     return [{n: p.detach() for n, p in ps.items()} for ps in params]
 
 
@@ -260,6 +328,10 @@ def _check(results, case):
                                        msg=lambda m: f"{case} rank {rank} {n}: {m}")
             moved = max(moved, float((shard - start[n].detach()[idx]).abs().max()))
         assert o["R_sent"] > 0 and o["R_sent"] == o["formula"] * STEPS, (case, o["R_sent"], o["formula"])
+        # the quantizer's statistics summed over the shard groups: all of S's traffic here (T also
+        # carries the sequence-parallel norm's Partial gradient, replica_grad's)
+        assert o["S_sent"] == pytest.approx(o["formula_S"] * STEPS), (case, o["S_sent"], o["formula_S"])
+        assert o["T_sent"] >= o["formula_T"] * STEPS > 0 or o["formula_T"] == 0, (case, o["T_sent"], o["formula_T"])
     assert moved > 1e-3, case
     half = len(results) // W  # the same shard on the two replicas: bit-identical after a sync
     for k in range(half):
