@@ -386,3 +386,159 @@ def test_preset_and_bad_values_are_one_line_config_errors():
         assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="did you mean 'SparseLoCo'"):
         resolve("sparseloco2")
+
+
+# ---- the same update whatever the FSDP layout, where the shards tile the chunk grid ----------------
+# chunk 64, top 16: the 128×128 matrix's rows split 64/64 over S = 2 (on the grid), 43/43/42 over S = 3 (off);
+# the 192×64 one's 96/96 (off) and 64/64/64 (on); the 256-vector's 128/128 (on) and 86/86/84 (off)
+LAYOUT_SHAPES = {"a": (128, 128), "b": (192, 64), "v": (256,)}
+ON_GRID = {2: {"a", "v"}, 3: {"b"}}
+LAYOUT_STEPS, LAYOUT_H = 4, 2
+
+
+class _Layout(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(7)
+        for name, shape in LAYOUT_SHAPES.items():
+            self.register_parameter(name, torch.nn.Parameter(torch.randn(shape, generator=gen)))
+
+
+def _layout_grads(step):
+    gen = torch.Generator().manual_seed(1000 + step)
+    return {n: torch.randn(shape, generator=gen) * (1 + i) for i, (n, shape) in enumerate(LAYOUT_SHAPES.items())}
+
+
+def _layout_run(mesh):
+    """4 steps of SparseLoCo (R = 1, H = 2) from the same parameters and gradients, the parameters
+    FSDP2-sharded over ``mesh`` (``None``: plain tensors): this rank's pieces, the log lines, the S
+    bytes against the formula."""
+    import logging
+
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    model = _Layout()
+    if mesh is not None:
+        fully_shard(model, mesh=mesh)
+    named = list(model.named_parameters())
+    topo = Topology.single() if mesh is None else Topology.from_mesh(mesh)
+    resolved = resolve("SparseLoCo", dict(H=LAYOUT_H, topk=16))  # a vector chunk of 64 keeps 16
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("titan_commopt.optim.sparseloco")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        ledger = comm.CommLedger()
+        opt = build_optimizer(named, topo, resolved, ledger=ledger)
+        for step in range(1, LAYOUT_STEPS + 1):
+            for (name, p), g in zip(named, _layout_grads(step).values()):
+                if isinstance(p, DTensor):
+                    g = DTensor.from_local(g[_index(_slices(p))], p.device_mesh, p.placements, run_check=False,
+                                           shape=p.shape, stride=p.stride())
+                p.grad = g
+            opt.step()
+            ledger.end_step()
+    finally:
+        logger.removeHandler(handler)
+    shards = [ShardShape.of(n, p) for n, p in named]
+    return dict(local={n: comm_local(p) for n, p in named},
+                slices={n: _slices(p) if isinstance(p, DTensor) else tuple((0, d) for d in p.shape) for n, p in named},
+                logs=[r.getMessage() for r in records], S_sent=ledger.totals.get("S_sent", 0.0),
+                formula_S=sparseloco_s_bytes(shards, resolved).sent * LAYOUT_STEPS)
+
+
+def _layouts(rank, world):
+    """S = 1 (rank 0, plain tensors), S = 2 (ranks 0 and 1) and S = 3 (all), in one spawn of 3."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    out = {1: _layout_run(None) if rank == 0 else None}
+    pair = dist.new_group([0, 1])  # every rank makes it; ranks 0 and 1 use it
+    out[2] = _layout_run(DeviceMesh.from_group(pair, "cpu", mesh_dim_names=("fsdp",))) if rank < 2 else None
+    out[3] = _layout_run(init_device_mesh("cpu", (3,), mesh_dim_names=("fsdp",)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    return run_distributed(_layouts, 3)
+
+
+@pytest.mark.parametrize("S", [2, 3])
+def test_the_update_is_the_same_on_every_layout_that_tiles_the_chunk_grid(layouts, S):
+    whole = layouts[0][1]["local"]
+    runs = [res[S] for res in layouts[:S]]
+    assert sorted(run["slices"]["a"][0] for run in runs) == ([(0, 64), (64, 64)] if S == 2 else
+                                                             [(0, 43), (43, 43), (86, 42)])
+    for name in LAYOUT_SHAPES:
+        full = torch.empty_like(whole[name])
+        for run in runs:
+            full[_index(run["slices"][name])] = run["local"][name]
+        moved = (whole[name] - _Layout().get_parameter(name).detach()).abs().max()
+        diff = (full - whole[name]).abs().max()
+        if name in ON_GRID[S]:  # the same values kept, the same codes and levels: round-off at most
+            torch.testing.assert_close(full, whole[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"S={S} {name}: {m}")
+        else:  # the shard's own chunks keep other values
+            assert diff > 1e-3 * moved, (S, name, float(diff), float(moved))
+    for rank, run in enumerate(runs):
+        off = [line for line in run["logs"] if "do not tile" in line]
+        assert len(off) == 1, (S, rank, run["logs"])  # once per run, not per step
+        assert all(f"{n} " in off[0] for n in set(LAYOUT_SHAPES) - ON_GRID[S])
+        assert run["S_sent"] == pytest.approx(run["formula_S"]) and run["S_sent"] > 0
+    assert not [line for line in layouts[0][1]["logs"] if "do not tile" in line]
+
+
+def test_one_replica_with_a_payload_of_no_whole_float():
+    """One replica (no R group: the all-gather hands the payload back as a (1, n) view of itself) and
+    a 45-vector, whose 2-bit payload is no multiple of 4 bytes: the outer step decodes it."""
+    torch.manual_seed(0)
+    p, q = torch.nn.Parameter(torch.randn(45)), torch.nn.Parameter(torch.randn(7, 9))
+    for changes in ({}, {"quantization": "none"}, dict(TEMPLAR), dict(PAPER)):
+        resolved = resolve("SparseLoCo", {"H": 2, **changes})
+        model = [("v", p), ("m", q)]
+        payload = resolved.family.r_bytes([ShardShape.of(n, t) for n, t in model], resolved, 2).sent * 2
+        assert payload % 4 or changes == PAPER, (changes, payload)  # no whole number of floats
+        opt = build_optimizer(model, Topology.single(), resolved)
+        before = p.detach().clone()
+        for _ in range(2):
+            p.grad, q.grad = torch.randn(45), torch.randn(7, 9)
+            opt.step()
+        assert not torch.equal(p.detach(), before) and torch.isfinite(p).all()
+
+
+@pytest.mark.parametrize("W", [3, 4])
+@pytest.mark.parametrize("options", [TEMPLAR, PAPER, {}], ids=["templar", "paper", "mean"])
+def test_outer_step_aggregate_is_the_authors_formula(W, options):
+    """W replicas' error feedback of one 96×200 tensor (Templar's 48×50 chunks) through the codec —
+    top-k, the whole tensor's 2-bit quantizer, the bytes, the aggregate of every replica's bytes —
+    against the references' formula on the same inputs (:func:`reference_aggregate`): even W = 4
+    takes torch.median's lower middle norm."""
+    from titan_commopt.optim.sparseloco import ShardCodec
+
+    cfg = resolve("SparseLoCo", options).options
+    codec = ShardCodec(cfg, (96, 200))
+    q = codec.quantizer
+    gen = torch.Generator().manual_seed(W)
+    errors = [torch.randn(96, 200, generator=gen) * (1 + r) for r in range(W)]  # norms far apart: the clip acts
+    payloads, sent = [], []
+    for e in errors:
+        ec = _to_chunks(e, (48, 50), False)
+        vals, idx = codec.select(codec.to_chunks(e))
+        assert torch.equal(codec.to_chunks(e), ec)
+        codes, levels = q.quantize(vals)
+        out = torch.empty(codec.nbytes, dtype=torch.uint8)
+        norm = q.norms(q.bin_sums(vals, codes, q.scale_of(q.moments(vals))[0]), levels)
+        codec.write(vals, idx, out, codes, levels, norm)
+        payloads.append(out)
+        ref_idx = ec.abs().topk(_k(cfg, 2400), dim=-1).indices
+        assert torch.equal(idx.sort(-1).values, ref_idx.sort(-1).values)
+        deq = _quantize(ec.gather(-1, idx).reshape(-1)).view(idx.shape)
+        sent.append((idx, deq, deq.norm()))
+    got = codec.aggregate(torch.stack(payloads))
+    want = reference_aggregate(cfg, sent, 2400)
+    # float32 round-off: our statistics are sums in float64 (the reference's float32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    assert codec.k == _k(cfg, 2400) == (38 if options is PAPER else 64)  # 2400·64/4096 = 37.5, rounded to even
