@@ -369,6 +369,34 @@ def test_byte_formula_counts_codes_indices_and_levels():
     assert got.sent == ((5 + 9 + 16) + (2 + 2 + 16)) / 4
     assert got.recv == 2 * got.sent
     assert resolved.family.r_bytes(shards, resolved, 1).sent == 0
+    clipped = resolve("SparseLoCo", {"H": 4, "chunk": 4, "topk": 3, "clip": "median_norm"})
+    assert clipped.family.r_bytes(shards, clipped, 3).sent == got.sent + 2 * 4 / 4  # + a float32 norm per shard
+    even = resolve("SparseLoCo", {"H": 4, "chunk": 4, "topk": 3, "topk_rule": "even"})
+    # Templar's k: the matrix keeps 2 of 16 per chunk (12 values: 3 + 6 + 16 bytes), the vector 2 of 3
+    # (4 values: 1 + 1 + 16)
+    assert even.family.r_bytes(shards, even, 3).sent == ((3 + 6 + 16) + (1 + 1 + 16)) / 4
+
+
+def test_byte_formulas_follow_the_chunk_grid_and_count_the_statistics():
+    resolved = resolve("SparseLoCo", {"H": 5})  # chunk 64, top 64, 2 bits
+    bytes_of = lambda shard: resolved.family.r_bytes([shard], resolved, 2).sent * 5  # noqa: E731  one sync
+    # 128×128 over S = 2: rank 0's 64 rows are one row of the tensor's 64×64 chunks (2 chunks, 12-bit
+    # indices); over S = 3 its 43 rows are chunked on their own: 43×64 chunks (12-bit indices too)
+    on_grid, off_grid = ShardShape.fsdp("a", (128, 128), 2), ShardShape.fsdp("a", (128, 128), 3)
+    assert bytes_of(on_grid) == 128 * 2 / 8 + 16 + 128 * 12 / 8
+    assert bytes_of(off_grid) == 128 * 2 / 8 + 16 + 128 * 12 / 8
+    # 192×64 over S = 2: 96 rows off the 64-row grid, chunked 48×64 (two chunks of 3072, 12 bits)
+    assert bytes_of(ShardShape.fsdp("b", (192, 64), 2)) == 128 * 2 / 8 + 16 + 128 * 12 / 8
+    # a vector of 96 over S = 2 (rank 1: 48, the tensor's chunk 48): k = 48 of 48, 6-bit indices
+    assert bytes_of(ShardShape.fsdp("v", (96,), 2, rank=1)) == 48 * 2 / 8 + 16 + 48 * 6 / 8
+    # the statistics: 3 + 2·4 float64 per S-sharded tensor per sync, an empty shard's included
+    shards = [ShardShape.fsdp("a", (128, 128), 3, rank=2), ShardShape.fsdp("z", (2, 4), 3, rank=2),
+              ShardShape("plain", (5,), (5,))]
+    assert shards[1].numel == 0
+    assert sparseloco_s_bytes(shards, resolved).sent == 2 * 11 * 8 / 5
+    assert sparseloco_s_bytes(shards, resolve("SparseLoCo", {"quantization": "none"})).sent == 0
+    assert sparseloco_s_bytes(shards, resolve("SparseLoCo", {"quantization": "none", "clip": "median_norm",
+                                                             "H": 5})).sent == 2 * 8 / 5
 
 
 def test_preset_and_bad_values_are_one_line_config_errors():

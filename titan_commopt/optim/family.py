@@ -126,6 +126,9 @@ class Family:
     - ``state_shape(resolved)``: ``{option key: value}`` of what decides the optimizer state's keys,
       shapes and meaning (JSON values); a checkpoint records it and a resume with another value is
       refused (``titan/config/resume.py``). Every other option may change on resume;
+    - ``s_bytes(shards, resolved)``: the family's own S payload per rank per step (what it sums over
+      the shard groups itself, beside FSDP2's traffic), or ``None`` where it sends nothing over S
+      that is priced;
     - ``summary``: one line for the docs;
     - ``preset_sources``: ``{optimizer name: where its values come from}`` (paper, section/table),
       printed beside each preset in ``docs/options.md``.
@@ -143,6 +146,7 @@ class Family:
     state_shape: Callable[["Resolved"], Mapping[str, Any]] = no_state_shape
     summary: str = ""
     preset_sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    s_bytes: Optional[Callable[[Sequence[ShardShape], "Resolved"], Bytes]] = None
 
     @property
     def section(self) -> str:

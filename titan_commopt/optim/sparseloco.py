@@ -481,6 +481,7 @@ FAMILY = Family(
     check=check,
     state_shape=state_shape,
     preset_sources=PRESET_SOURCES,
+    s_bytes=sparseloco_s_bytes,
     summary="H local AdamW steps, then chunked top-k of the error-fed pseudo-gradient in 2-bit values, one "
     "all-gather, outer SGD on the mean (SparseLoCo)",
 )
