@@ -9,18 +9,47 @@ Algorithm 1 of the paper, on every replica r, per parameter, on the local FSDP2/
     e ← β·e + Δ                             # error feedback (replaces the outer momentum)
     Δ̂ = Q(Top-k(e))                         # per chunk the k largest |e|, values quantized
     e ← e − Δ̂                               # what was sent (dequantized) leaves the buffer
-    x_anchor ← x_anchor − α·mean_R(Δ̂)        # one all-gather of every replica's bytes; outer SGD
+    x_anchor ← x_anchor − α·agg_R(Δ̂)         # one all-gather of every replica's bytes; outer SGD
     x ← x_anchor
 
-Chunks are ``compress/dct.py``'s (``chunk``: 64×64 = 4096 for a matrix, 64 for a vector, each the
-largest divisor of its dim that is ≤ ``chunk``); ``transform = "none"`` selects on the values
-themselves (the paper's choice), ``"dct"`` on their DCT-II coefficients (DeMo's, the reference
-code's option). The quantizer is the reference code's statistical one (``compress/quantize.py``:
-``bins`` levels over ±``quant_range``/2 standard deviations of the shard's selected values, each
-level the mean of its bin); ``quantization = "none"`` sends float32 values. On the wire, per shard:
-the codes in log₂(bins) bits, the in-chunk indices in ⌈log₂ L⌉ bits (``packing.IndexCodec``), the
-``bins`` float32 levels; every shard's bytes in one ``uint8`` buffer, one all-gather over R per
-sync. Every replica decodes the same bytes in the same order and sums the replicas in replica order
+The aggregate (``aggregate``): ``mean``, the paper's (1/R)·Σ_r Δ̂_r; ``senders``, per coordinate the
+mean over the replicas that sent it, what both authors' codes compute (``scatter_reduce(...,
+reduce="mean", include_self=False)`` over every replica's indices). ``clip = "median_norm"``
+(Templar's ``batch_decompress``): each replica's Δ̂_r of a parameter is first scaled by
+min(1, median_r ‖Δ̂_r‖ / (‖Δ̂_r‖ + 1e-8)), ‖·‖ over the whole tensor, ``torch.median``'s lower middle
+for an even R; each shard sends its replica's norm as one float32. Templar's outer step is
+``senders`` + ``median_norm`` + ``topk_rule = "even"``; the paper code's, ``senders`` + ``topk_rule =
+"area"`` (``tests/test_sparseloco.py`` holds both against the formulas on the same inputs).
+
+The outer learning rate. Both authors' codes add their α to the error feedback too (e ← β·e + α·Δ)
+and then step SGD with lr α: Δ̂ scales with α (top-k, the quantizer and the clip's ratio are
+scale-free), so their step is α²·Q(Top-k(e)) on an error buffer α times ours. Ours (the paper's
+Algorithm 1) takes α in the step alone: their α is our ``outer_lr`` = α² (the same at α = 1, their
+shipped value), not an option of its own.
+
+Chunks: ``compress/dct.py``'s (``chunk``: 64×64 = 4096 for a matrix, 64 for a vector, each the largest
+divisor of its dim that is ≤ ``chunk``) on the *whole tensor's* grid: a shard that is a union of the
+tensor's chunks (its start and extent along every split dim multiples of the chunk: FSDP2's 64 of 128
+rows) selects exactly what an unsharded run selects. A shard that cuts chunks (43 of 128 rows over
+S = 3; 96 of 192 over S = 2) cannot without moving values between ranks: it is chunked on its own
+(its dims' largest divisors ≤ ``chunk``), keeps k per chunk of its own (a 128×128 tensor over S = 3
+keeps 3 × 2 × 64 = 384 values instead of 256), so its update depends on the layout; one log line
+per run names such shards (:func:`chunk_grid`). Values per chunk of L (``topk_rule``): ours min(topk,
+L); Templar's even(max(2, min(topk, L))) (it packs index pairs); the paper code's max(1, round(L·topk /
+chunk²)) (a 64-vector keeps 1 where we keep 64). All three agree on full 64×64 chunks; "1.56 %
+density" and 12-bit indices hold only where dims divide by 64.
+
+``transform = "none"`` selects on the values themselves (the paper's choice), ``"dct"`` on their
+DCT-II coefficients (DeMo's, the reference code's option). The quantizer is the reference code's
+statistical one (``compress/quantize.py``: ``bins`` levels over ±``quant_range``/2 standard deviations
+of the selected values, each level the mean of its bin) over the *whole tensor's* selected values,
+as the references quantize a tensor: each shard's sums (n, Σv, Σv², then every bin's Σc and count,
+float64) are added over the groups that shard the tensor, two small fused all-reduces per group and
+sync through ``comm`` (:func:`sparseloco_s_bytes`), so codes and levels do not depend on the layout.
+``quantization = "none"`` sends float32 values. On the wire, per shard: the codes in log₂(bins) bits,
+the in-chunk indices in ⌈log₂ L⌉ bits (``packing.IndexCodec``), the ``bins`` float32 levels (and the
+clip's norm); every shard's bytes in one ``uint8`` buffer, one all-gather over R per sync. Every
+replica decodes the same bytes in the same order and sums the replicas in replica order
 (``dct.accumulate_chunks_``), so the anchors and the parameters are bit-identical on every replica
 right after a sync; between syncs parameters, AdamW moments and error feedback are per replica
 (``params_replica_local``; a checkpoint keeps each replica's copy).
@@ -31,14 +60,15 @@ the sync runs after update n when ``n % H == 0``.
 
 ``sync_delay`` τ (off by default; it changes the algorithm, as the local-adaptive family's
 streaming sync does): the all-gather issued after update n is completed after update n + τ, the
-next τ inner steps overlapping it; then x_anchor ← x_anchor − α·mean_R(Δ̂) and x ← x_anchor + (x −
+next τ inner steps overlapping it; then x_anchor ← x_anchor − α·agg_R(Δ̂) and x ← x_anchor + (x −
 x at issue), keeping the local progress of those τ steps (Streaming DiLoCo's merge). It costs one
 copy of the parameters in flight. τ < H. ``state_dict`` completes a sync in flight first, so a
 checkpoint holds none and a resumed run continues as the run that saved it.
 
 TP and FSDP change only which shard a rank works on (``common.replica_grad`` brings the gradient to
 the parameter's placements); a parameter replicated over T is processed identically on every T rank.
-The byte formula is :func:`sparseloco_r_bytes`. Host synchronizations: none per step.
+The byte formulas are :func:`sparseloco_r_bytes` and :func:`sparseloco_s_bytes`. Host
+synchronizations: none per step.
 """
 
 import logging
