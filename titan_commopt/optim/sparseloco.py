@@ -513,5 +513,5 @@ FAMILY = Family(
     preset_sources=PRESET_SOURCES,
     s_bytes=sparseloco_s_bytes,
     summary="H local AdamW steps, then chunked top-k of the error-fed pseudo-gradient in 2-bit values, one "
-    "all-gather, outer SGD on the mean (SparseLoCo)",
+    "all-gather, outer SGD on their aggregate (SparseLoCo)",
 )
