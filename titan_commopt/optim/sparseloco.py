@@ -115,7 +115,7 @@ class Config:
         "none", "Top-k on the values themselves (none, the paper) or on their DCT-II coefficients (dct, DeMo's).")
     quantization: Literal["2bit", "none"] = option(
         "2bit", "Selected values on the wire: 2-bit statistical quantization (4 levels, the paper) or float32.")
-    quant_range: float = option(6.0, "Range of the quantizer in standard deviations of a shard's selected "
+    quant_range: float = option(6.0, "Range of the quantizer in standard deviations of a tensor's selected "
                                 "values (the reference code's range_in_sigmas).", gt=0.0)
     topk_rule: Literal["min", "even", "area"] = option(
         "min", "Values kept per chunk of L values: min(topk, L) (min); Templar's even(max(2, min(topk, L))) "
@@ -124,7 +124,7 @@ class Config:
     error_decay: float = option(0.95, "Error-feedback decay β: e ← β·e + Δ.", ge=0.0, le=1.0)
     outer_lr: float = option(
         1.0, "Outer learning rate α: x_anchor ← x_anchor − α·agg_R(Δ̂). Both authors' codes also scale Δ "
-        "by their α in the error feedback (α² in effect): their α is this α = their α².", gt=0.0)
+        "by their outer lr a in the error feedback, a² in effect: their a is outer_lr = a² here.", gt=0.0)
     aggregate: Literal["mean", "senders"] = option(
         "mean", "Per coordinate, the mean of what the replicas sent over all R replicas (mean, the paper's "
         "(1/R)·Σ) or over the replicas that sent that coordinate (senders, both authors' codes).")
