@@ -362,11 +362,11 @@ def test_resume_continues_identically(r2, case):
 def test_byte_formula_counts_codes_indices_and_levels():
     resolved = resolve("SparseLoCo", {"H": 4, "chunk": 4, "topk": 3})
     # an 8×12 matrix: 6 chunks of 4×4 (L = 16), 18 values: 5 bytes of 2-bit codes, 9 of 4-bit indices,
-    # 16 of levels; a 6-vector: 2 chunks of 3 (k = 3 of 3), 6 values: 2 + 2 (2-bit indices) + 16; an
-    # empty shard sends nothing. Per step: one sync's bytes / H.
+    # 16 of levels; a 6-vector: 2 chunks of 3 (k = 3 of 3: no indices), 6 values: 2 + 16; an empty
+    # shard sends nothing. Per step: one sync's bytes / H.
     shards = [ShardShape("w", (8, 12), (8, 12)), ShardShape("b", (6,), (6,)), ShardShape("z", (0, 3), (4, 3))]
     got = resolved.family.r_bytes(shards, resolved, 3)
-    assert got.sent == ((5 + 9 + 16) + (2 + 2 + 16)) / 4
+    assert got.sent == ((5 + 9 + 16) + (2 + 16)) / 4
     assert got.recv == 2 * got.sent
     assert resolved.family.r_bytes(shards, resolved, 1).sent == 0
     clipped = resolve("SparseLoCo", {"H": 4, "chunk": 4, "topk": 3, "clip": "median_norm"})
@@ -387,8 +387,11 @@ def test_byte_formulas_follow_the_chunk_grid_and_count_the_statistics():
     assert bytes_of(off_grid) == 128 * 2 / 8 + 16 + 128 * 12 / 8
     # 192×64 over S = 2: 96 rows off the 64-row grid, chunked 48×64 (two chunks of 3072, 12 bits)
     assert bytes_of(ShardShape.fsdp("b", (192, 64), 2)) == 128 * 2 / 8 + 16 + 128 * 12 / 8
-    # a vector of 96 over S = 2 (rank 1: 48, the tensor's chunk 48): k = 48 of 48, 6-bit indices
-    assert bytes_of(ShardShape.fsdp("v", (96,), 2, rank=1)) == 48 * 2 / 8 + 16 + 48 * 6 / 8
+    # a vector of 96 over S = 2 (rank 1: 48, the tensor's chunk 48): k = 48 of 48, every value, no indices
+    assert bytes_of(ShardShape.fsdp("v", (96,), 2, rank=1)) == 48 * 2 / 8 + 16
+    # ... and with top 16 of each 48: 6-bit indices
+    top16 = resolve("SparseLoCo", {"H": 5, "topk": 16})
+    assert top16.family.r_bytes([ShardShape.fsdp("v", (96,), 2, rank=1)], top16, 2).sent * 5 == 4 + 16 + 12
     # the statistics: 3 + 2·4 float64 per S-sharded tensor per sync, an empty shard's included
     shards = [ShardShape.fsdp("a", (128, 128), 3, rank=2), ShardShape.fsdp("z", (2, 4), 3, rank=2),
               ShardShape("plain", (5,), (5,))]
@@ -525,10 +528,10 @@ def test_one_replica_with_a_payload_of_no_whole_float():
     torch.manual_seed(0)
     p, q = torch.nn.Parameter(torch.randn(45)), torch.nn.Parameter(torch.randn(7, 9))
     for changes in ({}, {"quantization": "none"}, dict(TEMPLAR), dict(PAPER)):
-        resolved = resolve("SparseLoCo", {"H": 2, **changes})
+        resolved = resolve("SparseLoCo", {"H": 2, "chunk": 8, "topk": 3, **changes})  # 45 = 5 chunks of 9
         model = [("v", p), ("m", q)]
         payload = resolved.family.r_bytes([ShardShape.of(n, t) for n, t in model], resolved, 2).sent * 2
-        assert payload % 4 or changes == PAPER, (changes, payload)  # no whole number of floats
+        assert payload % 4, (changes, payload)  # no whole number of floats
         opt = build_optimizer(model, Topology.single(), resolved)
         before = p.detach().clone()
         for _ in range(2):

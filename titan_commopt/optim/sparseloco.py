@@ -47,8 +47,8 @@ as the references quantize a tensor: each shard's sums (n, Σv, Σv², then ever
 float64) are added over the groups that shard the tensor, two small fused all-reduces per group and
 sync through ``comm`` (:func:`sparseloco_s_bytes`), so codes and levels do not depend on the layout.
 ``quantization = "none"`` sends float32 values. On the wire, per shard: the codes in log₂(bins) bits,
-the in-chunk indices in ⌈log₂ L⌉ bits (``packing.IndexCodec``), the ``bins`` float32 levels (and the
-clip's norm); every shard's bytes in one ``uint8`` buffer, one all-gather over R per sync. Every
+the in-chunk indices in ⌈log₂ L⌉ bits (``packing.IndexCodec``; none where k = L: every value goes,
+in chunk order), the ``bins`` float32 levels (and the clip's norm); every shard's bytes in one ``uint8`` buffer, one all-gather over R per sync. Every
 replica decodes the same bytes in the same order and sums the replicas in replica order
 (``dct.accumulate_chunks_``), so the anchors and the parameters are bit-identical on every replica
 right after a sync; between syncs parameters, AdamW moments and error feedback are per replica
@@ -208,7 +208,8 @@ class ShardCodec:
     :func:`chunk_grid`), per-chunk top-k, values, indices, and with ``clip`` its replica's norm.
     ``to_chunks``/``from_chunks``: the shard ↔ its ``(n_chunks, L)`` chunk-major values (or DCT
     coefficients), copies. Bytes of a shard: the codes in 2 bits and ``bins`` float32 levels (or
-    float32 values), the in-chunk indices in ⌈log₂ L⌉ bits, then (``median_norm``) one float32."""
+    float32 values), the in-chunk indices in ⌈log₂ L⌉ bits (none when k = L: every value, in chunk
+    order), then (``median_norm``) one float32."""
 
     def __init__(self, cfg: Config, shape: Sequence[int], chunks: Optional[Sequence[int]] = None, device=None,
                  dtype=torch.float32):
@@ -219,10 +220,11 @@ class ShardCodec:
         self.k = chunk_topk(cfg, self.L)
         self.n = self.rows * self.k
         self.quantizer = StatisticalQuantizer(BINS, cfg.quant_range) if cfg.quantization == "2bit" else None
+        self.whole = self.k == self.L  # every value of every chunk: in chunk order, no indices on the wire
         self.index_codec = IndexCodec(self.L, pack=True)
         self.senders = cfg.aggregate == "senders"
         self.value_bytes = self.quantizer.nbytes(self.n) if self.quantizer else float_bytes(self.n, torch.float32)
-        self.index_bytes = self.index_codec.nbytes(self.n)
+        self.index_bytes = 0 if self.whole else self.index_codec.nbytes(self.n)
         self.norm_bytes = 4 if cfg.clip == "median_norm" else 0
         self.nbytes = self.value_bytes + self.index_bytes + self.norm_bytes
 
@@ -243,8 +245,13 @@ class ShardCodec:
 
     def select(self, e_chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` largest-magnitude values of every chunk: ``(values (1, n) float32, indices (rows, k))``."""
+        if self.whole:
+            return e_chunks.reshape(1, self.n).float(), self._positions(self.rows, e_chunks.device)
         vals, idx = topk_per_chunk(e_chunks, self.k)
         return vals.reshape(1, self.n).float(), idx
+
+    def _positions(self, rows: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(self.L, device=device).expand(rows, self.L)
 
     def write(self, vals: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, codes: Optional[torch.Tensor] = None,
               levels: Optional[torch.Tensor] = None, norm: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -258,7 +265,8 @@ class ShardCodec:
             sent = vals
             out[: self.value_bytes].copy_(to_bytes(sent.view(-1), torch.float32))
         end = self.value_bytes + self.index_bytes
-        out[self.value_bytes: end].copy_(self.index_codec.encode(idx.reshape(1, self.n)).view(-1))
+        if not self.whole:
+            out[self.value_bytes: end].copy_(self.index_codec.encode(idx.reshape(1, self.n)).view(-1))
         if self.norm_bytes:
             out[end:].copy_(to_bytes(norm.reshape(1).float(), torch.float32))
         return torch.zeros(self.rows, self.L, device=vals.device).scatter_(-1, idx, sent.view(self.rows, self.k))
@@ -274,7 +282,10 @@ class ShardCodec:
         else:
             vals = from_bytes(values, torch.float32)
         end = self.value_bytes + self.index_bytes
-        idx = self.index_codec.decode(payloads[:, self.value_bytes: end], self.n).view(W, self.rows, self.k)
+        if self.whole:
+            idx = self._positions(self.rows, payloads.device).expand(W, self.rows, self.L)
+        else:
+            idx = self.index_codec.decode(payloads[:, self.value_bytes: end], self.n).view(W, self.rows, self.k)
         if self.norm_bytes:  # each replica's values scaled to at most the median replica norm
             norms = from_bytes(payloads[:, end:], torch.float32).view(W)
             vals = vals * (norms.median() / (norms + CLIP_EPS)).clamp(max=1).unsqueeze(-1)
@@ -293,7 +304,7 @@ def _codec_for(cfg: Config, shard: ShardShape, device=None, dtype=torch.float32)
 
 def sparseloco_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_size: int) -> Bytes:
     """One all-gather of every shard's payload every H steps: per shard with elements, codes
-    (log₂ bins bits) + indices (⌈log₂ L⌉ bits) + ``bins`` float32 levels (float32 values without
+    (log₂ bins bits) + indices (⌈log₂ L⌉ bits, none where k = L) + ``bins`` float32 levels (float32 values without
     quantization), + one float32 norm with ``median_norm``, on the chunk grid of :func:`chunk_grid`;
     sent = that ÷ H, received = (W − 1) × sent."""
     if replicate_size <= 1:
