@@ -493,3 +493,15 @@ def test_every_decode_path_takes_one_replicas_unaligned_segment(path, wire):
     compressed scalars run, the 2-bit quantizer's levels that SparseLoCo reads) on a segment of a
     one-replica fused buffer with an odd row stride."""
     DECODE_PATHS[path](WIRE_DTYPES[wire])
+
+
+def test_chunker_takes_a_given_grid():
+    """``chunks``: a whole tensor's grid on a shard it tiles (64 of 128 rows, chunk 64 of 64 columns)
+    instead of the shard's own divisors; a grid that does not tile the shard is refused."""
+    c = Chunker((64, 192), 64, chunks=(32, 64))
+    assert (c.chunks, c.L, c.n_chunks) == ((32, 64), 2048, 6)
+    x = torch.randn(64, 192)
+    torch.testing.assert_close(c.decode(c.encode(x)), x, atol=1e-5, rtol=1e-5)
+    assert Chunker((64, 192), 64).chunks == (64, 64)
+    with pytest.raises(ValueError, match="do not tile"):
+        Chunker((48, 64), 64, chunks=(32, 64))
