@@ -404,8 +404,8 @@ def test_byte_formulas_follow_the_chunk_grid_and_count_the_statistics():
 
 def test_preset_and_bad_values_are_one_line_config_errors():
     cfg = resolve("SparseLoCo").options
-    assert (cfg.H, cfg.chunk, cfg.topk, cfg.transform, cfg.quantization, cfg.error_decay, cfg.outer_lr) == (
-        15, 64, 64, "none", "2bit", 0.95, 1.0)
+    assert (cfg.H, cfg.chunk, cfg.topk, cfg.transform, cfg.quantization, cfg.error_decay, cfg.outer_lr, cfg.aggregate,
+            cfg.clip, cfg.topk_rule) == (2, 64, 4096, "none", "2bit", 0.95, 1.0, "mean", "none", "min")
     for given, message in [
         ({"topk": 20, "chunk": 4}, r"^\[commopt.sparseloco\] topk = 20: allowed is at most chunk\^2 = 16 \(chunk = 4\)$"),
         ({"sync_delay": 2, "H": 2}, r"^\[commopt.sparseloco\] sync_delay = 2: allowed is an integer >= 0 below H = 2"),
