@@ -378,7 +378,7 @@ def test_byte_formula_counts_codes_indices_and_levels():
 
 
 def test_byte_formulas_follow_the_chunk_grid_and_count_the_statistics():
-    resolved = resolve("SparseLoCo", {"H": 5})  # chunk 64, top 64, 2 bits
+    resolved = resolve("SparseLoCo", {"H": 5, "topk": 64})  # chunk 64, top 64, 2 bits
     bytes_of = lambda shard: resolved.family.r_bytes([shard], resolved, 2).sent * 5  # noqa: E731  one sync
     # 128×128 over S = 2: rank 0's 64 rows are one row of the tensor's 64×64 chunks (2 chunks, 12-bit
     # indices); over S = 3 its 43 rows are chunked on their own: 43×64 chunks (12-bit indices too)
@@ -549,7 +549,7 @@ def test_outer_step_aggregate_is_the_authors_formula(W, options):
     takes torch.median's lower middle norm."""
     from titan_commopt.optim.sparseloco import ShardCodec
 
-    cfg = resolve("SparseLoCo", options).options
+    cfg = resolve("SparseLoCo", {"topk": 64, **options}).options  # top 64 of each chunk, as the authors run
     codec = ShardCodec(cfg, (96, 200))
     q = codec.quantizer
     gen = torch.Generator().manual_seed(W)

@@ -33,8 +33,8 @@ tensor's chunks (its start and extent along every split dim multiples of the chu
 rows) selects exactly what an unsharded run selects. A shard that cuts chunks (43 of 128 rows over
 S = 3; 96 of 192 over S = 2) cannot without moving values between ranks: it is chunked on its own
 (its dims' largest divisors ≤ ``chunk``), keeps k per chunk of its own (a 128×128 tensor over S = 3
-keeps 3 × 2 × 64 = 384 values instead of 256), so its update depends on the layout; one log line
-per run names such shards (:func:`chunk_grid`). Values per chunk of L (``topk_rule``): ours min(topk,
+keeps 3 × 2 × 64 = 384 values instead of 256), so its update depends on the layout, unless both grids
+keep every value; one log line per run names such shards (:func:`chunk_grid`). Values per chunk of L (``topk_rule``): ours min(topk,
 L); Templar's even(max(2, min(topk, L))) (it packs index pairs); the paper code's max(1, round(L·topk /
 chunk²)) (a 64-vector keeps 1 where we keep 64). All three agree on full 64×64 chunks; "1.56 %
 density" and 12-bit indices hold only where dims divide by 64.
@@ -94,7 +94,7 @@ from .local_adaptive import _CHUNK, _DEFAULT_CHUNK, _chunks, _trainable
 from .shard_groups import Groups, sharding_groups, sum_over
 
 __all__ = ["Config", "PRESETS", "PRESET_SOURCES", "SparseLoCo", "FAMILY", "check", "sparseloco_r_bytes",
-           "sparseloco_s_bytes", "ShardCodec", "chunk_topk", "chunk_grid"]
+           "sparseloco_s_bytes", "ShardCodec", "chunk_topk", "chunk_grid", "whole_grid"]
 
 SECTION = "commopt.sparseloco"
 CLIP_EPS = 1e-8  # Templar's: a replica's scale is min(1, median / (‖v‖ + 1e-8))
@@ -181,12 +181,17 @@ def _flat_dims(shape: Sequence[int]) -> tuple[int, ...]:
     return (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (math.prod(shape),)
 
 
+def whole_grid(shape: Sequence[int], s: int) -> tuple[int, ...]:
+    """The tensor's chunk sizes: each (flattened) dim's largest divisor ≤ ``s``."""
+    return tuple(chunk_size(d, s) for d in _flat_dims(shape))
+
+
 def chunk_grid(shard: ShardShape, s: int) -> tuple[tuple[int, ...], bool]:
     """Chunk sizes for the local shard, and whether they are the tensor's own grid (each dim's largest
     divisor ≤ ``s``, of the whole tensor): they are wherever the shard is a union of the grid's chunks
     (along every split dim its start and extent are multiples of the chunk), so top-k picks the values
     an unsharded run picks. Elsewhere the shard is chunked on its own (its dims' largest divisors)."""
-    whole = tuple(chunk_size(d, s) for d in _flat_dims(shard.shape))
+    whole = whole_grid(shard.shape, s)
     if not shard.numel or tuple(shard.local) == tuple(shard.shape):
         return whole, True
     for dim, (extent, size) in enumerate(zip(shard.local, shard.shape)):
@@ -369,9 +374,10 @@ class SparseLoCo(LocalSteps, CommOptimizer):
             chunks, on_grid = chunk_grid(shard, cfg.chunk)
             codec = self._codec(x, chunks) if x.numel() else None
             self._pieces.append(_Piece(p, codec, sharding_groups(p, topology)))
-            if not on_grid:
+            whole_L = math.prod(whole_grid(shard.shape, cfg.chunk))
+            if not on_grid and not (codec.whole and chunk_topk(cfg, whole_L) == whole_L):  # else: every value
                 off_grid.append(f"{name} {tuple(shard.local)} of {tuple(shard.shape)}")
-        if off_grid:  # once per run: the layout decides these shards' chunks
+        if off_grid:  # once per run: the layout decides what these shards keep
             logger.info(
                 "%s: %d of %d parameter shards on this rank do not tile their tensor's chunk grid (e.g. %s): "
                 "their top-k runs on the shard's own chunks, so the values kept and the update depend on the "
