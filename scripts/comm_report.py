@@ -10,8 +10,9 @@ family's byte formula (``Family.r_bytes``, the one the ledger is tested against)
 rank 0's FSDP2 shards (``ShardShape.fsdp``: dim 0 split over ``--shard``); S bytes are the FSDP2
 estimate the training container records (all-gather of the parameters in forward and backward + gradient reduce-scatter). AdamW-HSDP
 = the fp32 all-reduce of the local gradient shard over R; AdamW-DDP = the same for the full
-gradient (|S| = 1), the unit the DeMo/Dion papers report. The S column is FSDP2's own traffic
-only: Dion's distributed orthogonalization adds S collectives of its own (in the ledger, not here).
+gradient (|S| = 1), the unit the DeMo/Dion papers report. The S column is FSDP2's own traffic plus
+a family's priced S sums (``Family.s_bytes``: SparseLoCo's quantizer statistics); Dion's distributed
+orthogonalization adds S collectives of its own (in the ledger, not here).
 
 Dtypes: ``--param-dtype`` is torchtitan's ``[training] mixed_precision_param`` (the dtype FSDP2
 all-gathers parameters in: the S column), ``--reduce-dtype`` its ``mixed_precision_reduce`` (the
@@ -165,7 +166,7 @@ def report(flavor: str, replicate: int, shard: int, names=None, overrides=None,
            link_bps: float | None = None, ranks_per_link: int = 1, horizon: int | None = None) -> list[dict]:
     """One row per optimizer. A bad option in ``overrides`` raises ConfigError (a user's mistake);
     a family that cannot price this shape is left out with a note on stderr."""
-    from titan_commopt.optim import available_names
+    from titan_commopt.optim import Bytes, available_names
     from titan_commopt.optim.traffic import adamw_hsdp_r_bytes, fsdp_traffic
     from titan_commopt.options import ConfigError
 
@@ -185,12 +186,13 @@ def report(flavor: str, replicate: int, shard: int, names=None, overrides=None,
         except Exception as error:  # a family that cannot price this shape: say so, keep the rest
             print(f"# {name}: {type(error).__name__}: {error}", file=sys.stderr)
             continue
+        own_s = resolved.family.s_bytes(shards, resolved) if resolved and resolved.family.s_bytes else Bytes()
         row = {
             "optimizer": name, "settings": settings(resolved, reduce_dtype),
             "R_sent": r.sent, "R_recv": r.recv, "R_sent_sync": burst.sent, "R_recv_sync": burst.recv,
             "sync_at_update": burst_at,
             "sync_is_upper_bound": not exact,
-            "S_sent": s.sent, "S_recv": s.recv,
+            "S_sent": s.sent + own_s.sent, "S_recv": s.recv + own_s.recv,
             "vs_adamw_hsdp": hsdp / r.sent if r.sent else float("inf"),
             "vs_adamw_ddp": ddp / r.sent if r.sent else float("inf"),
         }
@@ -263,7 +265,7 @@ def _due_text(row: dict) -> str:
 def format_rows(rows: list[dict]) -> str:
     return table(
         ["optimizer", "settings behind the bytes", "R sent/step/rank (mean)", "R recv/step/rank",
-         "R sent/sync/rank (burst)", "largest after update", "S sent/step/rank (FSDP2)", "AdamW-HSDP ÷ this",
+         "R sent/sync/rank (burst)", "largest after update", "S sent/step/rank (FSDP2 + own)", "AdamW-HSDP ÷ this",
          "AdamW-DDP ÷ this"],
         [[r["optimizer"], _settings_text(r["settings"]), human(r["R_sent"]), human(r["R_recv"]), _sync_text(r),
           _due_text(r), human(r["S_sent"]), f"{r['vs_adamw_hsdp']:.1f}x", f"{r['vs_adamw_ddp']:.1f}x"] for r in rows],

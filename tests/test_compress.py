@@ -8,7 +8,8 @@ import torch
 
 from titan_commopt.compress.dct import (Chunker, accumulate_chunks_, chunk_size, dct_basis, scatter_chunks,
                                         topk_per_chunk)
-from titan_commopt.compress.packing import (CompactCodec, EliasFano, IndexCodec, ValueCodec, bits_bytes, ef_low_bits,
+from titan_commopt.compress.packing import (WIRE_DTYPES, CompactCodec, EliasFano, IndexCodec, ValueCodec, bits_bytes,
+                                            ef_low_bits,
                                             from_bytes, pack_bits, pack_ternary, subset_bits, to_bytes,
                                             unpack_bits, unpack_ternary)
 from titan_commopt.compress.replicators import KINDS, make_replicator
@@ -412,3 +413,95 @@ def test_compact_zero_chunks_decode_as_zero():
     expect = torch.zeros(c.n_chunks, c.L)
     expect[1, [0, 9, 63]] = torch.tensor([1.0, -1.0, 1.0])
     assert torch.equal(means[0], expect) and torch.equal(means[1], expect)
+
+
+def _one_replica_segment(payload: torch.Tensor, before: int = 8) -> torch.Tensor:
+    """``payload`` (bytes) as the all-gather of one replica hands it to a decoder: a ``(1, n)`` slice
+    of a fused buffer that starts ``before`` bytes in (aligned for every element size) and whose row
+    is an odd number of bytes long (a stride no element size divides)."""
+    n = payload.numel()
+    after = 1 + (before + n) % 2
+    fused = torch.randint(0, 256, (1, before + n + after), dtype=torch.uint8)
+    fused[0, before: before + n] = payload
+    return fused[:, before: before + n]
+
+
+def test_from_bytes_reinterprets_a_segment_of_any_stride():
+    values = torch.randn(5)
+    segment = _one_replica_segment(to_bytes(values, torch.float32))
+    assert segment.is_contiguous() and segment.stride(0) % 4  # is_contiguous ignores a size-1 dim's stride
+    assert torch.equal(from_bytes(segment, torch.float32), values.view(1, 5))
+    wide = torch.arange(24, dtype=torch.uint8).view(2, 12)[:, :8]  # two rows 12 bytes apart: viewable in place
+    assert from_bytes(wide, torch.float32).data_ptr() == wide.data_ptr()
+
+
+def _decode_float_values(wire):
+    values = torch.randn(1, 45)
+    floats = ValueCodec(False, wire, pack=True)
+    assert torch.equal(floats.decode(_one_replica_segment(floats.encode(values)), 45), values.to(wire).float())
+
+
+def _decode_int64_indices(wire):
+    idx = torch.randperm(64)[:45].view(1, 45)
+    unpacked = IndexCodec(64, pack=False)
+    assert torch.equal(unpacked.decode(_one_replica_segment(unpacked.encode(idx)), 45), idx)
+
+
+def _decode_compact_floats(wire):
+    compact = CompactCodec(64, 5, sign=False, wire_dtype=wire)
+    sel, pos = torch.randn(9, 5), torch.stack([torch.randperm(64)[:5] for _ in range(9)])
+    v_out = torch.empty(1, compact.value_bytes(9), dtype=torch.uint8)
+    i_out = torch.empty(1, compact.index_bytes(9), dtype=torch.uint8)
+    compact.encode_into(sel, pos, v_out, i_out)
+    got_v, got_p, _ = compact.decode(_one_replica_segment(v_out.view(-1)), i_out, 9)
+    order = pos.sort(-1)
+    assert torch.equal(got_p[0], order.values)
+    assert torch.equal(got_v[0], sel.gather(-1, order.indices).to(wire).float())
+
+
+def _decode_demo_replicator(wire):
+    dtype = next(name for name, d in WIRE_DTYPES.items() if d == wire)
+    cfg = dataclasses.replace(Config(), chunk=4, topk=3, pack=True, sign_before_sync=False, transfer_dtype=dtype)
+    for wire_format in ("packed", "compact"):
+        rep = make_replicator(dataclasses.replace(cfg, wire=wire_format), (45,), "v")
+        q, payload = rep.extract(torch.randn(45), 1)
+        got = rep.aggregate(_one_replica_segment(payload), 1)
+        assert torch.equal(got, rep.aggregate(payload.view(1, -1).clone(), 1))
+        torch.testing.assert_close(got, q, rtol=0, atol=1e-2 if dtype != "fp32" else 1e-6)
+
+
+def _decode_quantizer_levels(wire):
+    from titan_commopt.compress.quantize import StatisticalQuantizer
+
+    quantizer = StatisticalQuantizer(4, 6.0)
+    codes, levels = quantizer.quantize(torch.randn(1, 45))
+    out = torch.empty(1, quantizer.nbytes(45), dtype=torch.uint8)
+    quantizer.encode_into(codes, levels, out)
+    assert torch.equal(quantizer.decode(_one_replica_segment(out.view(-1)), 45), quantizer.dequantize(codes, levels))
+
+
+DECODE_PATHS = {"float_values": _decode_float_values, "int64_indices": _decode_int64_indices,
+                "compact_floats": _decode_compact_floats, "demo_replicator": _decode_demo_replicator,
+                "quantizer_levels": _decode_quantizer_levels}
+
+
+@pytest.mark.parametrize("wire", ["fp32", "bf16"])
+@pytest.mark.parametrize("path", list(DECODE_PATHS))
+def test_every_decode_path_takes_one_replicas_unaligned_segment(path, wire):
+    """Each decode path that reinterprets bytes as wider elements (float values, unpacked int64
+    indices, the compact wire's floats, the DeMo replicator's aggregate that DeMo and Dion's
+    compressed scalars run, the 2-bit quantizer's levels that SparseLoCo reads) on a segment of a
+    one-replica fused buffer with an odd row stride."""
+    DECODE_PATHS[path](WIRE_DTYPES[wire])
+
+
+def test_chunker_takes_a_given_grid():
+    """``chunks``: a whole tensor's grid on a shard it tiles (64 of 128 rows, chunk 64 of 64 columns)
+    instead of the shard's own divisors; a grid that does not tile the shard is refused."""
+    c = Chunker((64, 192), 64, chunks=(32, 64))
+    assert (c.chunks, c.L, c.n_chunks) == ((32, 64), 2048, 6)
+    x = torch.randn(64, 192)
+    torch.testing.assert_close(c.decode(c.encode(x)), x, atol=1e-5, rtol=1e-5)
+    assert Chunker((64, 192), 64).chunks == (64, 64)
+    with pytest.raises(ValueError, match="do not tile"):
+        Chunker((48, 64), 64, chunks=(32, 64))

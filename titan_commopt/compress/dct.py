@@ -54,9 +54,12 @@ def dct_basis(n: int, device: torch.device | str = "cpu", dtype: torch.dtype = t
 
 class Chunker:
     """Chunk + DCT of one local shape (``encode``/``decode`` one tensor; ``forward``/``inverse``
-    ``G`` of them at once, see the module docstring)."""
+    ``G`` of them at once, see the module docstring). ``chunks``: the chunk size along each of the
+    two (or one) dims instead of the largest divisors ≤ ``s`` (each must divide its dim), e.g. a
+    whole tensor's grid applied to a shard that it tiles."""
 
-    def __init__(self, shape: torch.Size | tuple[int, ...], s: int, device=None, dtype=torch.float32):
+    def __init__(self, shape: torch.Size | tuple[int, ...], s: int, device=None, dtype=torch.float32,
+                 chunks: Optional[Sequence[int]] = None):
         self.shape = tuple(shape)
         numel = math.prod(self.shape)
         self.numel = numel
@@ -64,7 +67,9 @@ class Chunker:
             self.dims = (self.shape[0], numel // max(self.shape[0], 1))
         else:
             self.dims = (numel,)
-        self.chunks = tuple(chunk_size(d, s) for d in self.dims)
+        self.chunks = tuple(chunk_size(d, s) for d in self.dims) if chunks is None else tuple(chunks)
+        if len(self.chunks) != len(self.dims) or any(c < 1 or d % c for d, c in zip(self.dims, self.chunks)):
+            raise ValueError(f"chunks {self.chunks} do not tile dims {self.dims} of shape {self.shape}")
         self.counts = tuple(d // c for d, c in zip(self.dims, self.chunks))  # chunks along each dim
         self.L = math.prod(self.chunks)
         self.n_chunks = numel // max(self.L, 1)
@@ -72,7 +77,7 @@ class Chunker:
         self.bases = [dct_basis(c, self.device, dtype) for c in self.chunks]
         self.bases_t = [b.T.contiguous() for b in self.bases]
         for d, c in zip(self.dims, self.chunks):
-            if d > s and c == 1:
+            if chunks is None and d > s and c == 1:
                 logger.warning("dim %d of shape %s has no divisor <= %d: chunk 1, top-k keeps everything "
                                "along it", d, self.shape, s)
 

@@ -146,12 +146,22 @@ def to_bytes(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def from_bytes(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows of raw bytes (the last dim) → rows of ``dtype`` values; copies only when ``data`` is not
-    a contiguous run at a multiple of the element size (a segment of the fused buffer may be)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    if not data.is_contiguous() or data.storage_offset() % size:
+    """Rows of raw bytes (the last dim) → rows of ``dtype`` values; copies only when ``data`` cannot
+    be reinterpreted in place: a segment of the fused buffer may start at any byte, and its rows
+    are as far apart as the buffer's, any number of bytes (a row count of one still has that
+    stride, which ``is_contiguous`` ignores but a reinterpreting view does not)."""
+    if not _viewable(data, torch.empty((), dtype=dtype).element_size()):
         data = data.clone(memory_format=torch.contiguous_format)
     return data.view(dtype)
+
+
+def _viewable(data: torch.Tensor, size: int) -> bool:
+    """Whether ``data.view(<dtype of size bytes>)`` is legal: unit stride in the last dim, the
+    start and every other stride a multiple of ``size``."""
+    if data.dim() == 0 or data.numel() == 0:
+        return data.is_contiguous()
+    return (data.stride(-1) == 1 and data.storage_offset() % size == 0
+            and all(stride % size == 0 for stride in data.stride()[:-1]))
 
 
 def _aligned(out: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -44,6 +44,7 @@ class ShardShape:
     ``col_split``: the same for the columns (dim 1: TP's row-wise layers). ``sharded``: ``(role,
     tensor dim)`` of every mesh dim of size > 1 that shards the parameter, role ``"T"`` for a mesh dim
     named ``tp`` and ``"S"`` otherwise (as Dion assigns them; its orientation rule reads them).
+    ``offset``: where the local shard starts in the parameter, per dim (empty: at the origin).
     """
 
     fqn: str
@@ -53,10 +54,21 @@ class ShardShape:
     itemsize: int = 4
     col_split: tuple[int, int] = (0, 1)
     sharded: tuple[tuple[str, int], ...] = ()
+    offset: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
         return math.prod(self.local)
+
+    def start(self, dim: int) -> int:
+        """The first index of the local shard along ``dim``: ``offset``'s, or where it is not given,
+        the ``(index, count)`` split's ceil-sized parts (FSDP2's and TP's) for dims 0 and 1."""
+        if self.offset:
+            return self.offset[dim]
+        if dim > 1:
+            return 0
+        index, count = (self.row_split, self.col_split)[dim]
+        return min(index * -(-self.shape[dim] // count), self.shape[dim])
 
     @classmethod
     def of(cls, fqn: str, p: torch.Tensor) -> "ShardShape":
@@ -73,8 +85,11 @@ class ShardShape:
                 split = splits[placement.dim]
                 split[0], split[1] = split[0] * size + mesh.get_local_rank(dim), split[1] * size
                 sharded.append((mesh_dim_role(mesh, dim), placement.dim))
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(p.shape, mesh, p.placements)
         return cls(fqn, tuple(to_local().shape), tuple(p.shape), tuple(splits[0]), p.element_size(),
-                   tuple(splits[1]), tuple(sharded))
+                   tuple(splits[1]), tuple(sharded), tuple(int(o) for o in offset))
 
     @classmethod
     def fsdp(cls, fqn: str, shape: Sequence[int], shards: int, rank: int = 0, itemsize: int = 4) -> "ShardShape":
@@ -84,7 +99,8 @@ class ShardShape:
             return cls(fqn, shape, shape, (0, 1), itemsize)
         chunk = math.ceil(shape[0] / shards)
         local = (max(0, min(chunk, shape[0] - rank * chunk)), *shape[1:])
-        return cls(fqn, local, shape, (rank, shards), itemsize, sharded=(("S", 0),))
+        offset = (min(rank * chunk, shape[0]), *(0 for _ in shape[1:]))
+        return cls(fqn, local, shape, (rank, shards), itemsize, sharded=(("S", 0),), offset=offset)
 
 
 @dataclass(frozen=True)
@@ -137,6 +153,9 @@ class Family:
       sends alike on every step; the comm report prices the largest step from it;
     - ``settings(resolved)``: ``{option: value}`` of the resolved values behind its bytes, for the
       comm report's rows (default: every option);
+    - ``s_bytes(shards, resolved)``: the family's own S payload per rank per step (what it sums over
+      the shard groups itself, beside FSDP2's traffic), or ``None`` where it sends nothing over S
+      that is priced;
     - ``summary``: one line for the docs;
     - ``preset_sources``: ``{optimizer name: where its values come from}`` (paper, section/table),
       printed beside each preset in ``docs/options.md``.
@@ -156,6 +175,7 @@ class Family:
     settings: Callable[["Resolved"], Mapping[str, Any]] = every_option
     summary: str = ""
     preset_sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    s_bytes: Optional[Callable[[Sequence[ShardShape], "Resolved"], Bytes]] = None
 
     @property
     def section(self) -> str:

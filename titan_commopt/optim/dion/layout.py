@@ -18,9 +18,8 @@ from titan_commopt.compress.packing import WIRE_DTYPES, ValueCodec
 from titan_commopt.compress.replicators import DeMoReplicator
 from titan_commopt.topology import T, Topology
 
-from ..common import mesh_dim_role
 from ..family import Bytes, Resolved, ShardShape
-from ..shard_groups import Groups
+from ..shard_groups import Groups, mesh_dim_group
 from .config import Config
 
 try:  # FSDP2 over TP shards an already row-sharded dim again: a strided row split
@@ -152,16 +151,6 @@ class Layout:
         return self.m if self.transposed else self.n
 
 
-def _group_for(mesh: Any, dim: int, topology: Topology) -> tuple[str, Any]:
-    role = mesh_dim_role(mesh, dim)  # by the mesh dim's name, as ShardShape.of (the byte formula's)
-    candidate = topology.tp if role == T else topology.shard
-    own = mesh.get_group(dim)
-    # Prefer the Topology's group (the roles' single source of truth) when it is the same set of ranks.
-    if candidate is not None and comm.group_ranks(candidate) == comm.group_ranks(own):
-        return role, candidate
-    return role, own
-
-
 def _split_of(groups: Groups) -> tuple[int, int]:
     """``(index, count)`` of this rank over ``groups``, mixed radix, first group most significant."""
     index, count = 0, 1
@@ -196,7 +185,7 @@ def layout_of(fqn: str, p: torch.Tensor, topology: Topology, cfg: Config) -> Lay
                     "shard (as microsoft/dion requires)"
                 )
             strided_rows = True
-        role, group = _group_for(mesh, i, topology)
+        role, group = mesh_dim_group(mesh, i, topology)
         sharded.append((role, dim))
         (rows if dim == 0 else cols).append((role, group))
     # A strided row split (FSDP over TP's column-wise layers, a layout microsoft/dion refuses) keeps the

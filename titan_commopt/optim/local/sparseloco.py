@@ -9,18 +9,47 @@ Algorithm 1 of the paper, on every replica r, per parameter, on the local FSDP2/
     e ← β·e + Δ                             # error feedback (replaces the outer momentum)
     Δ̂ = Q(Top-k(e))                         # per chunk the k largest |e|, values quantized
     e ← e − Δ̂                               # what was sent (dequantized) leaves the buffer
-    x_anchor ← x_anchor − α·mean_R(Δ̂)        # one all-gather of every replica's bytes; outer SGD
+    x_anchor ← x_anchor − α·agg_R(Δ̂)         # one all-gather of every replica's bytes; outer SGD
     x ← x_anchor
 
-Chunks are ``compress/dct.py``'s (``chunk``: 64×64 = 4096 for a matrix, 64 for a vector, each the
-largest divisor of its dim that is ≤ ``chunk``); ``transform = "none"`` selects on the values
-themselves (the paper's choice), ``"dct"`` on their DCT-II coefficients (DeMo's, the reference
-code's option). The quantizer is the reference code's statistical one (``compress/quantize.py``:
-``bins`` levels over ±``quant_range``/2 standard deviations of the shard's selected values, each
-level the mean of its bin); ``quantization = "none"`` sends float32 values. On the wire, per shard:
-the codes in log₂(bins) bits, the in-chunk indices in ⌈log₂ L⌉ bits (``packing.IndexCodec``), the
-``bins`` float32 levels; every shard's bytes in one ``uint8`` buffer, one all-gather over R per
-sync. Every replica decodes the same bytes in the same order and sums the replicas in replica order
+The aggregate (``aggregate``): ``mean``, the paper's (1/R)·Σ_r Δ̂_r; ``senders``, per coordinate the
+mean over the replicas that sent it, what both authors' codes compute (``scatter_reduce(...,
+reduce="mean", include_self=False)`` over every replica's indices). ``clip = "median_norm"``
+(Templar's ``batch_decompress``): each replica's Δ̂_r of a parameter is first scaled by
+min(1, median_r ‖Δ̂_r‖ / (‖Δ̂_r‖ + 1e-8)), ‖·‖ over the whole tensor, ``torch.median``'s lower middle
+for an even R; each shard sends its replica's norm as one float32. Templar's outer step is
+``senders`` + ``median_norm`` + ``topk_rule = "even"``; the paper code's, ``senders`` + ``topk_rule =
+"area"`` (``tests/test_sparseloco.py`` holds both against the formulas on the same inputs).
+
+The outer learning rate. Both authors' codes add their α to the error feedback too (e ← β·e + α·Δ)
+and then step SGD with lr α: Δ̂ scales with α (top-k, the quantizer and the clip's ratio are
+scale-free), so their step is α²·Q(Top-k(e)) on an error buffer α times ours. Ours (the paper's
+Algorithm 1) takes α in the step alone: their α is our ``outer_lr`` = α² (the same at α = 1, their
+shipped value), not an option of its own.
+
+Chunks: ``compress/dct.py``'s (``chunk``: 64×64 = 4096 for a matrix, 64 for a vector, each the largest
+divisor of its dim that is ≤ ``chunk``) on the *whole tensor's* grid: a shard that is a union of the
+tensor's chunks (its start and extent along every split dim multiples of the chunk: FSDP2's 64 of 128
+rows) selects exactly what an unsharded run selects. A shard that cuts chunks (43 of 128 rows over
+S = 3; 96 of 192 over S = 2) cannot without moving values between ranks: it is chunked on its own
+(its dims' largest divisors ≤ ``chunk``), keeps k per chunk of its own (a 128×128 tensor over S = 3
+keeps 3 × 2 × 64 = 384 values instead of 256), so its update depends on the layout, unless both grids
+keep every value; one log line per run names such shards (:func:`chunk_grid`). Values per chunk of L (``topk_rule``): ours min(topk,
+L); Templar's even(max(2, min(topk, L))) (it packs index pairs); the paper code's max(1, round(L·topk /
+chunk²)) (a 64-vector keeps 1 where we keep 64). All three agree on full 64×64 chunks; "1.56 %
+density" and 12-bit indices hold only where dims divide by 64.
+
+``transform = "none"`` selects on the values themselves (the paper's choice), ``"dct"`` on their
+DCT-II coefficients (DeMo's, the reference code's option). The quantizer is the reference code's
+statistical one (``compress/quantize.py``: ``bins`` levels over ±``quant_range``/2 standard deviations
+of the selected values, each level the mean of its bin) over the *whole tensor's* selected values,
+as the references quantize a tensor: each shard's sums (n, Σv, Σv², then every bin's Σc and count,
+float64) are added over the groups that shard the tensor, two small fused all-reduces per group and
+sync through ``comm`` (:func:`sparseloco_s_bytes`), so codes and levels do not depend on the layout.
+``quantization = "none"`` sends float32 values. On the wire, per shard: the codes in log₂(bins) bits,
+the in-chunk indices in ⌈log₂ L⌉ bits (``packing.IndexCodec``; none where k = L: every value goes,
+in chunk order), the ``bins`` float32 levels (and the clip's norm); every shard's bytes in one ``uint8`` buffer, one all-gather over R per sync. Every
+replica decodes the same bytes in the same order and sums the replicas in replica order
 (``dct.accumulate_chunks_``), so the anchors and the parameters are bit-identical on every replica
 right after a sync; between syncs parameters, AdamW moments and error feedback are per replica
 (``params_replica_local``; a checkpoint keeps each replica's copy).
@@ -31,24 +60,27 @@ the sync runs after update n when ``n % H == 0``.
 
 ``sync_delay`` τ (off by default; it changes the algorithm, as the local-adaptive family's
 streaming sync does): the all-gather issued after update n is completed after update n + τ, the
-next τ inner steps overlapping it; then x_anchor ← x_anchor − α·mean_R(Δ̂) and x ← x_anchor + (x −
+next τ inner steps overlapping it; then x_anchor ← x_anchor − α·agg_R(Δ̂) and x ← x_anchor + (x −
 x at issue), keeping the local progress of those τ steps (Streaming DiLoCo's merge). It costs one
 copy of the parameters in flight. τ < H. ``state_dict`` completes a sync in flight first, so a
 checkpoint holds none and a resumed run continues as the run that saved it.
 
 TP and FSDP change only which shard a rank works on (``common.replica_grad`` brings the gradient to
 the parameter's placements); a parameter replicated over T is processed identically on every T rank.
-The byte formula is :func:`sparseloco_r_bytes`. Host synchronizations: none per step.
+The byte formulas are :func:`sparseloco_r_bytes` and :func:`sparseloco_s_bytes`. Host
+synchronizations: none per step.
 """
 
 import dataclasses
+import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Sequence
 
 import torch
 
 from titan_commopt import comm
-from titan_commopt.compress.dct import Chunker, accumulate_chunks_, topk_per_chunk
+from titan_commopt.compress.dct import Chunker, accumulate_chunks_, chunk_size, topk_per_chunk
 from titan_commopt.compress.packing import IndexCodec, float_bytes, from_bytes, to_bytes
 from titan_commopt.compress.quantize import StatisticalQuantizer
 from titan_commopt.options import option
@@ -56,13 +88,20 @@ from titan_commopt.topology import R, Topology
 
 from .. import updates
 from ..base import CommOptimizer
+from ..base import named_params as params_by_name
 from ..common import LR_SCALE_HELP, BaseHParams, local
 from ..family import Bytes, Family, PeriodicSyncs, Resolved, ShardShape
+from ..shard_groups import Groups, sharding_groups, sum_over
 from .steps import LocalSteps, chunk_limit, column_chunks, trainable
 
-__all__ = ["Config", "PRESETS", "PRESET_SOURCES", "SparseLoCo", "FAMILY", "check", "sparseloco_r_bytes", "ShardCodec"]
+__all__ = ["Config", "PRESETS", "PRESET_SOURCES", "SparseLoCo", "FAMILY", "check", "sparseloco_r_bytes",
+           "sparseloco_s_bytes", "ShardCodec", "chunk_topk", "chunk_grid", "whole_grid"]
 
 SECTION = "commopt.sparseloco"
+CLIP_EPS = 1e-8  # Templar's: a replica's scale is min(1, median / (‖v‖ + 1e-8))
+BINS = 4  # 2-bit values
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,10 +116,23 @@ class Config:
         "none", "Top-k on the values themselves (none, the paper) or on their DCT-II coefficients (dct, DeMo's).")
     quantization: Literal["2bit", "none"] = option(
         "2bit", "Selected values on the wire: 2-bit statistical quantization (4 levels, the paper) or float32.")
-    quant_range: float = option(6.0, "Range of the quantizer in standard deviations of a shard's selected "
+    quant_range: float = option(6.0, "Range of the quantizer in standard deviations of a tensor's selected "
                                 "values (the reference code's range_in_sigmas).", gt=0.0)
+    topk_rule: Literal["min", "even", "area"] = option(
+        "min", "Values kept per chunk of L values: min(topk, L) (min); Templar's even(max(2, min(topk, L))) "
+        "(even); the paper code's max(1, round(L·topk/chunk²)), chunk² the full chunk's area (area; with "
+        "transform = dct it keeps min(topk, L), as that code does).")
     error_decay: float = option(0.95, "Error-feedback decay β: e ← β·e + Δ.", ge=0.0, le=1.0)
-    outer_lr: float = option(1.0, "Outer learning rate α: x_anchor ← x_anchor − α·mean_R(Δ̂).", gt=0.0)
+    outer_lr: float = option(
+        1.0, "Outer learning rate α: x_anchor ← x_anchor − α·agg_R(Δ̂). Both authors' codes also scale Δ "
+        "by their outer lr a in the error feedback, a² in effect: their a is outer_lr = a² here.", gt=0.0)
+    aggregate: Literal["mean", "senders"] = option(
+        "mean", "Per coordinate, the mean of what the replicas sent over all R replicas (mean, the paper's "
+        "(1/R)·Σ) or over the replicas that sent that coordinate (senders, both authors' codes).")
+    clip: Literal["none", "median_norm"] = option(
+        "none", "Scale each replica's sent values of a parameter by min(1, median_r ‖v_r‖ / ‖v_r‖) before "
+        "aggregating (median_norm, Templar's; the lower median for even R; costs one float32 per shard per "
+        "sync) or not (none).")
     sync_delay: int = option(
         0, "Steps τ the outer all-gather stays in flight (overlapped with the next τ inner steps) before "
         "the outer step lands, keeping the local progress of those steps: x ← x_anchor + (x − x at issue). "
@@ -92,18 +144,16 @@ class Config:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "SparseLoCo": {"H": 15, "chunk": 64, "topk": 64, "transform": "none", "quantization": "2bit",
-                   "quant_range": 6.0, "error_decay": 0.95, "outer_lr": 1.0},
+    "SparseLoCo": {"H": 2, "chunk": 64, "topk": 4096, "transform": "none", "quantization": "2bit",
+                   "quant_range": 6.0, "topk_rule": "min", "error_decay": 0.95, "outer_lr": 1.0,
+                   "aggregate": "mean", "clip": "none"},
 }
 
 PRESET_SOURCES: dict[str, str] = {
-    "SparseLoCo": "SparseLoCo (Sarfi et al. 2025, arXiv 2508.15706), Algorithm 1: e ← β·e + Δ, Top-k, quantizer Q, "
-    "e ← e − Δ̂, outer step x ← x − α·mean Δ̂. Chunk 64 (64×64 = 4096), k = 64 per chunk (1.56 % density), no "
-    "DCT, 4 quantization bins (2 bits), β = 0.95: the Templar reference code's hparams (topk_compression 64, "
-    "target_chunk 64, use_dct false, quantization_bins 4, momentum_decay 0.95) and its quantizer's range of 6σ. "
-    "H = 15: the shortest of the paper's communication intervals H ∈ {15, 30, 50, 100} (its Figure 1, where "
-    "SparseLoCo beats DiLoCo at each); α = 1 is not verified against the paper's tables (Templar's production "
-    "config runs H = 30, α = 0.7)",
+    "SparseLoCo": "Algorithm 1 of Sarfi et al. 2025 (arXiv 2508.15706) with Templar's quantizer and β 0.95; H 2 and "
+    "every value of a chunk (topk = chunk², 2 bits, no indices): the only setting of the 500-step study (cpu_tiny, "
+    "3 seeds, docs/benchmarks.md §6) within 3 % of AdamW-HSDP, +1.1 %, 32× fewer R bytes at 8B 2×8; H 5 +4.3 %; "
+    "the authors' H 15-30, top 64 of 4096 +40 %. Templar v2.1.3 (c2397ac) hparams.json: outer lr 1.0, never 0.7",
 }
 
 
@@ -117,23 +167,70 @@ def check(cfg: Config, hparams: Optional[BaseHParams] = None) -> list[str]:
     return []
 
 
-class ShardCodec:
-    """What one local shard sends at a sync: its chunking (``transform``), top-k, values and indices.
-    ``to_chunks``/``from_chunks``: the shard ↔ its ``(n_chunks, L)`` chunk-major values (or DCT
-    coefficients), copies."""
+def chunk_topk(cfg: Config, L: int) -> int:
+    """Values kept per chunk of ``L`` values (``topk_rule``)."""
+    if cfg.topk_rule == "even":  # Templar: at least 2 and even (it packs index pairs)
+        k = max(2, min(cfg.topk, L))
+        return min(L, k - k % 2)
+    if cfg.topk_rule == "area" and cfg.transform == "none":  # the paper code: k scaled to the chunk's area
+        return min(L, max(1, round(L * cfg.topk / cfg.chunk**2)))
+    return min(cfg.topk, L)
 
-    def __init__(self, cfg: Config, shape: Sequence[int], device=None, dtype=torch.float32):
+
+def _flat_dims(shape: Sequence[int]) -> tuple[int, ...]:
+    """The dims chunks tile (``dct.Chunker``'s): ``(d0, rest)`` of a tensor of two or more dims."""
+    return (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (math.prod(shape),)
+
+
+def whole_grid(shape: Sequence[int], s: int) -> tuple[int, ...]:
+    """The tensor's chunk sizes: each (flattened) dim's largest divisor ≤ ``s``."""
+    return tuple(chunk_size(d, s) for d in _flat_dims(shape))
+
+
+def chunk_grid(shard: ShardShape, s: int) -> tuple[tuple[int, ...], bool]:
+    """Chunk sizes for the local shard, and whether they are the tensor's own grid (each dim's largest
+    divisor ≤ ``s``, of the whole tensor): they are wherever the shard is a union of the grid's chunks
+    (along every split dim its start and extent are multiples of the chunk), so top-k picks the values
+    an unsharded run picks. Elsewhere the shard is chunked on its own (its dims' largest divisors)."""
+    whole = whole_grid(shard.shape, s)
+    if not shard.numel or tuple(shard.local) == tuple(shard.shape):
+        return whole, True
+    for dim, (extent, size) in enumerate(zip(shard.local, shard.shape)):
+        if extent == size:
+            continue
+        if dim > 1 or (dim == 1 and len(shard.shape) > 2):  # split inside the flattened rest: no grid
+            break
+        if extent % whole[dim] or shard.start(dim) % whole[dim]:
+            break
+    else:
+        return whole, True
+    return tuple(chunk_size(d, s) for d in _flat_dims(shard.local)), False
+
+
+class ShardCodec:
+    """What one local shard sends at a sync: its chunking (``transform``, ``chunks``: the chunk grid,
+    :func:`chunk_grid`), per-chunk top-k, values, indices, and with ``clip`` its replica's norm.
+    ``to_chunks``/``from_chunks``: the shard ↔ its ``(n_chunks, L)`` chunk-major values (or DCT
+    coefficients), copies. Bytes of a shard: the codes in 2 bits and ``bins`` float32 levels (or
+    float32 values), the in-chunk indices in ⌈log₂ L⌉ bits (none when k = L: every value, in chunk
+    order), then (``median_norm``) one float32."""
+
+    def __init__(self, cfg: Config, shape: Sequence[int], chunks: Optional[Sequence[int]] = None, device=None,
+                 dtype=torch.float32):
         self.shape = tuple(shape)
-        self.chunker = Chunker(self.shape, cfg.chunk, device=device, dtype=dtype)
+        self.chunker = Chunker(self.shape, cfg.chunk, device=device, dtype=dtype, chunks=chunks)
         self.dct = cfg.transform == "dct"
         self.rows, self.L = self.chunker.n_chunks, self.chunker.L
-        self.k = min(cfg.topk, self.L)
+        self.k = chunk_topk(cfg, self.L)
         self.n = self.rows * self.k
-        self.quantizer = StatisticalQuantizer(4, cfg.quant_range) if cfg.quantization == "2bit" else None
+        self.quantizer = StatisticalQuantizer(BINS, cfg.quant_range) if cfg.quantization == "2bit" else None
+        self.whole = self.k == self.L  # every value of every chunk: in chunk order, no indices on the wire
         self.index_codec = IndexCodec(self.L, pack=True)
+        self.senders = cfg.aggregate == "senders"
         self.value_bytes = self.quantizer.nbytes(self.n) if self.quantizer else float_bytes(self.n, torch.float32)
-        self.index_bytes = self.index_codec.nbytes(self.n)
-        self.nbytes = self.value_bytes + self.index_bytes
+        self.index_bytes = 0 if self.whole else self.index_codec.nbytes(self.n)
+        self.norm_bytes = 4 if cfg.clip == "median_norm" else 0
+        self.nbytes = self.value_bytes + self.index_bytes + self.norm_bytes
 
     def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
         if self.dct:
@@ -150,43 +247,74 @@ class ShardCodec:
         ch.blocks(out.view(1, *self.shape)).copy_(ch.chunk_major_to_blocks(c.reshape(1, -1)))
         return out
 
-    def encode(self, e_chunks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Top-k of every chunk of ``e_chunks``, quantized, written into ``out`` (``uint8``,
-        ``nbytes``): returns the dense chunk-major float32 values sent (zeros elsewhere)."""
+    def select(self, e_chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` largest-magnitude values of every chunk: ``(values (1, n) float32, indices (rows, k))``."""
+        if self.whole:
+            return e_chunks.reshape(1, self.n).float(), self._positions(self.rows, e_chunks.device)
         vals, idx = topk_per_chunk(e_chunks, self.k)
-        flat = vals.reshape(1, self.n)
+        return vals.reshape(1, self.n).float(), idx
+
+    def _positions(self, rows: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(self.L, device=device).expand(rows, self.L)
+
+    def write(self, vals: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, codes: Optional[torch.Tensor] = None,
+              levels: Optional[torch.Tensor] = None, norm: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The selection (:meth:`select`; with the quantizer its ``codes`` and ``levels``, with
+        ``median_norm`` the replica's ``norm``) into ``out`` (``uint8``, ``nbytes``): returns the dense
+        chunk-major float32 values sent (zeros elsewhere)."""
         if self.quantizer is not None:
-            codes, levels = self.quantizer.quantize(flat)
             sent = self.quantizer.dequantize(codes, levels)
             self.quantizer.encode_into(codes, levels, out[: self.value_bytes].view(1, -1))
         else:
-            sent = flat.float()
+            sent = vals
             out[: self.value_bytes].copy_(to_bytes(sent.view(-1), torch.float32))
-        out[self.value_bytes:].copy_(self.index_codec.encode(idx.reshape(1, self.n)).view(-1))
-        return torch.zeros(self.rows, self.L, device=e_chunks.device).scatter_(-1, idx, sent.view(self.rows, self.k))
+        end = self.value_bytes + self.index_bytes
+        if not self.whole:
+            out[self.value_bytes: end].copy_(self.index_codec.encode(idx.reshape(1, self.n)).view(-1))
+        if self.norm_bytes:
+            out[end:].copy_(to_bytes(norm.reshape(1).float(), torch.float32))
+        return torch.zeros(self.rows, self.L, device=vals.device).scatter_(-1, idx, sent.view(self.rows, self.k))
 
-    def mean(self, payloads: torch.Tensor) -> torch.Tensor:
-        """Every replica's bytes ``(W, nbytes)`` → the chunk-major float32 mean of what they sent,
-        summed in replica order (the same bits on every rank)."""
+    def aggregate(self, payloads: torch.Tensor) -> torch.Tensor:
+        """Every replica's bytes ``(W, nbytes)`` → the chunk-major float32 aggregate of what they sent
+        (``aggregate``, after the ``clip``), replicas summed in replica order (the same bits on every
+        rank)."""
         W = payloads.shape[0]
         values = payloads[:, : self.value_bytes]
         if self.quantizer is not None:
             vals = self.quantizer.decode(values, self.n)
         else:
             vals = from_bytes(values, torch.float32)
-        idx = self.index_codec.decode(payloads[:, self.value_bytes:], self.n)
+        end = self.value_bytes + self.index_bytes
+        if self.whole:
+            idx = self._positions(self.rows, payloads.device).expand(W, self.rows, self.L)
+        else:
+            idx = self.index_codec.decode(payloads[:, self.value_bytes: end], self.n).view(W, self.rows, self.k)
+        if self.norm_bytes:  # each replica's values scaled to at most the median replica norm
+            norms = from_bytes(payloads[:, end:], torch.float32).view(W)
+            vals = vals * (norms.median() / (norms + CLIP_EPS)).clamp(max=1).unsqueeze(-1)
+        vals = vals.view(W, self.rows, self.k)
         dense = torch.zeros(self.rows, self.L, device=payloads.device)
-        return accumulate_chunks_(dense, idx.view(W, self.rows, self.k), vals.view(W, self.rows, self.k) / W)
+        if not self.senders:
+            return accumulate_chunks_(dense, idx, vals / W)
+        accumulate_chunks_(dense, idx, vals)
+        senders = accumulate_chunks_(torch.zeros_like(dense), idx, torch.ones_like(vals))
+        return dense.div_(senders.clamp_min_(1))
+
+
+def _codec_for(cfg: Config, shard: ShardShape, device=None, dtype=torch.float32) -> ShardCodec:
+    return ShardCodec(cfg, shard.local, chunk_grid(shard, cfg.chunk)[0], device=device, dtype=dtype)
 
 
 def sparseloco_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_size: int) -> Bytes:
     """One all-gather of every shard's payload every H steps: per shard with elements, codes
-    (log₂ bins bits) + indices (⌈log₂ L⌉ bits) + ``bins`` float32 levels (float32 values without
-    quantization); sent = that ÷ H, received = (W − 1) × sent."""
+    (log₂ bins bits) + indices (⌈log₂ L⌉ bits, none where k = L) + ``bins`` float32 levels (float32 values without
+    quantization), + one float32 norm with ``median_norm``, on the chunk grid of :func:`chunk_grid`;
+    sent = that ÷ H, received = (W − 1) × sent."""
     if replicate_size <= 1:
         return Bytes()
     cfg = resolved.options
-    per_sync = sum(ShardCodec(cfg, s.local, device="meta").nbytes for s in shards if s.numel)
+    per_sync = sum(_codec_for(cfg, s, device="meta").nbytes for s in shards if s.numel)
     sent = per_sync / cfg.H
     return Bytes(sent, (replicate_size - 1) * sent)
 
@@ -200,10 +328,41 @@ def periodic(resolved: Resolved) -> Optional[PeriodicSyncs]:
 
 
 def settings(resolved: Resolved) -> dict[str, Any]:
-    """The options behind the bytes."""
+    """The options behind the bytes (the non-default aggregation rules where set)."""
     o = resolved.options
     return {"H": o.H, "chunk": o.chunk, "topk": o.topk, "transform": o.transform, "quantization": o.quantization,
+            **({"topk_rule": o.topk_rule} if o.topk_rule != "min" else {}),
+            **({"clip": o.clip} if o.clip != "none" else {}),
             **({"sync_delay": o.sync_delay} if o.sync_delay else {})}
+
+
+def statistics_floats(cfg: Config) -> int:
+    """float64 sums per tensor per sync that its shards add over each group sharding it: n, Σv, Σv²,
+    then every bin's Σc and count with the quantizer; ‖v‖² alone for ``median_norm`` without it."""
+    if cfg.quantization == "2bit":
+        return 3 + 2 * BINS
+    return 1 if cfg.clip == "median_norm" else 0
+
+
+def sparseloco_s_bytes(shards: Sequence[ShardShape], resolved: Resolved, role: str = "S") -> Bytes:
+    """The quantizer's (and the clip's) statistics over the shard groups, per rank per step: an
+    all-reduce (sent = received) of :func:`statistics_floats` float64 per tensor sharded over a mesh
+    dim of ``role`` (every such tensor, an empty local shard included), per sync ÷ H. Not part of
+    FSDP2's traffic (``traffic.fsdp_traffic``): the training ledger records it beside it."""
+    cfg = resolved.options
+    per_sync = 8 * statistics_floats(cfg) * sum(
+        sum(1 for r, _ in s.sharded if r == role) for s in shards)
+    return Bytes(per_sync / cfg.H, per_sync / cfg.H)
+
+
+@dataclass
+class _Piece:
+    """One parameter as this rank syncs it: its codec (``None`` for an empty local shard) and the
+    groups whose ranks hold its other pieces (the statistics are summed over them)."""
+
+    p: torch.Tensor
+    codec: Optional[ShardCodec]
+    groups: Groups
 
 
 class SparseLoCo(LocalSteps, CommOptimizer):
@@ -220,14 +379,28 @@ class SparseLoCo(LocalSteps, CommOptimizer):
         super().__init__(trainable(named_params), topology, options, defaults, ledger=ledger)
         self.cfg = cfg
         self.H, self._sync_delay = cfg.H, cfg.sync_delay
+        self._quantizer = StatisticalQuantizer(BINS, cfg.quant_range) if cfg.quantization == "2bit" else None
         self._replicate = topology.replicate if topology.replicate_size > 1 else None
         self._codecs: dict[tuple, ShardCodec] = {}
         self.start_step_counter()
-        self._params: list[torch.Tensor] = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                self._init_state(p)
-                self._params.append(p)
+        self._pieces: list[_Piece] = []
+        off_grid = []
+        for _, name, p in params_by_name(self.param_groups):
+            self._init_state(p)
+            shard, x = ShardShape.of(name, p), local(p)
+            chunks, on_grid = chunk_grid(shard, cfg.chunk)
+            codec = self._codec(x, chunks) if x.numel() else None
+            self._pieces.append(_Piece(p, codec, sharding_groups(p, topology)))
+            whole_L = math.prod(whole_grid(shard.shape, cfg.chunk))
+            if not on_grid and not (codec.whole and chunk_topk(cfg, whole_L) == whole_L):  # else: every value
+                off_grid.append(f"{name} {tuple(shard.local)} of {tuple(shard.shape)}")
+        if off_grid:  # once per run: the layout decides what these shards keep
+            logger.info(
+                "%s: %d of %d parameter shards on this rank do not tile their tensor's chunk grid (e.g. %s): "
+                "their top-k runs on the shard's own chunks, so the values kept and the update depend on the "
+                "FSDP/TP layout there (the quantizer's statistics stay the whole tensor's)",
+                options.name, len(off_grid), sum(pc.codec is not None for pc in self._pieces),
+                "; ".join(off_grid[:3]))
 
     def _init_state(self, p: torch.Tensor) -> None:
         state = self.state[p]
@@ -269,35 +442,73 @@ class SparseLoCo(LocalSteps, CommOptimizer):
         self.runtime.advance(n)
         return loss
 
-    def _codec(self, x: torch.Tensor) -> ShardCodec:
-        key = (tuple(x.shape), x.device, x.dtype)
+    def _codec(self, x: torch.Tensor, chunks: tuple[int, ...]) -> ShardCodec:
+        key = (tuple(x.shape), chunks, x.device, x.dtype)
         if key not in self._codecs:
-            self._codecs[key] = ShardCodec(self.cfg, x.shape, device=x.device, dtype=x.dtype)
+            self._codecs[key] = ShardCodec(self.cfg, x.shape, chunks, device=x.device, dtype=x.dtype)
         return self._codecs[key]
 
+    def _statistics(self, selected: list[Optional[torch.Tensor]]) -> list[tuple]:
+        """``(codes, levels, norm)`` of every piece's ``selected`` values (``None``: an empty shard,
+        which still joins its groups' sums) from its whole tensor's statistics: each piece's sums
+        added over its shard groups, with the quantizer in two fused all-reduces per group (n, Σv, Σv²;
+        then every bin's Σc and count), for the clip alone in one (‖v‖²)."""
+        q, clip, ledger = self._quantizer, self.cfg.clip == "median_norm", self.ledger
+        groups = [pc.groups for pc in self._pieces]
+        devices = [local(pc.p).device for pc in self._pieces]
+
+        def zeros(width: int, device: torch.device) -> torch.Tensor:
+            return torch.zeros(1, width, dtype=torch.float64, device=device)
+
+        if q is None:
+            if not clip:
+                return [(None, None, None)] * len(selected)
+            squares = [v.double().square().sum().view(1, 1) if v is not None else zeros(1, d)
+                       for v, d in zip(selected, devices)]
+            sum_over(squares, groups, ledger=ledger)
+            return [(None, None, sq.sqrt().float().view(1)) for sq in squares]
+        moments = [q.moments(v) if v is not None else zeros(3, d) for v, d in zip(selected, devices)]
+        sum_over(moments, groups, ledger=ledger)
+        scales = [q.scale_of(m) for m in moments]
+        codes = [q.codes(v, *sc) if v is not None else None for v, sc in zip(selected, scales)]
+        bins = [q.bin_sums(v, c, sc[0]) if v is not None else zeros(2 * BINS, d)
+                for v, c, sc, d in zip(selected, codes, scales, devices)]
+        sum_over(bins, groups, ledger=ledger)
+        levels = [q.levels(b, sc[0]) for b, sc in zip(bins, scales)]
+        return [(c, lv, q.norms(b, lv) if clip else None) for c, lv, b in zip(codes, levels, bins)]
+
     def _outer_step(self, streaming: bool):
-        """One sync, a task of :attr:`runtime`: Δ, e and the payload of every shard now, the
-        all-gather, then the outer step (for ``streaming``, keeping the local progress since)."""
-        live = [p for p in self._params if local(p).numel()]
-        if not live:
-            return
-        codecs = [self._codec(local(p)) for p in live]
-        send = torch.empty(sum(c.nbytes for c in codecs), dtype=torch.uint8, device=local(live[0]).device)
-        offset = 0
-        for p, codec in zip(live, codecs):
-            x, st = local(p), self.state[p]
+        """One sync, a task of :attr:`runtime`: Δ, e and the payload of every shard now (the
+        statistics summed over the shard groups first), the all-gather, then the outer step (for
+        ``streaming``, keeping the local progress since)."""
+        pieces = self._pieces
+        selections: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = []
+        for pc in pieces:
+            if pc.codec is None:
+                selections.append(None)
+                continue
+            x, st = local(pc.p), self.state[pc.p]
             anchor, e = local(st["outer_anchor"]), local(st["error_feedback"])
             e.mul_(self.cfg.error_decay).add_(anchor - x)  # e ← β·e + Δ, Δ = x_anchor − x
-            sent = codec.encode(codec.to_chunks(e), send[offset: offset + codec.nbytes])  # Δ̂ = Q(Top-k(e))
+            selections.append(pc.codec.select(pc.codec.to_chunks(e)))  # Top-k(e)
+        stats = self._statistics([sel[0] if sel is not None else None for sel in selections])
+        live = [(pc, sel, st) for pc, sel, st in zip(pieces, selections, stats) if pc.codec is not None]
+        if not live:
+            return
+        send = torch.empty(sum(pc.codec.nbytes for pc, _, _ in live), dtype=torch.uint8, device=local(live[0][0].p).device)
+        offset = 0
+        for pc, (vals, idx), st in live:
+            codec, e = pc.codec, local(self.state[pc.p]["error_feedback"])
+            sent = codec.write(vals, idx, send[offset: offset + codec.nbytes], *st)  # Δ̂ = Q(Top-k(e))
             e.sub_(codec.from_chunks(sent, e.dtype))  # e ← e − Δ̂
             offset += codec.nbytes
-        snapshots = [local(p).clone() for p in live] if streaming else None  # x at issue
+        snapshots = [local(pc.p).clone() for pc, _, _ in live] if streaming else None  # x at issue
         payloads = yield comm.all_gather(send, R, self._replicate, async_op=True, ledger=self.ledger)
         offset = 0
-        for i, (p, codec) in enumerate(zip(live, codecs)):
-            x, anchor = local(p), local(self.state[p]["outer_anchor"])
-            mean = codec.from_chunks(codec.mean(payloads[:, offset: offset + codec.nbytes]), anchor.dtype)
-            anchor.sub_(mean, alpha=self.cfg.outer_lr)  # x_anchor ← x_anchor − α·mean_R(Δ̂)
+        for i, (pc, _, _) in enumerate(live):
+            codec, x, anchor = pc.codec, local(pc.p), local(self.state[pc.p]["outer_anchor"])
+            agg = codec.from_chunks(codec.aggregate(payloads[:, offset: offset + codec.nbytes]), anchor.dtype)
+            anchor.sub_(agg, alpha=self.cfg.outer_lr)  # x_anchor ← x_anchor − α·agg_R(Δ̂)
             if streaming:
                 x.sub_(snapshots[i]).add_(anchor)  # x ← x_anchor + (x − x at issue)
             else:
@@ -321,6 +532,7 @@ FAMILY = Family(
     periodic=periodic,
     settings=settings,
     preset_sources=PRESET_SOURCES,
+    s_bytes=sparseloco_s_bytes,
     summary="H local AdamW steps, then chunked top-k of the error-fed pseudo-gradient in 2-bit values, one "
-    "all-gather, outer SGD on the mean (SparseLoCo)",
+    "all-gather, outer SGD on their aggregate (SparseLoCo)",
 )
