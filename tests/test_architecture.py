@@ -209,6 +209,20 @@ def test_every_path_the_architecture_doc_names_exists():
     assert sorted(p for p in named if not _exists(p)) == []
 
 
+def test_test_modules_share_through_helpers_only():
+    """A test module imports no other test module (what two of them share lives in a helper module:
+    ``tests/titan_utils.py``, ``sim_utils.py``, ``tp_utils.py``, ``dist_utils.py``), so running or
+    changing one file never runs or breaks another's module-level set-up."""
+    offenders = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name} imports {n}" for n in names
+                          if re.match(r"(tests\.)?test_", n) and n.split(".")[-1] != path.stem]
+    assert offenders == []
+
+
 # ---- a new family is one module plus one registry line ------------------------------------------------
 # A small periodic family, written as a family module would be: local SGD whose replicas average their
 # parameters every K steps. Registered with the one line ``optim.register(FAMILY)``, it must appear

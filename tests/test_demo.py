@@ -18,11 +18,11 @@ from torch import nn
 
 from titan_commopt import comm
 from titan_commopt.compress.dct import Chunker
-from titan_commopt.compress.replicators import make_replicator
 from titan_commopt.optim import ShardShape, build_optimizer, demo, make, resolve
 from titan_commopt.optim.common import BaseHParams, local
 from titan_commopt.topology import Topology
 from tests.dist_utils import run_distributed
+from tests.sim_utils import demo_aggregate, demo_extract, phi
 
 STEPS = 4
 LR, WD = 0.05, 0.1
@@ -125,10 +125,6 @@ def _hsdp_worker(rank, world):
     return out
 
 
-def _phi(u, rule):
-    return u.sign() if rule == "sign" else u
-
-
 def _simulate(name, n_shards=2, margins=None):
     """Two replicas, each holding ``n_shards`` row shards (FSDP2's Shard(0)); momenta per (replica, shard).
     ``margins``: a dict that receives the run's smallest :func:`_selection_margin` ("selection") and,
@@ -142,7 +138,7 @@ def _simulate(name, n_shards=2, margins=None):
 
     def apply(p_j, Q):
         if Q is not None:
-            p_j.mul_(1 - LR * wd).sub_(LR * _phi(Q, cfg.rule))
+            p_j.mul_(1 - LR * wd).sub_(LR * phi(Q, cfg.rule))
 
     for t in range(1, STEPS + 1):
         grads = []
@@ -173,8 +169,8 @@ def _simulate(name, n_shards=2, margins=None):
                             x = (st["m"] / (1 - b1**t)) / ((st["v"] / (1 - b2**t)).sqrt() + 1e-8)
                         if margins is not None and cfg.replicator == "demo":
                             _least(margins, "selection", _selection_margin(cfg, x))
-                        sent.append(_extract(cfg, x, t, n, st))
-                    shards.append(_aggregate(cfg, sent, p_j.shape, t, n))
+                        sent.append(demo_extract(cfg, x, t, n, st))
+                    shards.append(demo_aggregate(cfg, sent, p_j.shape, t, n))
                     if margins is not None and cfg.rule == "sign" and sent[0] is not None:
                         _least(margins, "sign", _sign_margin(cfg, sent, p_j.shape, t, n))
                 for j, (p_j, Q) in enumerate(zip(p.chunk(n_shards, dim=0), shards)):
@@ -186,51 +182,6 @@ def _simulate(name, n_shards=2, margins=None):
         for (n, j), Q in delayed.items():  # what DeMo.flush() applies after the last step
             apply(params[n].chunk(n_shards, dim=0)[j], Q)
     return {n: p.detach() for n, p in params.items()}
-
-
-def _extract(cfg, x, t, name, st):
-    """What one replica sends (a dense picture of it) and its momentum subtraction."""
-    lam = cfg.momentum_subtraction if cfg.base == "sgd" else 0.0
-    numel = x.numel()
-    sgn = (lambda v: v.sign()) if cfg.sign_before_sync else (lambda v: v)
-    if cfg.replicator == "demo":
-        c = Chunker(x.shape, cfg.chunk)
-        coeffs = c.encode(x)
-        idx = coeffs.abs().argsort(dim=-1, descending=True)[:, : min(cfg.topk, c.L)]
-        kept = torch.zeros_like(coeffs).scatter_(-1, idx, coeffs.gather(-1, idx))
-        st["m"] = st["m"] - lam * c.decode(kept)
-        mask = torch.zeros_like(coeffs).scatter_(-1, idx, 1.0)
-        return ("coeffs", sgn(kept), mask, c)
-    if cfg.replicator in ("random", "striding"):
-        stride = round(1 / cfg.compression_rate)
-        if cfg.replicator == "random":
-            idx = make_replicator(cfg, x.shape, name).indices(t, "cpu")
-        else:
-            idx = torch.arange(t % stride, numel, stride)  # every entry once per stride steps
-        q = torch.zeros(numel)
-        q[idx] = x.reshape(-1)[idx]
-        q = q.view_as(x)
-    else:
-        period = round(1 / cfg.compression_rate) if cfg.replicator == "diloco" else 1
-        if t % period:
-            return None
-        q = x.clone()
-    st["m"] = st["m"] - lam * q
-    return ("dense", sgn(q), None, None)
-
-
-def _aggregate(cfg, sent, shape, t, name):
-    if sent[0] is None:
-        return None
-    if sent[0][0] == "dense":
-        return sum(s[1] for s in sent) / len(sent)
-    c = sent[0][3]
-    total = sum(s[1] for s in sent)
-    if cfg.aggregate == "mean_selected":
-        total = total / sum(s[2] for s in sent).clamp_min(1)
-    else:
-        total = total / len(sent)
-    return c.decode(total)
 
 
 # Where the two sides' arithmetic differs (the Triton kernels' transforms and sums against torch's, the
@@ -268,7 +219,7 @@ def _sign_margin(cfg, sent, shape, t, name):
     """The smallest ``|Q|`` over the shard's largest, Q computed in float64 from the same selection:
     how far φ = sign is from a jump."""
     c64 = Chunker(shape, cfg.chunk, dtype=torch.float64)
-    q = _aggregate(cfg, [(kind, v.double(), mask, c64) for kind, v, mask, _ in sent], shape, t, name).abs()
+    q = demo_aggregate(cfg, [(kind, v.double(), mask, c64) for kind, v, mask, _ in sent], shape, t, name).abs()
     return (q.min() / q.max()).item()
 
 
@@ -397,7 +348,8 @@ def test_presets_and_check():
     assert resolve("FlexDeMo", {"chunk": 16}).options.chunk == 16
     # a key set to the family default is the user's, not the preset's
     off = resolve("FlexDeMo", {"sign_before_sync": False, "chunk": 64})
-    assert not off.options.sign_before_sync and off.options.chunk == 64 and off.options.topk == 16
+    assert not off.options.sign_before_sync and off.options.chunk == 64
+    assert off.options.topk == demo.PRESETS["FlexDeMo"]["topk"]  # the preset still fills what was not set
     assert off.preset_keys() == ["lr_scale", "topk", "transfer_dtype"]
     with pytest.raises(ConfigError, match="topk = 17"):
         resolve("DeMo", {"chunk": 4, "topk": 17})

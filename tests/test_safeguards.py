@@ -277,7 +277,9 @@ def test_persistent_nonfinite_gradients_stop_the_run(tmp_path):
     lines = [line for line in lines if line.startswith("[rank")]  # torchrun's summary shows it too
     assert len(lines) == 1 and lines[0].startswith("[rank0]:"), out[-3000:]
     assert "max_consecutive_skips = 3" in lines[0]
-    assert "failed (exitcode: 1)" in out and "titan_commopt/titan" not in out
+    # torchrun names the first failure's exit status in its log line or, where the rank left an error
+    # file, in the summary ("exitcode  : 1"): status 1 either way, and no traceback of ours
+    assert re.search(r"exitcode\)?\s*:\s*1\b", out) and "titan_commopt/titan" not in out, out[-3000:]
     assert sorted(scalars["commopt/skipped_steps"]) == [(1, 0.0), (2, 1.0), (3, 2.0)]
     # DES-LOC syncs R every Kx steps: the console says when (skipped steps push it back)
     from titan_commopt.optim.local.adaptive import PRESETS

@@ -24,7 +24,7 @@ from titan_commopt.optim.local.sparseloco import sparseloco_s_bytes
 from titan_commopt.options import ConfigError
 from titan_commopt.topology import Topology
 from tests.dist_utils import run_distributed
-from tests.test_tp import HP, L, N, W, _index, _parallelize, _replica_grads, _slices, batch, make_net, sq_error
+from tests.tp_utils import HP, L, N, W, batch, index_of, make_net, parallelize, replica_grads, shard_slices, sq_error
 
 H, STEPS = 2, 6  # three syncs
 BASE = dict(H=H, chunk=4, topk=3)
@@ -75,7 +75,7 @@ def _worker(rank, world, dims, names, cases):
     def build(case):
         model = make_net()
         if "tp" in names:
-            _parallelize(model, mesh)
+            parallelize(model, mesh)
         elif "fsdp" in names:
             fully_shard(model, mesh=mesh["fsdp"])
             model.set_force_sum_reduction_for_comms(True)
@@ -92,7 +92,7 @@ def _worker(rank, world, dims, names, cases):
         in_sync = opt.replicas_in_sync()
         opt.flush()  # a sync still in flight (sync_delay) lands
         out[case] = dict(
-            local={n: comm_local(p) for n, p in named}, slices={n: _slices(p) if isinstance(p, DTensor) else
+            local={n: comm_local(p) for n, p in named}, slices={n: shard_slices(p) if isinstance(p, DTensor) else
                                                               tuple((0, d) for d in p.shape) for n, p in named},
             in_sync=in_sync, R_sent=ledger.totals.get("R_sent", 0.0),
             formula=resolved.family.r_bytes([ShardShape.of(n, p) for n, p in named], resolved, W).sent,
@@ -251,17 +251,17 @@ def simulate(case, pieces):
                                weight_decay=hp.weight_decay, fused=True) for m in models]
     params = [dict(m.named_parameters()) for m in models]
     anchor = {n: p.detach().clone() for n, p in params[0].items()}
-    err = {(n, sl, r): torch.zeros_like(anchor[n][_index(sl)]) for n in anchor for sl in pieces[n] for r in range(W)}
+    err = {(n, sl, r): torch.zeros_like(anchor[n][index_of(sl)]) for n in anchor for sl in pieces[n] for r in range(W)}
     pending = []  # (lands after step, {(n, sl): aggregate}, snapshots)
     dct = cfg.transform == "dct"
 
     def land(aggs, snaps):
         with torch.no_grad():
             for (n, sl), agg in aggs.items():
-                a = anchor[n][_index(sl)]
+                a = anchor[n][index_of(sl)]
                 a.sub_(agg, alpha=alpha)
                 for r in range(W):
-                    x = params[r][n][_index(sl)]
+                    x = params[r][n][index_of(sl)]
                     if snaps is None:
                         x.copy_(a)
                     else:
@@ -269,7 +269,7 @@ def simulate(case, pieces):
 
     for t in range(1, STEPS + 1):
         for r in range(W):
-            grads = _replica_grads(models[r], r, t)
+            grads = replica_grads(models[r], r, t)
             for n, p in params[r].items():
                 p.grad = grads[n]
             inner[r].step()
@@ -283,8 +283,8 @@ def simulate(case, pieces):
                     for r in range(W):
                         selected = {}
                         for sl in pieces[n]:
-                            x, e = params[r][n][_index(sl)], err[(n, sl, r)]
-                            e.mul_(cfg.error_decay).add_(anchor[n][_index(sl)] - x, alpha=ef_scale)  # e ← β e + Δ
+                            x, e = params[r][n][index_of(sl)], err[(n, sl, r)]
+                            e.mul_(cfg.error_decay).add_(anchor[n][index_of(sl)] - x, alpha=ef_scale)  # e ← β e + Δ
                             ec = _to_chunks(e, grids[sl], dct)
                             idx = ec.abs().topk(_k(cfg, ec.shape[1]), dim=-1).indices
                             selected[sl] = (idx, ec.gather(-1, idx), ec.shape)
@@ -303,7 +303,7 @@ def simulate(case, pieces):
                     for sl in pieces[n]:
                         L = math.prod(grids[sl])
                         agg = reference_aggregate(cfg, [sent[(sl, r)] for r in range(W)], L)
-                        aggs[(n, sl)] = _from_chunks(agg.to(anchor[n].dtype), anchor[n][_index(sl)].shape,
+                        aggs[(n, sl)] = _from_chunks(agg.to(anchor[n].dtype), anchor[n][index_of(sl)].shape,
                                                      grids[sl], dct)
             pending.append((t + cfg.sync_delay, aggs, snaps))
         while pending and pending[0][0] <= t:
@@ -323,7 +323,7 @@ def _check(results, case):
         assert o["states_ok"], (case, rank)
         assert o["in_sync"] == (CASES[case].get("sync_delay", 0) == 0), (case, rank)
         for n, shard in o["local"].items():
-            idx = _index(o["slices"][n])
+            idx = index_of(o["slices"][n])
             torch.testing.assert_close(shard, ref[res["replica"]][n][idx], atol=5e-8, rtol=1e-6,  # float32 values: round-off only
                                        msg=lambda m: f"{case} rank {rank} {n}: {m}")
             moved = max(moved, float((shard - start[n].detach()[idx]).abs().max()))
@@ -467,7 +467,7 @@ def _layout_run(mesh):
         for step in range(1, LAYOUT_STEPS + 1):
             for (name, p), g in zip(named, _layout_grads(step).values()):
                 if isinstance(p, DTensor):
-                    g = DTensor.from_local(g[_index(_slices(p))], p.device_mesh, p.placements, run_check=False,
+                    g = DTensor.from_local(g[index_of(shard_slices(p))], p.device_mesh, p.placements, run_check=False,
                                            shape=p.shape, stride=p.stride())
                 p.grad = g
             opt.step()
@@ -476,7 +476,7 @@ def _layout_run(mesh):
         logger.removeHandler(handler)
     shards = [ShardShape.of(n, p) for n, p in named]
     return dict(local={n: comm_local(p) for n, p in named},
-                slices={n: _slices(p) if isinstance(p, DTensor) else tuple((0, d) for d in p.shape) for n, p in named},
+                slices={n: shard_slices(p) if isinstance(p, DTensor) else tuple((0, d) for d in p.shape) for n, p in named},
                 logs=[r.getMessage() for r in records], S_sent=ledger.totals.get("S_sent", 0.0),
                 formula_S=sparseloco_s_bytes(shards, resolved).sent * LAYOUT_STEPS)
 
@@ -507,7 +507,7 @@ def test_the_update_is_the_same_on_every_layout_that_tiles_the_chunk_grid(layout
     for name in LAYOUT_SHAPES:
         full = torch.empty_like(whole[name])
         for run in runs:
-            full[_index(run["slices"][name])] = run["local"][name]
+            full[index_of(run["slices"][name])] = run["local"][name]
         moved = (whole[name] - _Layout().get_parameter(name).detach()).abs().max()
         diff = (full - whole[name]).abs().max()
         if name in ON_GRID[S]:  # the same values kept, the same codes and levels: round-off at most

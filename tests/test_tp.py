@@ -15,7 +15,7 @@ gradient of the whole model directly, in float64:
 
 - DeMo / FlexDeMo (every replicator): per parameter *piece* — the local shard a rank holds, read
   from the distributed run's placements — per replica, the momentum, extraction and aggregation of
-  ``tests/test_demo.py``'s simulation (DeMo works on the local shard; its momenta are float32).
+  ``tests/sim_utils.py``'s DeMo simulation (DeMo works on the local shard; its momenta are float32).
 - DES-LOC (Adam and ADOPT) / MT-DAO / LocalAdam / DiLoCo: two single-replica optimizers
   (``Topology.single()``, so the norm clip sees the whole model) with the R syncs done by hand, as
   ``tests/test_local_adaptive.py``.
@@ -31,21 +31,16 @@ import dataclasses
 
 import pytest
 import torch
-from torch import nn
 
 from titan_commopt import comm
 from titan_commopt.optim import ShardShape, build_optimizer, resolve
 from titan_commopt.optim.local import adaptive as la
-from titan_commopt.optim.common import BaseHParams
 from titan_commopt.topology import Topology
 from tests.dist_utils import run_distributed
-from tests.sim_utils import nesterov_outer_step_
-from tests.test_demo import _aggregate, _extract, _phi
+from tests.sim_utils import demo_aggregate, demo_extract, nesterov_outer_step_, phi
+from tests.tp_utils import HP, L, N, W, batch, index_of, make_net, parallelize, replica_grads, shard_slices, sq_error
 
-F64 = torch.float64
-V, D, H, N, L, W = 16, 8, 12, 4, 4, 2
 STEPS = 6
-HP = BaseHParams(lr=0.02, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 DEMO_LR = 0.01
 
 # name -> (registered optimizer, options on top of its preset)
@@ -81,57 +76,6 @@ DION_CASES = {
 ZERO = {"Dion/zero_w1": "w1.weight"}
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(V, D)
-        self.norm = nn.RMSNorm(D)
-        self.w1 = nn.Linear(D, H, bias=False)
-        self.w2 = nn.Linear(H, D, bias=False)
-
-    def forward(self, tokens):
-        h = self.tok_embeddings(tokens)
-        return h + self.w2(torch.tanh(self.w1(self.norm(h))))
-
-
-def make_net():
-    torch.manual_seed(0)
-    net = Net().double()
-    with torch.no_grad():  # a norm weight that is not all ones
-        net.norm.weight.add_(0.1 * torch.randn(D, dtype=F64))
-    return net
-
-
-def batch(replica, step):
-    gen = torch.Generator().manual_seed(100 * replica + step)
-    return torch.randint(0, V, (N, L), generator=gen), torch.randn(N, L, D, generator=gen, dtype=F64)
-
-
-def sq_error(out, y):
-    return ((out - y) ** 2).sum() / (W * N * L * D)  # divided by the global count (torchtitan)
-
-
-# ---- the distributed run ------------------------------------------------------------------------
-def _parallelize(model, mesh):
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module,
-    )
-
-    parallelize_module(model, mesh["tp"], {  # torchtitan's llama3 plan
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "w1": ColwiseParallel(input_layouts=Shard(1)),
-        "w2": RowwiseParallel(output_layouts=Shard(1)),
-    })
-    if "fsdp" in mesh.mesh_dim_names:
-        fully_shard(model, mesh=mesh["fsdp"])
-        model.set_force_sum_reduction_for_comms(True)  # gloo: no AVG/PREMUL_SUM reduce-scatter
-        model.set_gradient_divide_factor(1.0)  # torchtitan's setting
-    return model
-
-
 def _resolved(case, **changes):
     """The case's options as a user would set them (the preset fills the rest)."""
     if case in DEMO_CASES:
@@ -147,13 +91,6 @@ def _build(case, named, topo, ledger):
     return build_optimizer(named, topo, resolved, ledger=ledger), resolved
 
 
-def _slices(p):
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return tuple(zip(offset, shape))
-
-
 def _worker(rank, world, dims, cases):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -166,7 +103,7 @@ def _worker(rank, world, dims, cases):
     rows, cols = slice(s * N // n_s, (s + 1) * N // n_s), slice(t * L // 2, (t + 1) * L // 2)
     out = {}
     for case in cases:
-        model = _parallelize(make_net(), mesh)
+        model = parallelize(make_net(), mesh)
         named = list(model.named_parameters())
         ledger = comm.CommLedger()
         opt, resolved = _build(case, named, topo, ledger)
@@ -186,7 +123,7 @@ def _worker(rank, world, dims, cases):
         )
         out[case] = dict(
             local={n: p.to_local().detach().clone() for n, p in named},
-            slices={n: _slices(p) for n, p in named},
+            slices={n: shard_slices(p) for n, p in named},
             placements={n: tuple((type(pl).__name__, getattr(pl, "dim", None)) for pl in p.placements)
                         for n, p in named},
             states_ok=states_ok, in_sync=getattr(opt, "replicas_in_sync", lambda: True)(),
@@ -198,18 +135,6 @@ def _worker(rank, world, dims, cases):
 
 
 # ---- simulations --------------------------------------------------------------------------------
-def _replica_grads(model, replica, step):
-    """This replica's mean gradient of the whole model (the sum of its ranks' losses, ×W)."""
-    model.zero_grad()
-    tokens, y = batch(replica, step)
-    (W * sq_error(model(tokens), y)).backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def _index(sl):
-    return tuple(slice(a, a + n) for a, n in sl)
-
-
 def simulate_demo(case, pieces):
     name, kw = DEMO_CASES[case]
     cfg = _resolved(case).options
@@ -218,14 +143,14 @@ def simulate_demo(case, pieces):
     state, lr, wd = {}, _resolved(case).hparams.lr, HP.weight_decay  # DEMO_LR × the preset's lr_scale
     b1, b2, eps = HP.beta1, HP.beta2, HP.eps
     for t in range(1, STEPS + 1):
-        grads = [_replica_grads(model, r, t) for r in range(W)]
+        grads = [replica_grads(model, r, t) for r in range(W)]
         with torch.no_grad():
             for n, p in params.items():
                 for sl in pieces[n]:
-                    view = p[_index(sl)]
+                    view = p[index_of(sl)]
                     sent = []
                     for r in range(W):
-                        g = grads[r][n][_index(sl)].float()  # DeMo's states are float32
+                        g = grads[r][n][index_of(sl)].float()  # DeMo's states are float32
                         st = state.setdefault((n, r, sl), {"m": torch.zeros_like(g), "v": torch.zeros_like(g)})
                         if cfg.base == "sgd":
                             st["m"] = cfg.beta * st["m"] + g
@@ -234,10 +159,10 @@ def simulate_demo(case, pieces):
                             st["m"].lerp_(g, 1 - b1)
                             st["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
                             x = (st["m"] / (1 - b1**t)) / ((st["v"] / (1 - b2**t)).sqrt_().add_(eps))
-                        sent.append(_extract(cfg, x, t, n, st))
-                    Q = _aggregate(cfg, sent, view.shape, t, n)
+                        sent.append(demo_extract(cfg, x, t, n, st))
+                    Q = demo_aggregate(cfg, sent, view.shape, t, n)
                     if Q is not None:
-                        view.mul_(1 - lr * wd).sub_(lr * _phi(Q, cfg.rule).to(view.dtype))
+                        view.mul_(1 - lr * wd).sub_(lr * phi(Q, cfg.rule).to(view.dtype))
     return [{n: p.detach() for n, p in params.items()}] * W
 
 
@@ -253,7 +178,7 @@ def simulate_local(case):
     norms = []
     for step in range(1, STEPS + 1):
         for r, (m, o) in enumerate(zip(models, opts)):
-            grads = _replica_grads(m, r, step)
+            grads = replica_grads(m, r, step)
             norms.append(sum(float(g.norm() ** 2) for g in grads.values()) ** 0.5)
             o.step()
 
@@ -280,7 +205,7 @@ def simulate_dion(case):
     model = make_net()
     opt = build_optimizer(list(model.named_parameters()), Topology.single(), _resolved(case))
     for step in range(1, STEPS + 1):
-        grads = [_replica_grads(model, r, step) for r in range(W)]
+        grads = [replica_grads(model, r, step) for r in range(W)]
         for n, p in model.named_parameters():
             p.grad = sum(g[n] for g in grads) / W
             if n == ZERO.get(case):
@@ -311,7 +236,7 @@ def _check(results, case, n_ranks):
         o = res["out"][case]
         assert o["states_ok"] and o["in_sync"], (case, rank)
         for n, shard in o["local"].items():
-            idx = _index(o["slices"][n])
+            idx = index_of(o["slices"][n])
             torch.testing.assert_close(shard, ref[res["replica"]][n][idx], **tol, msg=f"{case} rank {rank} {n}")
             moved = max(moved, float((shard - start[n].detach()[idx]).abs().max()))
         if o["formula"] is not None:  # DeMo: the measured R bytes are the formula's
@@ -330,7 +255,7 @@ def _check(results, case, n_ranks):
             x.mul_(1 - lr * HP.weight_decay)
         for res in results:
             o = res["out"][case]
-            assert torch.equal(o["local"][n], x[_index(o["slices"][n])]), res["replica"]
+            assert torch.equal(o["local"][n], x[index_of(o["slices"][n])]), res["replica"]
 
 
 ALL_CASES = [*DEMO_CASES, *LOCAL_CASES, *DION_CASES]

@@ -402,7 +402,7 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
 
             self._fused_takes = takes
 
-    # ---- hooks the torchtitan adapter reads (titan/adapter/container.py, state.py) ------------------------
+    # ---- hooks the torchtitan plug-in reads (titan/common/container.py, replica_state.py) ---------------
     @property
     def params_replica_local(self) -> bool:
         """Parameters differ across replicas between Kx syncs: checkpoints keep them per replica."""
