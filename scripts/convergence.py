@@ -26,6 +26,7 @@ seeds a cell shows mean ± half the range. Writes ``loss_vs_step.png`` and ``los
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -49,6 +50,9 @@ def run_key(name: str, lr: float, seed: int) -> str:
 
 def run_one(name, lr, seed, steps, flavor, dataset, out: Path, overrides, log_freq=1) -> dict | None:
     dump = out / "runs" / f"{name}_lr{lr:.6g}_seed{seed}"
+    # A run not yet in convergence.json never finished (killed, machine restart): its partial
+    # TensorBoard log would be read together with this run's, every early step twice.
+    shutil.rmtree(dump / "tb", ignore_errors=True)
     t0 = time.time()
     try:
         run_train(

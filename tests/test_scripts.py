@@ -9,6 +9,7 @@ with ``scripts/comm_report.py``'s numbers for the same flavor, mesh and family o
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -239,6 +240,23 @@ def test_steps_to_a_loss_read_the_first_step_whose_trailing_mean_reaches_it():
     targets = convergence.adamw_targets({"a": {"name": "AdamW", "lr": 0.1, "seed": 42, **run}})
     # the final loss is the mean of the last 10 % (here 1 step): 3.0, first reached (trailing 1) at step 3
     assert targets == {"loss": {42: 3.0}, "window": 1, "steps": {42: 3}}
+
+
+def test_convergence_rerun_reads_only_its_own_log_not_a_killed_run_s(tmp_path, monkeypatch):
+    from torch.utils.tensorboard import SummaryWriter
+
+    from scripts import convergence
+
+    def write_log(folder: Path, losses: list[float]):
+        with SummaryWriter(str(folder)) as writer:
+            for step, loss in enumerate(losses, 1):
+                writer.add_scalar("loss_metrics/global_avg_loss", loss, step)
+
+    dump = tmp_path / "runs" / "AdamW_lr0.1_seed42"
+    write_log(dump / "tb" / "killed", [9.0, 8.0, 7.0])  # a run stopped at step 3, never recorded
+    monkeypatch.setattr(convergence, "run_train", lambda dump, *args, **kw: write_log(dump / "tb" / "rerun", [4.0, 3.0, 2.0, 1.0]))
+    run = convergence.run_one("AdamW", 0.1, 42, 4, "cpu_tiny", "commopt_world", tmp_path, {})
+    assert run["steps"] == [1, 2, 3, 4] and run["loss"] == [4.0, 3.0, 2.0, 1.0]
 
 
 def test_project_time_to_loss_prints_every_assumption_and_refuses_a_missing_ratio(capsys):
