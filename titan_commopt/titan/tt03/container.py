@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 import torch
+import tyro
 from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
@@ -39,10 +40,11 @@ from ..common.mesh import ParameterMeshes, topology_of
 from ..common.optimizers import itemsize
 from ..config.checkpoint import CLI, CheckpointSettings, Spelling
 from ..config.section import CommOpt
+from ..config.sources import typed_family_keys
 from ..config.validate import hparams_of, resolve_options
 from ..platform.stop import stop_run
 from . import fsdp
-from .building import spelling_of, trainer_being_built
+from .building import command_line_being_parsed, spelling_of, trainer_being_built
 
 __all__ = ["CommOptimizers", "resolve_config", "refuse", "refuse_bad_options", "checkpoint_settings"]
 
@@ -54,12 +56,25 @@ def refuse(error: ConfigError) -> None:
     stop_run(str(error), BAD_INPUT)
 
 
-def _given(family: Family, commopt: Any, set_keys: list[str]) -> dict[str, Any]:
-    """The family options the user (or the config function) set: those that differ from the
-    family's defaults, and ``set_keys``; the preset fills the rest."""
-    table, defaults = getattr(commopt, family.key), family.options()
+def _given(family: Family, config: "CommOptimizers.Config") -> dict[str, Any]:
+    """The family options the user set: those typed (on the command line or in the override's
+    JSON: ``config.typed``, whatever their value), those listed in ``set_keys``, and those a config
+    function set to a value other than the family's default; the preset fills the rest."""
+    table, defaults = getattr(config.commopt, family.key), family.options()
+    prefix = family.key + "."
+    chosen = {k[len(prefix):] for k in config.typed if k.startswith(prefix)} | set(config.set_keys)
     return {f.name: getattr(table, f.name) for f in fields(table)
-            if f.name in set_keys or getattr(table, f.name) != getattr(defaults, f.name)}
+            if f.name in chosen or getattr(table, f.name) != getattr(defaults, f.name)}
+
+
+def typed_on_command_line() -> list[str]:
+    """``<family>.<key>`` of every ``--optimizer.commopt.<family>.<key>`` on the command line
+    torchtitan is parsing (none outside that parse)."""
+    args = command_line_being_parsed()
+    if args is None:
+        return []
+    return sorted(f"{family}.{key}" for family, keys in typed_family_keys(args, "--optimizer.commopt").items()
+                  for key in keys)
 
 
 def checkpoint_settings(trainer_config: Any, optimizer_name: str, spelling: Spelling = CLI) -> Optional[CheckpointSettings]:
@@ -76,7 +91,7 @@ def resolve_config(config: "CommOptimizers.Config") -> Optional[Resolved]:
     """The resolved optimizer of ``config`` (``None`` for torchtitan's AdamW/Adam); ``ConfigError``
     lists every problem."""
     return resolve_options(config.name, config.commopt, hparams_of(config, config.warmup_steps),
-                           lambda family: _given(family, config.commopt, config.set_keys))
+                           lambda family: _given(family, config))
 
 
 def refuse_bad_options(config: "CommOptimizers.Config") -> None:
@@ -111,8 +126,12 @@ class CommOptimizers(CommOptimizersContainer):
         commopt: CommOpt = field(default_factory=CommOpt)  # type: ignore[valid-type]
         """The [commopt] options: common ones plus one table per family (--optimizer.commopt.demo.topk 16)."""
         set_keys: list[str] = field(default_factory=list)
-        """Family option keys set on purpose even where equal to the family default (the preset then
-        does not replace them; a TOML's [commopt.<family>] keys)."""
+        """Family option keys the preset must not replace, besides those typed (a config function's
+        keys set on purpose to the family default; a TOML's [commopt.<family>] keys)."""
+        typed: tyro.conf.Suppress[list[str]] = field(default_factory=list)
+        """``<family>.<key>`` of each option the user typed (not a flag): read from the command line as
+        it is parsed, or the override's JSON keys. A typed value is used even where it equals the family
+        default; the preset fills only what was not typed."""
 
         @property
         def syncs_replicate(self) -> bool:
@@ -120,6 +139,7 @@ class CommOptimizers(CommOptimizersContainer):
             return owns_replicate_sync(self.name)
 
         def __post_init__(self) -> None:
+            self.typed = sorted(set(self.typed) | set(typed_on_command_line()))
             refuse_bad_options(self)
 
     def __init__(self, config: "CommOptimizers.Config", *, model_parts: list[nn.Module]) -> None:

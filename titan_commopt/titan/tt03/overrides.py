@@ -6,8 +6,9 @@
 Its keyword arguments: ``name``; the ``[optimizer]`` hyper-parameters ``lr``, ``beta1``, ``beta2``,
 ``eps``, ``weight_decay`` (default: the replaced config's first param group's values),
 ``warmup_steps``; any option of the named optimizer's family (``[commopt.<family>]``, e.g. ``topk``)
-or of ``[commopt]`` itself (e.g. ``on_nonfinite``). A bad name, key or value: one line, exit
-status 2. Overrides are applied after the command line is parsed, so options go in the JSON, not
+or of ``[commopt]`` itself (e.g. ``on_nonfinite``). A family option given here is used as given,
+even where it equals the family's default; the name's preset fills only the others. A bad name, key
+or value: one line, exit status 2. Overrides are applied after the command line is parsed, so options go in the JSON, not
 in ``--optimizer.*`` flags.
 
 :func:`comm_metrics` swaps the metrics processor for ours, which adds ``comm/*`` and ``commopt/*``
@@ -53,6 +54,7 @@ def commopt(cfg: Any, name: str = "FlexDeMo", **options: Any) -> CommOptimizers.
     hparams = {**_stock_hparams(cfg), **{k: options.pop(k) for k in _HPARAMS if k in options}}
     common = {k: options.pop(k) for k in _COMMON if k in options}
     section = CommOpt(**common)
+    typed: list[str] = []
     try:
         if options:
             if not owns_replicate_sync(name):
@@ -63,11 +65,12 @@ def commopt(cfg: Any, name: str = "FlexDeMo", **options: Any) -> CommOptimizers.
             if unknown:
                 raise ConfigError("\n".join(unknown))
             setattr(section, family.key, dataclasses.replace(getattr(section, family.key), **options))
+            typed = sorted(f"{family.key}.{key}" for key in options)  # used as typed, even at the family default
         elif owns_replicate_sync(name):
             family_of(name)
     except ConfigError as error:
         refuse(error)
-    return derive(cfg, CommOptimizers.Config, name=name, commopt=section, **hparams,
+    return derive(cfg, CommOptimizers.Config, name=name, commopt=section, typed=typed, set_keys=[], **hparams,
                   implementation="for-loop" if cfg.implementation.startswith("fused") else cfg.implementation)
 
 

@@ -1,0 +1,105 @@
+"""A torchtitan 0.3 user's first hour (issue 35): every value typed is the value used, every mistake
+one line (exit status 2), stock configs on a CPU box, one copy of the log.
+
+Skipped unless torchtitan 0.3 is installed (CI's second-line run, ``-m both_lines``). Most checks
+parse or build configs in-process; the launches are 2-process runs of 2 steps, through
+``python -m titan_commopt.run`` (the documented 0.3 launch: one copy of the log).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.titan_utils import ONLY_ON_03, TT03_CONFIGS
+
+pytestmark = ONLY_ON_03
+
+ROOT = Path(__file__).resolve().parents[1]
+OVERRIDE = "titan_commopt.titan.tt03.overrides"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return os.environ.get("TITAN_COMMOPT_CACHE") or str(tmp_path_factory.mktemp("cache"))
+
+
+def parse(*args: str, config: str = "cpu_debugmodel"):
+    from torchtitan.config.manager import ConfigManager
+
+    return ConfigManager().parse_args(["--module", TT03_CONFIGS, "--config", config, *args])
+
+
+def launch(cache: str, dump: Path, *args: str, nproc: int = 2, module: str = TT03_CONFIGS,
+           config: str = "cpu_debugmodel") -> subprocess.CompletedProcess:
+    """``python -m titan_commopt.run`` (torchrun that shows one copy of the log) of torchtitan 0.3's
+    ``torchtitan.train``; the finished process, not checked."""
+    cmd = [sys.executable, "-m", "titan_commopt.run", "--standalone", f"--nproc_per_node={nproc}",
+           "--log-dir", str(dump / "rank_logs"), "-m", "torchtitan.train", "--module", module, "--config", config,
+           "--dump_folder", str(dump), "--debug.seed", "0", *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TITAN_COMMOPT_CACHE": cache}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def r_bytes_per_step(chunk: int) -> float:
+    """FlexDeMo's R bytes per step on llama3 debugmodel, 2 replicas, float32 (scripts/comm_report.py)."""
+    from scripts import comm_report
+
+    (row,) = comm_report.report("debugmodel", 2, 1, ["FlexDeMo"], {"demo": {"chunk": chunk}}, param_dtype="float32")
+    return row["R_sent"]
+
+
+# ---- 1. a value typed is the value used, even at the family's default ---------------------------
+@pytest.mark.parametrize("typed", [["--optimizer.commopt.demo.chunk", "64"], ["--optimizer.commopt.demo.chunk=64"]])
+def test_typed_value_at_the_family_default_wins_over_the_preset(typed):
+    from titan_commopt.titan.tt03.container import resolve_config
+
+    default = resolve_config(parse().optimizer)
+    assert default.options.chunk == 32 and "chunk" in default.preset_keys()  # FlexDeMo's preset
+    resolved = resolve_config(parse(*typed).optimizer)
+    assert resolved.options.chunk == 64 and "chunk" in resolved.user_set
+    assert "  chunk = 64 (set)" in resolved.describe().splitlines()
+    assert resolved.options.topk == default.options.topk  # what was not typed: still the preset
+
+
+def test_typed_boolean_flag_at_the_family_default_wins():
+    from titan_commopt.titan.tt03.container import resolve_config
+
+    preset = resolve_config(parse().optimizer).options.sign_before_sync  # FlexDeMo's preset: True
+    flag = "--optimizer.commopt.demo.no-sign-before-sync" if preset else "--optimizer.commopt.demo.sign-before-sync"
+    resolved = resolve_config(parse(flag).optimizer)
+    assert resolved.options.sign_before_sync is (not preset) and "sign_before_sync" in resolved.user_set
+
+
+def test_override_key_at_the_family_default_wins_over_the_preset():
+    from torchtitan.components.optimizer import default_adamw
+
+    from titan_commopt.titan.tt03.container import resolve_config
+    from titan_commopt.titan.tt03.overrides import commopt
+
+    resolved = resolve_config(commopt(default_adamw(), name="FlexDeMo", chunk=64))
+    assert resolved.options.chunk == 64 and resolved.user_set == {"chunk"}
+    assert resolve_config(commopt(default_adamw(), name="FlexDeMo")).options.chunk == 32
+
+
+@pytest.fixture(scope="module")
+def typed_chunk_run(tmp_path_factory, cache):
+    dump = tmp_path_factory.mktemp("typed_chunk")
+    return launch(cache, dump, "--training.steps", "2", "--optimizer.commopt.demo.chunk", "64")
+
+
+def test_typed_chunk_is_trained_and_printed_once(typed_chunk_run):
+    """The run sends chunk 64's bytes (not the preset's 32), and says so once, at start."""
+    proc = typed_chunk_run
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert r_bytes_per_step(64) != r_bytes_per_step(32)
+    sent = [line for line in out.splitlines() if "step:  2" in line and "R sent:" in line]
+    assert len(sent) == 1, out[-6000:]  # one copy of the log
+    expected = f"R sent: {r_bytes_per_step(64) / 1000:.2f}KB/step"
+    assert expected in sent[0], (expected, sent[0])
+    assert out.count("titan_commopt optimizer, resolved once for this run:") == 1
+    assert out.count("  chunk = 64 (set)") == 1
