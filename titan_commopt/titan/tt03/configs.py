@@ -50,8 +50,8 @@ def commopt_optimizer(
     """Optimizer ``name`` (ours, or torchtitan's AdamW/Adam) with ``commopt`` (a ``CommOpt``: the
     ``[commopt]`` options; default: every family's defaults, the name's preset on top) and the
     ``[optimizer]`` hyper-parameters. The preset fills the family's keys left at their default,
-    except ``set_keys`` (keys the user set, e.g. a TOML's ``[commopt.<family>]`` keys). Bad values:
-    one line each, exit status 2."""
+    except those typed on the command line and ``set_keys`` (keys set on purpose to the default,
+    e.g. a TOML's ``[commopt.<family>]`` keys). Bad values: one line each, exit status 2."""
     return CommOptimizers.Config(
         name=name, commopt=commopt if commopt is not None else CommOpt(), lr=lr, beta1=beta1, beta2=beta2,
         eps=eps, weight_decay=weight_decay, warmup_steps=warmup_steps, implementation=implementation,
