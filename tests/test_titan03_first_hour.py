@@ -103,3 +103,96 @@ def test_typed_chunk_is_trained_and_printed_once(typed_chunk_run):
     assert expected in sent[0], (expected, sent[0])
     assert out.count("titan_commopt optimizer, resolved once for this run:") == 1
     assert out.count("  chunk = 64 (set)") == 1
+
+
+# ---- 2. the same checks on every route: one line, exit status 2 ----------------------------------
+def one_line(capsys, call) -> str:
+    """``call()`` stops with exit status 2 and one ``titan_commopt:`` line on stderr: that line."""
+    with pytest.raises(SystemExit) as stop:
+        call()
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("titan_commopt:")]
+    assert stop.value.code == 2 and len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--optimizer.lr", "-0.001"], "--optimizer.lr = -0.001: allowed is a finite number >= 0"),
+    (["--optimizer.beta2", "1.5"], "--optimizer.beta2 = 1.5: allowed is a number >= 0 and < 1"),
+    (["--optimizer.commopt.demo.sign_before_sync", "false"],
+     "--optimizer.commopt.demo.sign_before_sync false: a switch"),
+    (["--metrics.enable-tensorboard", "true"], "--metrics.no-enable-tensorboard (false)"),
+])
+def test_bad_command_line_value_is_one_line(capsys, args, expected):
+    assert expected in one_line(capsys, lambda: parse(*args))
+
+
+def test_override_negative_lr_is_one_line(capsys):
+    from torchtitan.components.optimizer import default_adamw
+
+    from titan_commopt.titan.tt03.overrides import commopt
+
+    line = one_line(capsys, lambda: commopt(default_adamw(), name="FlexDeMo", lr=-0.001))
+    assert f"override {OVERRIDE}.commopt: lr = -0.001: allowed is a finite number >= 0" in line
+
+
+def test_unknown_config_name_lists_only_config_functions(capsys):
+    line = one_line(capsys, lambda: parse(config="cpu_debugmodle"))
+    assert "'cpu_debugmodle'" in line and "cpu_debugmodel, cpu_debugmodel_adamw" in line
+    assert "apply_cpu_fixes" not in line and "commopt_optimizer" not in line
+
+
+@pytest.mark.parametrize("args, world_size, expected", [
+    ([], 3, "data_parallel_replicate_degree = 2: must divide WORLD_SIZE = 3"),
+    (["--parallelism.spmd_backend", "spmd_types"], 2, "spmd_backend = 'spmd_types' with WORLD_SIZE = 2"),
+    (["--hf_assets_path", "./tests/assets/tokenizer"], 2, "hf_assets_path = './tests/assets/tokenizer': no such directory"),
+    (["--dataloader.dataset_path", "/nonexistent/c4"], 2, "dataloader.dataset_path = '/nonexistent/c4': "),
+    (["--override.imports", f"{OVERRIDE}.comopt"], 2, f"--override.imports: override.imports target '{OVERRIDE}.comopt'"),
+])
+def test_whole_config_problem_is_one_line_before_the_process_group(capsys, monkeypatch, args, world_size, expected):
+    import torch.distributed as dist
+
+    from titan_commopt.titan.tt03.preflight import preflight
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    config = parse(*args)
+    assert expected in one_line(capsys, lambda: preflight(config))
+    assert not dist.is_initialized()
+
+
+def test_override_refusal_comes_before_the_process_group(capsys):
+    from titan_commopt.titan.tt03.preflight import preflight
+
+    config = parse("--override.imports", f"{OVERRIDE}.commopt=" + json.dumps({"name": "FlexDeMo", "lr": -1}),
+                   config="cpu_debugmodel_adamw")
+    assert "lr = -1: allowed is a finite number >= 0" in one_line(capsys, lambda: preflight(config))
+
+
+def test_valid_config_passes_the_preflight(monkeypatch):
+    from titan_commopt.titan.tt03.preflight import config_problems, override_problems
+
+    config = parse("--override.imports", f"{OVERRIDE}.commopt=" + json.dumps({"name": "DiLoCo", "Kx": 4}),
+                   f"{OVERRIDE}.comm_metrics", config="cpu_debugmodel_adamw")
+    assert override_problems(config) == [] and config_problems(config, 2) == []
+    assert type(config.optimizer).__name__ == "Config" and config.optimizer.param_groups  # the copy took the override
+
+
+def test_toml_spmd_types_is_refused_not_changed():
+    from titan_commopt.options import ConfigError
+    from titan_commopt.train import check_config
+
+    toml = str(ROOT / "train_configs" / "debug_cpu.toml")
+    with pytest.raises(ConfigError, match=r"spmd_backend = 'spmd_types' with WORLD_SIZE = 2"):
+        check_config(["--job.config_file", toml, "--parallelism.spmd_backend", "spmd_types"], 2)
+    assert check_config(["--job.config_file", toml, "--parallelism.spmd_backend", "spmd_types"], 1) \
+        .trainer_config.parallelism.spmd_backend == "spmd_types"
+
+
+def test_refusal_through_the_launcher_is_one_line_exit_2(tmp_path, cache):
+    """A misspelled override target on 2 processes: the launcher's exit status is 2 and its console
+    one line, no traceback, no torchrun failure summary."""
+    proc = launch(cache, tmp_path, "--override.imports", f"{OVERRIDE}.comopt")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-4000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-4000:]
+    assert len([line for line in out.splitlines() if f"'{OVERRIDE}.comopt'" in line]) == 1, out[-4000:]

@@ -25,20 +25,25 @@ accelerator exists).
 """
 
 import dataclasses
+import sys
 from typing import Any, Optional
 
-from torchtitan.models.llama3.config_registry import llama3_8b, llama3_debugmodel
+from torchtitan.models.llama3 import config_registry as _llama3  # not as names: --config <name> looks names up here
 from torchtitan.trainer import Trainer
+
+from titan_commopt.options import ConfigError
 
 from ..config.section import CommOpt
 from .assets import dataset_dir, tokenizer_dir
-from .container import CommOptimizers
+from .building import command_line_being_parsed
+from .container import CommOptimizers, refuse
 from .cpu import apply_cpu_fixes
 from .metrics import CommMetricsProcessor
+from .preflight import CommOptTrainer, ours, switch_problems
 
 __all__ = [
     "commopt_optimizer", "apply_cpu_fixes", "with_comm_metrics", "cpu_debugmodel", "cpu_debugmodel_adamw", "llama3_8b_flexdemo",
-    "llama3_8b_diloco", "llama3_8b_dion", "llama3_8b_des_loc", "llama3_8b_mt_dao",
+    "llama3_8b_diloco", "llama3_8b_dion", "llama3_8b_des_loc", "llama3_8b_mt_dao", "stock",
 ]
 
 
@@ -68,7 +73,7 @@ def with_comm_metrics(cfg: Trainer.Config) -> Trainer.Config:
 
 def _cpu(name: Optional[str]) -> Trainer.Config:
     """``name``: our container with that optimizer; ``None``: torchtitan's own config and container."""
-    cfg = llama3_debugmodel()
+    cfg = _llama3.llama3_debugmodel()
     cfg.hf_assets_path = str(tokenizer_dir())
     cfg.dataloader.dataset_path = str(dataset_dir())
     cfg.training.seq_len = 256
@@ -78,7 +83,7 @@ def _cpu(name: Optional[str]) -> Trainer.Config:
         cfg.optimizer = commopt_optimizer(name, warmup_steps=cfg.lr_scheduler.warmup_steps)
     cfg.validator.enable = False
     cfg.parallelism.data_parallel_replicate_degree = 2  # R = 2: the optimizer syncs it (2 procs: DDP-like, 4: HSDP 2x2)
-    return apply_cpu_fixes(with_comm_metrics(cfg))
+    return _checked(apply_cpu_fixes(with_comm_metrics(cfg)))
 
 
 def cpu_debugmodel() -> Trainer.Config:
@@ -90,7 +95,7 @@ def cpu_debugmodel_adamw() -> Trainer.Config:
 
 
 def _llama3_8b(name: str, commopt: Optional[Any] = None, lr: float = 1e-4) -> Trainer.Config:
-    cfg = llama3_8b()
+    cfg = _llama3.llama3_8b()
     cfg.lr_scheduler.warmup_steps = 200
     cfg.training.max_norm = 1.0
     cfg.training.mixed_precision_param = "bfloat16"
@@ -102,7 +107,17 @@ def _llama3_8b(name: str, commopt: Optional[Any] = None, lr: float = 1e-4) -> Tr
     cfg.debug.seed = 42
     cfg.dump_folder = f"./outputs/llama3_8b_{name}"
     cfg.optimizer = commopt_optimizer(name, commopt, lr=lr, warmup_steps=200, implementation="foreach")
-    return with_comm_metrics(cfg)
+    return _checked(with_comm_metrics(cfg))
+
+
+def _checked(cfg: Trainer.Config) -> CommOptTrainer.Config:
+    """``cfg`` as a config whose Trainer runs our pre-flight checks (``preflight.py``), after the
+    command line being parsed is checked for what tyro would refuse without naming the key."""
+    args = command_line_being_parsed()
+    problems = [] if args is None else switch_problems(cfg, args)
+    if problems:
+        refuse(ConfigError("\n".join(problems)))
+    return ours(cfg)
 
 
 def _options(**tables: dict[str, Any]) -> Any:
@@ -130,3 +145,73 @@ def llama3_8b_des_loc() -> Trainer.Config:
 
 def llama3_8b_mt_dao() -> Trainer.Config:
     return _llama3_8b("MT-DAO", _options(local={"lr": 3e-4, "switch_at": 0}), lr=3e-4)
+
+
+# ---- torchtitan's stock configs, made to run here; the names torchtitan may list ------------------
+def stock(name: str) -> Trainer.Config:
+    """torchtitan's own config function ``name`` (any model's ``config_registry``, e.g.
+    ``llama3_debugmodel``), with the CPU fixes applied (a no-op where an accelerator exists) and,
+    where the stock tokenizer or dataset path does not exist on this machine (``./tests/assets/*``
+    ship only in torchtitan's source tree), the bundled tokenizer and corpus (``assets.py``); its
+    optimizer stays torchtitan's: add ours with ``--override.imports``. Our pre-flight checks run
+    before its Trainer starts the process group. On the command line: ``--config <name>`` on this
+    module."""
+    import os
+
+    function = _stock_function(name)
+    if function is None:
+        raise ConfigError(f"--config {name!r}: no such config function in {__name__} or in torchtitan's models "
+                          f"({', '.join(_stock_modules())}); allowed is one of {', '.join(CONFIG_FUNCTIONS)}, or "
+                          f"a stock one such as llama3_debugmodel")
+    cfg = function()
+    if not os.path.exists(cfg.hf_assets_path):
+        cfg.hf_assets_path = str(tokenizer_dir())
+    dataloader = cfg.dataloader
+    if getattr(dataloader, "dataset", None) == "c4_test" and not os.path.exists(dataloader.dataset_path or _C4_TEST):
+        dataloader.dataset_path = str(dataset_dir())  # the bundled corpus, in c4_test's JSON layout
+    return _checked(apply_cpu_fixes(cfg))
+
+
+_C4_TEST = "tests/assets/c4_test"  # where torchtitan's c4_test reads by default (its source tree)
+CONFIG_FUNCTIONS = tuple(n for n in __all__ if n.startswith(("cpu_", "llama3_8b_")))  # --config names of ours
+
+
+def _stock_modules() -> list[str]:
+    from torchtitan.models import _supported_models
+
+    return sorted(_supported_models)
+
+
+def _stock_function(name: str) -> Optional[Any]:
+    """torchtitan's config function ``name`` from the first model whose ``config_registry`` has it."""
+    import importlib
+
+    if name.startswith("_"):
+        return None
+    for model in _stock_modules():
+        try:
+            registry = importlib.import_module(f"torchtitan.models.{model}.config_registry")
+        except ImportError:
+            continue
+        function = getattr(registry, name, None)
+        if callable(function) and getattr(function, "__module__", None) == registry.__name__:
+            return function
+    return None
+
+
+def __getattr__(name: str) -> Any:
+    """``--config <stock name>``: :func:`stock`'s config of it; an unknown ``--config`` name: one line,
+    exit status 2 (only when torchtitan's ConfigManager looks the name up)."""
+    if name.startswith("__") or sys._getframe(1).f_code.co_name != "_load_config":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if _stock_function(name) is None:
+        try:
+            stock(name)
+        except ConfigError as error:
+            refuse(error)
+    return lambda: stock(name)
+
+
+def __dir__() -> list[str]:
+    """The config functions (torchtitan lists what ``dir`` gives when a ``--config`` is not found)."""
+    return list(CONFIG_FUNCTIONS)

@@ -41,6 +41,7 @@ from ..common.optimizers import itemsize
 from ..config.checkpoint import CLI, CheckpointSettings, Spelling
 from ..config.section import CommOpt
 from ..config.sources import typed_family_keys
+from ..config.torchtitan_keys import optimizer_value_problems
 from ..config.validate import hparams_of, resolve_options
 from ..platform.stop import stop_run
 from . import fsdp
@@ -91,7 +92,14 @@ def resolve_config(config: "CommOptimizers.Config") -> Optional[Resolved]:
     """The resolved optimizer of ``config`` (``None`` for torchtitan's AdamW/Adam); ``ConfigError``
     lists every problem."""
     return resolve_options(config.name, config.commopt, hparams_of(config, config.warmup_steps),
-                           lambda family: _given(family, config))
+                           lambda family: _given(family, config), found=optimizer_problems(config))
+
+
+def optimizer_problems(config: "CommOptimizers.Config") -> list[str]:
+    """The ``[optimizer]`` values of ``config`` that the TOML routes refuse too (a negative lr, ...),
+    named by their command-line flags."""
+    values = {key: getattr(config, key) for key in ("lr", "beta1", "beta2", "eps", "weight_decay")}
+    return optimizer_value_problems(values, lambda key: f"--optimizer.{key}")
 
 
 def refuse_bad_options(config: "CommOptimizers.Config") -> None:

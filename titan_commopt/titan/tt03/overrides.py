@@ -30,11 +30,13 @@ from titan_commopt.optim import family_of, owns_replicate_sync
 from titan_commopt.options import ConfigError, check_keys
 
 from ..config.section import CommOpt, CommonOptions
+from ..config.torchtitan_keys import optimizer_value_problems
 from .container import CommOptimizers, refuse
 from .metrics import CommMetricsProcessor
 
 __all__ = ["commopt", "comm_metrics"]
 
+_NAME = f"{__name__}.commopt"
 _HPARAMS = ("lr", "beta1", "beta2", "eps", "weight_decay", "warmup_steps")
 _COMMON = tuple(f.name for f in dataclasses.fields(CommonOptions))
 
@@ -56,6 +58,9 @@ def commopt(cfg: Any, name: str = "FlexDeMo", **options: Any) -> CommOptimizers.
     section = CommOpt(**common)
     typed: list[str] = []
     try:
+        bad = optimizer_value_problems(hparams, lambda key: f"override {_NAME}: {key}")
+        if bad:
+            raise ConfigError("\n".join(bad))
         if options:
             if not owns_replicate_sync(name):
                 raise ConfigError(f"override {name}: options {', '.join(sorted(options))}: torchtitan's "
