@@ -196,3 +196,37 @@ def test_refusal_through_the_launcher_is_one_line_exit_2(tmp_path, cache):
     assert proc.returncode == 2, out[-4000:]
     assert "Traceback" not in out and "ChildFailedError" not in out, out[-4000:]
     assert len([line for line in out.splitlines() if f"'{OVERRIDE}.comopt'" in line]) == 1, out[-4000:]
+
+
+# ---- 3. a stock config on a CPU box, as README's one-liner (smaller: seq 128 x batch 2, 2 steps) ----
+STOCK_ONE_LINER = [  # README.md, "torchtitan 0.3", 3. (the override's JSON adds chunk 64 here)
+    "--parallelism.data_parallel_replicate_degree", "2", "--training.steps", "2",
+    "--override.imports", f"{OVERRIDE}.commopt=" + json.dumps({"name": "FlexDeMo", "chunk": 64}), f"{OVERRIDE}.comm_metrics",
+]
+
+
+def test_stock_config_trains_on_cpu_with_the_override_as_typed(tmp_path, cache):
+    """torchtitan's own ``llama3_debugmodel`` through our config module (CPU fixes before the Trainer,
+    the bundled tokenizer and corpus for the ./tests/assets paths this machine lacks) with our
+    override: it trains, with the override's chunk 64 (its bytes per step), not the preset's 32."""
+    proc = launch(cache, tmp_path, *STOCK_ONE_LINER, "--training.seq_len", "128", "--training.local_batch_size", "2",
+                  config="llama3_debugmodel")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert f"[Override] {OVERRIDE}.commopt" in out
+    sent = [line for line in out.splitlines() if "step:  2" in line and "R sent:" in line]
+    assert len(sent) == 1 and f"R sent: {r_bytes_per_step(64) / 1000:.2f}KB/step" in sent[0], out[-6000:]
+    assert out.count("  chunk = 64 (set)") == 1
+
+
+# ---- 4. one readable copy of the log ----------------------------------------------------------------
+@pytest.mark.parametrize("noise", ["\x1b[", "set_vital", "Peak flops undefined", "lspci", "DTensor random operators",
+                                   "CUDA graph capture", "initial_load_model_only"])
+def test_the_log_has_no_colour_codes_or_known_cpu_noise(typed_chunk_run, noise):
+    out = typed_chunk_run.stdout + typed_chunk_run.stderr
+    assert typed_chunk_run.returncode == 0 and noise not in out, out[-4000:]
+
+
+def test_tensorboard_is_on_and_its_folder_printed(typed_chunk_run, tmp_path_factory):
+    out = typed_chunk_run.stdout + typed_chunk_run.stderr
+    assert out.count("TensorBoard logging enabled. Logs will be saved at") == 1, out[-4000:]

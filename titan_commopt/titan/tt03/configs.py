@@ -1,15 +1,16 @@
 """Our config module for torchtitan 0.3: ``--module titan_commopt.titan.tt03.configs --config <name>``.
 
-Config functions (each returns a ``Trainer.Config``; every field stays a command-line flag, the
-optimizer's options included: ``--optimizer.name DiLoCo --optimizer.commopt.local.Kx 8``;
-``--help`` lists them):
+Config functions (each returns a ``CommOptTrainer.Config``: torchtitan's ``Trainer.Config`` whose
+Trainer checks the whole config before it starts the process group, ``preflight.py``; every field
+stays a command-line flag, the optimizer's options included: ``--optimizer.name DiLoCo
+--optimizer.commopt.local.Kx 8``; ``--help`` lists them):
 
 - ``cpu_debugmodel``: llama3 ``debugmodel`` for a CPU box, FlexDeMo, the bundled corpus and a
   tokenizer trained on it (built at first use into the cache, no internet: ``assets.py``), every
   CPU fix applied (``cpu.py``), 2 replicas (× the rest of the processes as FSDP shards),
-  seq 256 × batch 4, 4 steps, ``comm/*`` in the metrics::
+  seq 256 × batch 4, 4 steps, ``comm/*`` in the metrics, TensorBoard on (``<dump_folder>/tb``)::
 
-      torchrun --standalone --nproc_per_node=2 -m torchtitan.train \\
+      python -m titan_commopt.run --standalone --nproc_per_node=2 -m torchtitan.train \\
           --module titan_commopt.titan.tt03.configs --config cpu_debugmodel
 
 - ``cpu_debugmodel_adamw``: the same with torchtitan's own optimizer config and container (AdamW,
@@ -18,6 +19,13 @@ optimizer's options included: ``--optimizer.name DiLoCo --optimizer.commopt.loca
   ``llama3_8b_mt_dao``: llama3 8B on GPUs, as ``train_configs/llama3_8b_*.toml``
   (2 replicas × 8-way FSDP, seq 8192, bf16 parameters, fp32 reduce, ``hf_assets_path =
   ./assets/hf/Llama-3.1-8B``, dataset c4).
+
+- any config function of torchtitan's models by its name (``--config llama3_debugmodel``):
+  :func:`stock`, the CPU fixes and, where the stock asset paths are missing, the bundled tokenizer
+  and corpus (its optimizer is torchtitan's: add ours with ``--override.imports``).
+
+An unknown ``--config`` name is one line listing the config functions of this module (``__dir__``
+gives only those: torchtitan lists ``dir(module)``), exit status 2.
 
 For a config module of your own: :func:`commopt_optimizer` (our optimizer's config, to assign to
 ``cfg.optimizer``) and :func:`apply_cpu_fixes` (a config made to run on CPU/gloo; a no-op where an
@@ -34,12 +42,15 @@ from torchtitan.trainer import Trainer
 from titan_commopt.options import ConfigError
 
 from ..config.section import CommOpt
+from ..platform.console import quiet_known_noise
 from .assets import dataset_dir, tokenizer_dir
 from .building import command_line_being_parsed
 from .container import CommOptimizers, refuse
 from .cpu import apply_cpu_fixes
 from .metrics import CommMetricsProcessor
 from .preflight import CommOptTrainer, ours, switch_problems
+
+quiet_known_noise()  # torchtitan's CPU and offline-tokenizer warnings (``platform/console.py``)
 
 __all__ = [
     "commopt_optimizer", "apply_cpu_fixes", "with_comm_metrics", "cpu_debugmodel", "cpu_debugmodel_adamw", "llama3_8b_flexdemo",
@@ -82,6 +93,7 @@ def _cpu(name: Optional[str]) -> Trainer.Config:
     if name is not None:
         cfg.optimizer = commopt_optimizer(name, warmup_steps=cfg.lr_scheduler.warmup_steps)
     cfg.validator.enable = False
+    cfg.metrics.enable_tensorboard = True  # under <dump_folder>/tb (torchtitan logs the folder at start)
     cfg.parallelism.data_parallel_replicate_degree = 2  # R = 2: the optimizer syncs it (2 procs: DDP-like, 4: HSDP 2x2)
     return _checked(apply_cpu_fixes(with_comm_metrics(cfg)))
 
@@ -112,7 +124,10 @@ def _llama3_8b(name: str, commopt: Optional[Any] = None, lr: float = 1e-4) -> Tr
 
 def _checked(cfg: Trainer.Config) -> CommOptTrainer.Config:
     """``cfg`` as a config whose Trainer runs our pre-flight checks (``preflight.py``), after the
-    command line being parsed is checked for what tyro would refuse without naming the key."""
+    command line being parsed is checked for what tyro would refuse without naming the key. Colour
+    codes only where the output is a terminal (``python -m titan_commopt.run`` sends it to files)."""
+    if not sys.stdout.isatty():
+        cfg.metrics.disable_color_printing = True
     args = command_line_being_parsed()
     problems = [] if args is None else switch_problems(cfg, args)
     if problems:

@@ -16,7 +16,10 @@ to TensorBoard: ``--override.imports titan_commopt.titan.tt03.overrides.commopt
 titan_commopt.titan.tt03.overrides.comm_metrics``.
 
 On a CPU box torchtitan's stock configs also need the CPU fixes before the Trainer exists (an
-override runs too late for them): use our config module there (``configs.py``).
+override runs too late for them): name the stock config through our config module there
+(``--module titan_commopt.titan.tt03.configs --config llama3_debugmodel``: ``configs.py``), whose
+Trainer also tries the overrides on a copy of the config before the process group
+(``preflight.py``).
 """
 
 import dataclasses
@@ -30,11 +33,14 @@ from titan_commopt.optim import family_of, owns_replicate_sync
 from titan_commopt.options import ConfigError, check_keys
 
 from ..config.section import CommOpt, CommonOptions
+from ..platform.console import quiet_known_noise
 from ..config.torchtitan_keys import optimizer_value_problems
 from .container import CommOptimizers, refuse
 from .metrics import CommMetricsProcessor
 
 __all__ = ["commopt", "comm_metrics"]
+
+quiet_known_noise()  # torchtitan's CPU and offline-tokenizer warnings (``platform/console.py``)
 
 _NAME = f"{__name__}.commopt"
 _HPARAMS = ("lr", "beta1", "beta2", "eps", "weight_decay", "warmup_steps")
