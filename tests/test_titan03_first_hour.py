@@ -230,3 +230,24 @@ def test_the_log_has_no_colour_codes_or_known_cpu_noise(typed_chunk_run, noise):
 def test_tensorboard_is_on_and_its_folder_printed(typed_chunk_run, tmp_path_factory):
     out = typed_chunk_run.stdout + typed_chunk_run.stderr
     assert out.count("TensorBoard logging enabled. Logs will be saved at") == 1, out[-4000:]
+
+
+# ---- 5. --help shows the values the run would use ---------------------------------------------------
+def test_help_shows_the_preset_values(capsys):
+    from torchtitan.config.manager import ConfigManager
+
+    with pytest.raises(SystemExit):
+        ConfigManager().parse_args(["--module", TT03_CONFIGS, "--config", "cpu_debugmodel", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    chunk = out[out.index("--optimizer.commopt.demo.chunk INT"):][:300]
+    assert "(default: 32)" in chunk, chunk  # FlexDeMo's preset, not the family's 64
+
+
+def test_another_name_of_the_family_takes_its_own_preset():
+    """The FlexDeMo preset written in for --help is not taken as set: --optimizer.name DeMo runs with
+    DeMo's preset and the family's defaults, as a TOML naming DeMo does."""
+    from titan_commopt.optim import resolve
+    from titan_commopt.titan.tt03.container import resolve_config
+
+    resolved = resolve_config(parse("--optimizer.name", "DeMo").optimizer)
+    assert resolved.user_set == frozenset() and resolved.options == resolve("DeMo").options

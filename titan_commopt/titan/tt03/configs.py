@@ -45,7 +45,7 @@ from ..config.section import CommOpt
 from ..platform.console import quiet_known_noise
 from .assets import dataset_dir, tokenizer_dir
 from .building import command_line_being_parsed
-from .container import CommOptimizers, refuse
+from .container import CommOptimizers, refuse, show_preset
 from .cpu import apply_cpu_fixes
 from .metrics import CommMetricsProcessor
 from .preflight import CommOptTrainer, ours, switch_problems
@@ -91,7 +91,7 @@ def _cpu(name: Optional[str]) -> Trainer.Config:
     cfg.training.local_batch_size = 4
     cfg.training.steps = 4
     if name is not None:
-        cfg.optimizer = commopt_optimizer(name, warmup_steps=cfg.lr_scheduler.warmup_steps)
+        cfg.optimizer = show_preset(commopt_optimizer(name, warmup_steps=cfg.lr_scheduler.warmup_steps))
     cfg.validator.enable = False
     cfg.metrics.enable_tensorboard = True  # under <dump_folder>/tb (torchtitan logs the folder at start)
     cfg.parallelism.data_parallel_replicate_degree = 2  # R = 2: the optimizer syncs it (2 procs: DDP-like, 4: HSDP 2x2)
@@ -118,7 +118,7 @@ def _llama3_8b(name: str, commopt: Optional[Any] = None, lr: float = 1e-4) -> Tr
     cfg.checkpoint.enable = True
     cfg.debug.seed = 42
     cfg.dump_folder = f"./outputs/llama3_8b_{name}"
-    cfg.optimizer = commopt_optimizer(name, commopt, lr=lr, warmup_steps=200, implementation="foreach")
+    cfg.optimizer = show_preset(commopt_optimizer(name, commopt, lr=lr, warmup_steps=200, implementation="foreach"))
     return _checked(with_comm_metrics(cfg))
 
 

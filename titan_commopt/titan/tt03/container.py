@@ -21,7 +21,7 @@ checkpoint state and the ledger's totals — is the container both lines share
 (``common/container.py``): the methods torchtitan 0.3 calls have the same names and meaning.
 """
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional
 
 import torch
@@ -31,7 +31,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
 from titan_commopt import comm
-from titan_commopt.optim import BaseHParams, Family, Resolved, owns_replicate_sync
+from titan_commopt.optim import BaseHParams, Family, Resolved, family_of, owns_replicate_sync
 from titan_commopt.options import ConfigError
 
 from ..common.build import FsdpBytes, container_arguments, route_clipping
@@ -47,7 +47,7 @@ from ..platform.stop import stop_run
 from . import fsdp
 from .building import command_line_being_parsed, spelling_of, trainer_being_built
 
-__all__ = ["CommOptimizers", "resolve_config", "refuse", "refuse_bad_options", "checkpoint_settings"]
+__all__ = ["CommOptimizers", "resolve_config", "refuse", "refuse_bad_options", "checkpoint_settings", "show_preset"]
 
 BAD_INPUT = 2
 
@@ -62,10 +62,24 @@ def _given(family: Family, config: "CommOptimizers.Config") -> dict[str, Any]:
     JSON: ``config.typed``, whatever their value), those listed in ``set_keys``, and those a config
     function set to a value other than the family's default; the preset fills the rest."""
     table, defaults = getattr(config.commopt, family.key), family.options()
+    shown = family.presets.get(config.shown_preset, {})  # written in by the config function, not set
     prefix = family.key + "."
     chosen = {k[len(prefix):] for k in config.typed if k.startswith(prefix)} | set(config.set_keys)
     return {f.name: getattr(table, f.name) for f in fields(table)
-            if f.name in chosen or getattr(table, f.name) != getattr(defaults, f.name)}
+            if f.name in chosen or getattr(table, f.name) != shown.get(f.name, getattr(defaults, f.name))}
+
+
+def show_preset(config: "CommOptimizers.Config") -> "CommOptimizers.Config":
+    """``config`` with its optimizer's preset written into its family's table where that holds the
+    family default, so that ``--help`` shows the values the run would use. They still count as not
+    set (``shown_preset``): another name of the family (``--optimizer.name DeMo``) takes its own."""
+    if owns_replicate_sync(config.name):
+        family = family_of(config.name)
+        table, defaults = getattr(config.commopt, family.key), family.options()
+        preset = {k: v for k, v in family.presets[config.name].items() if getattr(table, k) == getattr(defaults, k)}
+        setattr(config.commopt, family.key, replace(table, **preset))
+        config.shown_preset = config.name
+    return config
 
 
 def typed_on_command_line() -> list[str]:
@@ -136,6 +150,9 @@ class CommOptimizers(CommOptimizersContainer):
         set_keys: list[str] = field(default_factory=list)
         """Family option keys the preset must not replace, besides those typed (a config function's
         keys set on purpose to the family default; a TOML's [commopt.<family>] keys)."""
+        shown_preset: tyro.conf.Suppress[str] = ""
+        """The optimizer whose preset a config function wrote into ``commopt`` for ``--help`` (not a
+        flag; :func:`show_preset`): values equal to it count as not set."""
         typed: tyro.conf.Suppress[list[str]] = field(default_factory=list)
         """``<family>.<key>`` of each option the user typed (not a flag): read from the command line as
         it is parsed, or the override's JSON keys. A typed value is used even where it equals the family

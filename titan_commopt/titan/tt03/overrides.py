@@ -81,7 +81,7 @@ def commopt(cfg: Any, name: str = "FlexDeMo", **options: Any) -> CommOptimizers.
             family_of(name)
     except ConfigError as error:
         refuse(error)
-    return derive(cfg, CommOptimizers.Config, name=name, commopt=section, typed=typed, set_keys=[], **hparams,
+    return derive(cfg, CommOptimizers.Config, name=name, commopt=section, typed=typed, set_keys=[], shown_preset="", **hparams,
                   implementation="for-loop" if cfg.implementation.startswith("fused") else cfg.implementation)
 
 
