@@ -9,8 +9,8 @@ and ``warmup_steps`` for MT-DAO's switch) and ``commopt``: the ``[commopt]`` sec
 (``--optimizer.name DiLoCo --optimizer.commopt.local.Kx 8``) and ``--help`` lists them.
 
 The config checks itself as it is made (:func:`refuse_bad_options`: the family's preset fills every
-key neither typed nor set to another value than the family default; bad values: one line each, exit status 2, before any process
-group exists), and says whether our optimizer syncs R (``syncs_replicate``), which the
+key neither typed nor set to another value than the family default; bad values: one line each,
+exit status 2, before any process group exists), and says whether our optimizer syncs R (``syncs_replicate``), which the
 ``fully_shard`` wrapper reads from the Trainer being built (``fsdp.py``). ``build(model_parts=...)``
 then resolves it and builds the container as 0.2.2 does (``common/build.py``): one optimizer per
 model part on the run's Topology (the parameters' meshes + the R mesh FSDP was kept off,

@@ -8,8 +8,8 @@ Its keyword arguments: ``name``; the ``[optimizer]`` hyper-parameters ``lr``, ``
 ``warmup_steps``; any option of the named optimizer's family (``[commopt.<family>]``, e.g. ``topk``)
 or of ``[commopt]`` itself (e.g. ``on_nonfinite``). A family option given here is used as given,
 even where it equals the family's default; the name's preset fills only the others. A bad name, key
-or value: one line, exit status 2. Overrides are applied after the command line is parsed, so options go in the JSON, not
-in ``--optimizer.*`` flags.
+or value: one line, exit status 2. Overrides are applied after the command line is parsed, so
+options go in the JSON, not in ``--optimizer.*`` flags.
 
 :func:`comm_metrics` swaps the metrics processor for ours, which adds ``comm/*`` and ``commopt/*``
 to TensorBoard: ``--override.imports titan_commopt.titan.tt03.overrides.commopt
@@ -81,7 +81,8 @@ def commopt(cfg: Any, name: str = "FlexDeMo", **options: Any) -> CommOptimizers.
             family_of(name)
     except ConfigError as error:
         refuse(error)
-    return derive(cfg, CommOptimizers.Config, name=name, commopt=section, typed=typed, set_keys=[], shown_preset="", **hparams,
+    return derive(cfg, CommOptimizers.Config, name=name, commopt=section, typed=typed, set_keys=[], shown_preset="",
+                  **hparams,
                   implementation="for-loop" if cfg.implementation.startswith("fused") else cfg.implementation)
 
 
