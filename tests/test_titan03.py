@@ -97,6 +97,12 @@ def test_comm_scalars_reach_tensorboard(trained, tag):
         assert values[-1] < 0.5
 
 
+def test_resolved_options_printed_once_under_plain_torchrun(trained):
+    """4 processes, every rank's output: the resolved options once (rank 0), not once per rank."""
+    log = trained[2].stdout + trained[2].stderr
+    assert log.count("titan_commopt optimizer, resolved once for this run:") == 1
+
+
 def test_no_step_skipped(trained):
     assert trained[1]["commopt/skipped_steps"] == [0.0] * 4
 

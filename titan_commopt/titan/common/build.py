@@ -6,7 +6,7 @@ and call :func:`container_arguments`, which
 
 1. refuses a resume that cannot work (``config/resume.py``), before anything is built or loaded;
 2. builds torchtitan's own optimizers for AdamW/Adam (R synced by HSDP), else one optimizer of ours
-   per model part on the run's Topology and ledger (the resolved options logged once);
+   per model part on the run's Topology and ledger (the resolved options logged once, by rank 0);
 3. prices FSDP2's own collectives (``optim/traffic.py``) and what AdamW over HSDP would send over R;
 
 and then :func:`route_clipping`, which hands torchtitan's clip of a container that owns R to it
@@ -61,7 +61,8 @@ def container_arguments(
     if resolved is None:
         optimizers = stock_optimizers()
     else:
-        logger.info("titan_commopt optimizer, resolved once for this run:\n%s", resolved.describe())
+        if _global_rank() == 0:  # the same on every rank: printed once, also under plain torchrun
+            logger.info("titan_commopt optimizer, resolved once for this run:\n%s", resolved.describe())
         optimizers = build_per_part(model_parts, topology, resolved, ledger)
     traffic, adamw_reference = byte_estimates(
         model_parts, topology, enabled=commopt.hsdp_estimates, param_bytes=fsdp_bytes.param_bytes,
@@ -73,6 +74,10 @@ def container_arguments(
         safeguards=Safeguards.of(commopt),
         ledger_in_checkpoint=True if checkpoint is None else ledger_saved(checkpoint),
     )
+
+
+def _global_rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def route_clipping(container: CommOptimizersContainer) -> None:

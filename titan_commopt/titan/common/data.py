@@ -16,7 +16,7 @@ from titan_commopt import corpora
 
 __all__ = [
     "CORPUS_NAME", "BUNDLED", "TEXTFILE_NAME", "BUNDLED_TOKENIZER", "cache_dir", "locked", "corpus_path", "read_lines",
-    "is_bundled_tokenizer", "tokenizer_corpus", "register_datasets", "text_dataset_problems",
+    "is_bundled_tokenizer", "tokenizer_corpus", "register_datasets", "text_dataset_problems", "dataset_problems",
 ]
 
 CORPUS_NAME = "commopt_tiny"  # the default bundled corpus
@@ -113,10 +113,10 @@ def register_datasets() -> None:
 def text_dataset_problems(job_config: Any, lines_needed: int) -> list[str]:
     """``[training]``'s dataset, and ``[validation]``'s when enabled (both torchtitan lines)."""
     training = job_config.training
-    out = _dataset_problems("training", training.dataset, training.dataset_path, lines_needed)
+    out = dataset_problems("training", training.dataset, training.dataset_path, lines_needed)
     if job_config.validation.enable:
         validation = job_config.validation
-        out += _dataset_problems("validation", validation.dataset, validation.dataset_path, lines_needed)
+        out += dataset_problems("validation", validation.dataset, validation.dataset_path, lines_needed)
     return out
 
 
@@ -135,7 +135,7 @@ def _nonblank_lines(path: str, at_least: int) -> int:
 _LOCAL_DATASETS = ("c4_test",)  # torchtitan datasets whose default path is a local directory
 
 
-def _dataset_problems(section: str, dataset: str, dataset_path: Optional[str], dp: int) -> list[str]:
+def dataset_problems(section: str, dataset: str, dataset_path: Optional[str], dp: int) -> list[str]:
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
     name = dataset.lower()  # torchtitan lowers the name too

@@ -9,7 +9,7 @@ from titan_commopt.options import ConfigError
 
 from .section import family_config
 
-__all__ = ["config_file_of", "read_config_file", "user_set_keys", "given_options"]
+__all__ = ["config_file_of", "read_config_file", "user_set_keys", "typed_family_keys", "given_options"]
 
 
 def config_file_of(argv: list[str]) -> Optional[str]:
@@ -53,15 +53,27 @@ def user_set_keys(argv: list[str], toml: dict) -> dict[str, set[str]]:
     boolean, dashes for underscores). A preset fills every other key."""
     tables = toml.get("commopt", {})
     out = {family: set(tables.get(family, {})) for family in FAMILIES}
+    for family, keys in typed_family_keys(argv, "--commopt").items():
+        out[family] |= keys
+    return out
+
+
+def typed_family_keys(argv: list[str], prefix: str) -> dict[str, set[str]]:
+    """``{family: keys}`` typed on the command line ``argv`` as ``<prefix>.<family>.<key>`` (``=`` or a
+    separate word; ``no-<key>`` / ``no_<key>`` for a false boolean; dashes for underscores, as tyro
+    accepts both): ``--commopt`` on 0.2.2 and our TOML, ``--optimizer.commopt`` on 0.3's command line."""
+    out: dict[str, set[str]] = {family: set() for family in FAMILIES}
     for arg in argv:
-        parts = arg.partition("=")[0].split(".")
-        if len(parts) != 3 or parts[0] != "--commopt" or parts[1] not in out:
+        flag = arg.partition("=")[0]
+        if not flag.startswith(prefix + "."):
             continue
-        key = parts[2]
-        for negation in ("no-", "no_"):
-            if key.startswith(negation) and key[len(negation):].replace("-", "_") in _option_names(parts[1]):
-                key = key[len(negation):]
-        out[parts[1]].add(key.replace("-", "_"))
+        parts = flag[len(prefix) + 1:].replace("-", "_").split(".")
+        if len(parts) != 2 or parts[0] not in out:
+            continue
+        family, key = parts
+        if key.startswith("no_") and key[3:] in _option_names(family):
+            key = key[3:]
+        out[family].add(key)
     return out
 
 

@@ -20,7 +20,10 @@ from typing import Any, Callable, Optional
 
 from .resume import TORCHTITAN_STATES
 
-__all__ = ["torchtitan_problems", "world_size_from_env", "data_parallel_degree", "SpecProblems"]
+__all__ = [
+    "torchtitan_problems", "world_size_from_env", "data_parallel_degree", "SpecProblems", "optimizer_value_problems",
+    "mesh_problems", "spmd_backend_problems",
+]
 
 def world_size_from_env() -> Optional[int]:
     try:
@@ -83,6 +86,14 @@ _VALIDATION_RULES = (
 )
 
 
+def optimizer_value_problems(values: dict[str, Any], name_of: Callable[[str], str]) -> list[str]:
+    """One line per bad ``[optimizer]`` value among ``values`` (``lr``, ``beta1``, ``beta2``, ``eps``,
+    ``weight_decay``: the rules the TOML routes check), each key named as the route spells it
+    (``name_of(key)``, e.g. ``--optimizer.lr``)."""
+    return [f"{name_of(key)} = {values[key]!r}: allowed is {allowed}"
+            for section, key, ok, allowed in _RULES if section == "optimizer" and key in values and not ok(values[key])]
+
+
 def _rule_problems(job_config: Any, rules) -> list[str]:
     out = []
     for section, key, ok, allowed in rules:
@@ -113,7 +124,8 @@ def data_parallel_degree(parallelism: Any, world_size: Optional[int]) -> Optiona
     return parallelism.data_parallel_replicate_degree * shard
 
 
-def _mesh_problems(parallelism: Any, world_size: Optional[int]) -> list[str]:
+def mesh_problems(parallelism: Any, world_size: Optional[int]) -> list[str]:
+    """The mesh's degrees against the number of processes (none checked when ``world_size`` is None)."""
     if world_size is None:
         return []
     degrees = {key: getattr(parallelism, key) for key, _ in _DEGREES}
@@ -136,6 +148,23 @@ def _mesh_problems(parallelism: Any, world_size: Optional[int]) -> list[str]:
             f"(data_parallel_shard_degree = -1 takes the rest)"
         ]
     return []
+
+
+# torchtitan 0.3's default backend, which torch 2.13's fully_shard does not run with more than one
+# process (it fails inside FSDP, after the process group exists). 0.2.2 has no such setting.
+_BROKEN_BACKEND = "spmd_types"
+
+
+def spmd_backend_problems(parallelism: Any, world_size: Optional[int]) -> list[str]:
+    """``[parallelism] spmd_backend = "spmd_types"`` (torchtitan 0.3) with more than one process."""
+    backend = getattr(parallelism, "spmd_backend", None)
+    if backend != _BROKEN_BACKEND or world_size is None or world_size <= 1:
+        return []
+    return [
+        f"[parallelism] spmd_backend = {backend!r} with WORLD_SIZE = {world_size}: torch 2.13's fully_shard fails "
+        f"with it on more than one process; allowed is 'partial_dtensor' (FSDP2 and TP on DTensors, as torchtitan "
+        f"0.2.2) or 'full_dtensor'"
+    ]
 
 
 def _batch_problems(training: Any, dp: Optional[int]) -> list[str]:
@@ -184,7 +213,8 @@ def torchtitan_problems(job_config: Any, world_size: Optional[int], spec_problem
     parallelism, training = job_config.parallelism, job_config.training
     dp = None
     if "parallelism" not in bad:
-        mesh = _mesh_problems(parallelism, world_size)
+        mesh = mesh_problems(parallelism, world_size)
+        out += spmd_backend_problems(parallelism, world_size)
         out += mesh
         dp = None if mesh else data_parallel_degree(parallelism, world_size)
     if "training" not in bad:

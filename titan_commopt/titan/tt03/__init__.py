@@ -5,6 +5,8 @@
 - ``configs.py``: our config module (``--module titan_commopt.titan.tt03.configs --config cpu_debugmodel``),
   ``commopt_optimizer`` and ``apply_cpu_fixes`` for config modules of your own;
 - ``overrides.py``: ``@override`` functions for ``--override.imports`` (our optimizer in any config; our metrics);
+- ``preflight.py``: ``CommOptTrainer``, the Trainer of our config functions, which checks the whole
+  config (overrides on a copy, mesh, backend, tokenizer, data) before the process group;
 - ``fsdp.py``: the ``fully_shard`` wrapper (R left to our optimizers; SUM on gloo); ``building.py``:
   the Trainer being built, which the wrapper and the container read;
 - ``cpu.py``, ``assets.py``, ``metrics.py``: the CPU fixes, the offline tokenizer and dataset, ``comm/*``

@@ -7,8 +7,13 @@ the container its own config and the model parts (``container.py`` must check a 
 Trainer's checkpoint settings and data-parallel degree). No hook of 0.3 runs there with the
 Trainer, and a Trainer subclass of ours cannot be relied on: ``--override.imports`` puts our
 optimizer into a stock config, whose Trainer is torchtitan's own and imports us only inside its
-``__init__``. :func:`trainer_being_built` therefore walks the call stack up to that ``__init__``:
-the one place the plug-in does so.
+``__init__``. :func:`trainer_being_built` therefore walks the call stack up to that ``__init__``.
+
+Likewise, what the user typed on 0.3's command line (so that a typed value wins over a preset even
+where it equals the family default) is known only to torchtitan's ``ConfigManager.parse_args``,
+which hands tyro the arguments and gets the finished config back: our config's ``__post_init__``
+runs inside that call, and :func:`command_line_being_parsed` reads the arguments from its frame.
+These two are the only places the plug-in walks the call stack.
 
 A Trainer may say how its user writes settings (:func:`spelling_of`): our TOML runner's does
 (``tt03_toml/runner.py``), so that a refused resume names the TOML's keys; torchtitan's own is run
@@ -20,7 +25,7 @@ from typing import Any, Optional
 
 from ..config.checkpoint import CLI, Spelling
 
-__all__ = ["trainer_being_built", "spelling_of"]
+__all__ = ["trainer_being_built", "command_line_being_parsed", "spelling_of"]
 
 
 def trainer_being_built() -> Optional[Any]:
@@ -33,6 +38,20 @@ def trainer_being_built() -> Optional[Any]:
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, Trainer) and frame.f_code.co_name == "__init__":
             return candidate
+        frame = frame.f_back
+    return None
+
+
+def command_line_being_parsed() -> Optional[list[str]]:
+    """The arguments torchtitan's ``ConfigManager.parse_args`` is parsing (its ``args``: the command
+    line, or the list a caller handed it), when called from inside that parse; else None."""
+    from torchtitan.config.manager import ConfigManager
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is ConfigManager.parse_args.__code__:
+            args = frame.f_locals.get("args")
+            return list(args) if args is not None else None
         frame = frame.f_back
     return None
 

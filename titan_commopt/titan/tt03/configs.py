@@ -1,15 +1,16 @@
 """Our config module for torchtitan 0.3: ``--module titan_commopt.titan.tt03.configs --config <name>``.
 
-Config functions (each returns a ``Trainer.Config``; every field stays a command-line flag, the
-optimizer's options included: ``--optimizer.name DiLoCo --optimizer.commopt.local.Kx 8``;
-``--help`` lists them):
+Config functions (each returns a ``CommOptTrainer.Config``: torchtitan's ``Trainer.Config`` whose
+Trainer checks the whole config before it starts the process group, ``preflight.py``; every field
+stays a command-line flag, the optimizer's options included: ``--optimizer.name DiLoCo
+--optimizer.commopt.local.Kx 8``; ``--help`` lists them):
 
 - ``cpu_debugmodel``: llama3 ``debugmodel`` for a CPU box, FlexDeMo, the bundled corpus and a
   tokenizer trained on it (built at first use into the cache, no internet: ``assets.py``), every
   CPU fix applied (``cpu.py``), 2 replicas (× the rest of the processes as FSDP shards),
-  seq 256 × batch 4, 4 steps, ``comm/*`` in the metrics::
+  seq 256 × batch 4, 4 steps, ``comm/*`` in the metrics, TensorBoard on (``<dump_folder>/tb``)::
 
-      torchrun --standalone --nproc_per_node=2 -m torchtitan.train \\
+      python -m titan_commopt.run --standalone --nproc_per_node=2 -m torchtitan.train \\
           --module titan_commopt.titan.tt03.configs --config cpu_debugmodel
 
 - ``cpu_debugmodel_adamw``: the same with torchtitan's own optimizer config and container (AdamW,
@@ -19,26 +20,41 @@ optimizer's options included: ``--optimizer.name DiLoCo --optimizer.commopt.loca
   (2 replicas × 8-way FSDP, seq 8192, bf16 parameters, fp32 reduce, ``hf_assets_path =
   ./assets/hf/Llama-3.1-8B``, dataset c4).
 
+- any config function of torchtitan's models by its name (``--config llama3_debugmodel``):
+  :func:`stock`, the CPU fixes and, where the stock asset paths are missing, the bundled tokenizer
+  and corpus (its optimizer is torchtitan's: add ours with ``--override.imports``).
+
+An unknown ``--config`` name is one line listing the config functions of this module (``__dir__``
+gives only those: torchtitan lists ``dir(module)``), exit status 2.
+
 For a config module of your own: :func:`commopt_optimizer` (our optimizer's config, to assign to
 ``cfg.optimizer``) and :func:`apply_cpu_fixes` (a config made to run on CPU/gloo; a no-op where an
 accelerator exists).
 """
 
 import dataclasses
+import sys
 from typing import Any, Optional
 
-from torchtitan.models.llama3.config_registry import llama3_8b, llama3_debugmodel
+from torchtitan.models.llama3 import config_registry as _llama3  # not as names: --config <name> looks names up here
 from torchtitan.trainer import Trainer
 
+from titan_commopt.options import ConfigError
+
 from ..config.section import CommOpt
+from ..platform.console import quiet_known_noise
 from .assets import dataset_dir, tokenizer_dir
-from .container import CommOptimizers
+from .building import command_line_being_parsed
+from .container import CommOptimizers, refuse, show_preset
 from .cpu import apply_cpu_fixes
 from .metrics import CommMetricsProcessor
+from .preflight import CommOptTrainer, ours, switch_problems
+
+quiet_known_noise()  # torchtitan's CPU and offline-tokenizer warnings (``platform/console.py``)
 
 __all__ = [
     "commopt_optimizer", "apply_cpu_fixes", "with_comm_metrics", "cpu_debugmodel", "cpu_debugmodel_adamw", "llama3_8b_flexdemo",
-    "llama3_8b_diloco", "llama3_8b_dion", "llama3_8b_des_loc", "llama3_8b_mt_dao",
+    "llama3_8b_diloco", "llama3_8b_dion", "llama3_8b_des_loc", "llama3_8b_mt_dao", "stock",
 ]
 
 
@@ -50,8 +66,8 @@ def commopt_optimizer(
     """Optimizer ``name`` (ours, or torchtitan's AdamW/Adam) with ``commopt`` (a ``CommOpt``: the
     ``[commopt]`` options; default: every family's defaults, the name's preset on top) and the
     ``[optimizer]`` hyper-parameters. The preset fills the family's keys left at their default,
-    except ``set_keys`` (keys the user set, e.g. a TOML's ``[commopt.<family>]`` keys). Bad values:
-    one line each, exit status 2."""
+    except those typed on the command line and ``set_keys`` (keys set on purpose to the default,
+    e.g. a TOML's ``[commopt.<family>]`` keys). Bad values: one line each, exit status 2."""
     return CommOptimizers.Config(
         name=name, commopt=commopt if commopt is not None else CommOpt(), lr=lr, beta1=beta1, beta2=beta2,
         eps=eps, weight_decay=weight_decay, warmup_steps=warmup_steps, implementation=implementation,
@@ -68,17 +84,18 @@ def with_comm_metrics(cfg: Trainer.Config) -> Trainer.Config:
 
 def _cpu(name: Optional[str]) -> Trainer.Config:
     """``name``: our container with that optimizer; ``None``: torchtitan's own config and container."""
-    cfg = llama3_debugmodel()
+    cfg = _llama3.llama3_debugmodel()
     cfg.hf_assets_path = str(tokenizer_dir())
     cfg.dataloader.dataset_path = str(dataset_dir())
     cfg.training.seq_len = 256
     cfg.training.local_batch_size = 4
     cfg.training.steps = 4
     if name is not None:
-        cfg.optimizer = commopt_optimizer(name, warmup_steps=cfg.lr_scheduler.warmup_steps)
+        cfg.optimizer = show_preset(commopt_optimizer(name, warmup_steps=cfg.lr_scheduler.warmup_steps))
     cfg.validator.enable = False
+    cfg.metrics.enable_tensorboard = True  # under <dump_folder>/tb (torchtitan logs the folder at start)
     cfg.parallelism.data_parallel_replicate_degree = 2  # R = 2: the optimizer syncs it (2 procs: DDP-like, 4: HSDP 2x2)
-    return apply_cpu_fixes(with_comm_metrics(cfg))
+    return _checked(apply_cpu_fixes(with_comm_metrics(cfg)))
 
 
 def cpu_debugmodel() -> Trainer.Config:
@@ -90,7 +107,7 @@ def cpu_debugmodel_adamw() -> Trainer.Config:
 
 
 def _llama3_8b(name: str, commopt: Optional[Any] = None, lr: float = 1e-4) -> Trainer.Config:
-    cfg = llama3_8b()
+    cfg = _llama3.llama3_8b()
     cfg.lr_scheduler.warmup_steps = 200
     cfg.training.max_norm = 1.0
     cfg.training.mixed_precision_param = "bfloat16"
@@ -101,8 +118,21 @@ def _llama3_8b(name: str, commopt: Optional[Any] = None, lr: float = 1e-4) -> Tr
     cfg.checkpoint.enable = True
     cfg.debug.seed = 42
     cfg.dump_folder = f"./outputs/llama3_8b_{name}"
-    cfg.optimizer = commopt_optimizer(name, commopt, lr=lr, warmup_steps=200, implementation="foreach")
-    return with_comm_metrics(cfg)
+    cfg.optimizer = show_preset(commopt_optimizer(name, commopt, lr=lr, warmup_steps=200, implementation="foreach"))
+    return _checked(with_comm_metrics(cfg))
+
+
+def _checked(cfg: Trainer.Config) -> CommOptTrainer.Config:
+    """``cfg`` as a config whose Trainer runs our pre-flight checks (``preflight.py``), after the
+    command line being parsed is checked for what tyro would refuse without naming the key. Colour
+    codes only where the output is a terminal (``python -m titan_commopt.run`` sends it to files)."""
+    if not sys.stdout.isatty():
+        cfg.metrics.disable_color_printing = True
+    args = command_line_being_parsed()
+    problems = [] if args is None else switch_problems(cfg, args)
+    if problems:
+        refuse(ConfigError("\n".join(problems)))
+    return ours(cfg)
 
 
 def _options(**tables: dict[str, Any]) -> Any:
@@ -130,3 +160,73 @@ def llama3_8b_des_loc() -> Trainer.Config:
 
 def llama3_8b_mt_dao() -> Trainer.Config:
     return _llama3_8b("MT-DAO", _options(local={"lr": 3e-4, "switch_at": 0}), lr=3e-4)
+
+
+# ---- torchtitan's stock configs, made to run here; the names torchtitan may list ------------------
+def stock(name: str) -> Trainer.Config:
+    """torchtitan's own config function ``name`` (any model's ``config_registry``, e.g.
+    ``llama3_debugmodel``), with the CPU fixes applied (a no-op where an accelerator exists) and,
+    where the stock tokenizer or dataset path does not exist on this machine (``./tests/assets/*``
+    ship only in torchtitan's source tree), the bundled tokenizer and corpus (``assets.py``); its
+    optimizer stays torchtitan's: add ours with ``--override.imports``. Our pre-flight checks run
+    before its Trainer starts the process group. On the command line: ``--config <name>`` on this
+    module."""
+    import os
+
+    function = _stock_function(name)
+    if function is None:
+        raise ConfigError(f"--config {name!r}: no such config function in {__name__} or in torchtitan's models "
+                          f"({', '.join(_stock_modules())}); allowed is one of {', '.join(CONFIG_FUNCTIONS)}, or "
+                          f"a stock one such as llama3_debugmodel")
+    cfg = function()
+    if not os.path.exists(cfg.hf_assets_path):
+        cfg.hf_assets_path = str(tokenizer_dir())
+    dataloader = cfg.dataloader
+    if getattr(dataloader, "dataset", None) == "c4_test" and not os.path.exists(dataloader.dataset_path or _C4_TEST):
+        dataloader.dataset_path = str(dataset_dir())  # the bundled corpus, in c4_test's JSON layout
+    return _checked(apply_cpu_fixes(cfg))
+
+
+_C4_TEST = "tests/assets/c4_test"  # where torchtitan's c4_test reads by default (its source tree)
+CONFIG_FUNCTIONS = tuple(n for n in __all__ if n.startswith(("cpu_", "llama3_8b_")))  # --config names of ours
+
+
+def _stock_modules() -> list[str]:
+    from torchtitan.models import _supported_models
+
+    return sorted(_supported_models)
+
+
+def _stock_function(name: str) -> Optional[Any]:
+    """torchtitan's config function ``name`` from the first model whose ``config_registry`` has it."""
+    import importlib
+
+    if name.startswith("_"):
+        return None
+    for model in _stock_modules():
+        try:
+            registry = importlib.import_module(f"torchtitan.models.{model}.config_registry")
+        except ImportError:
+            continue
+        function = getattr(registry, name, None)
+        if callable(function) and getattr(function, "__module__", None) == registry.__name__:
+            return function
+    return None
+
+
+def __getattr__(name: str) -> Any:
+    """``--config <stock name>``: :func:`stock`'s config of it; an unknown ``--config`` name: one line,
+    exit status 2 (only when torchtitan's ConfigManager looks the name up)."""
+    if name.startswith("__") or sys._getframe(1).f_code.co_name != "_load_config":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if _stock_function(name) is None:
+        try:
+            stock(name)
+        except ConfigError as error:
+            refuse(error)
+    return lambda: stock(name)
+
+
+def __dir__() -> list[str]:
+    """The config functions (torchtitan lists what ``dir`` gives when a ``--config`` is not found)."""
+    return list(CONFIG_FUNCTIONS)

@@ -9,8 +9,8 @@ and ``warmup_steps`` for MT-DAO's switch) and ``commopt``: the ``[commopt]`` sec
 (``--optimizer.name DiLoCo --optimizer.commopt.local.Kx 8``) and ``--help`` lists them.
 
 The config checks itself as it is made (:func:`refuse_bad_options`: the family's preset fills every
-key left at the family default; bad values: one line each, exit status 2, before any process
-group exists), and says whether our optimizer syncs R (``syncs_replicate``), which the
+key neither typed nor set to another value than the family default; bad values: one line each,
+exit status 2, before any process group exists), and says whether our optimizer syncs R (``syncs_replicate``), which the
 ``fully_shard`` wrapper reads from the Trainer being built (``fsdp.py``). ``build(model_parts=...)``
 then resolves it and builds the container as 0.2.2 does (``common/build.py``): one optimizer per
 model part on the run's Topology (the parameters' meshes + the R mesh FSDP was kept off,
@@ -21,16 +21,17 @@ checkpoint state and the ledger's totals — is the container both lines share
 (``common/container.py``): the methods torchtitan 0.3 calls have the same names and meaning.
 """
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional
 
 import torch
+import tyro
 from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
 from titan_commopt import comm
-from titan_commopt.optim import BaseHParams, Family, Resolved, owns_replicate_sync
+from titan_commopt.optim import BaseHParams, Family, Resolved, family_of, owns_replicate_sync
 from titan_commopt.options import ConfigError
 
 from ..common.build import FsdpBytes, container_arguments, route_clipping
@@ -39,12 +40,14 @@ from ..common.mesh import ParameterMeshes, topology_of
 from ..common.optimizers import itemsize
 from ..config.checkpoint import CLI, CheckpointSettings, Spelling
 from ..config.section import CommOpt
+from ..config.sources import typed_family_keys
+from ..config.torchtitan_keys import optimizer_value_problems
 from ..config.validate import hparams_of, resolve_options
 from ..platform.stop import stop_run
 from . import fsdp
-from .building import spelling_of, trainer_being_built
+from .building import command_line_being_parsed, spelling_of, trainer_being_built
 
-__all__ = ["CommOptimizers", "resolve_config", "refuse", "refuse_bad_options", "checkpoint_settings"]
+__all__ = ["CommOptimizers", "resolve_config", "refuse", "refuse_bad_options", "checkpoint_settings", "show_preset"]
 
 BAD_INPUT = 2
 
@@ -54,12 +57,39 @@ def refuse(error: ConfigError) -> None:
     stop_run(str(error), BAD_INPUT)
 
 
-def _given(family: Family, commopt: Any, set_keys: list[str]) -> dict[str, Any]:
-    """The family options the user (or the config function) set: those that differ from the
-    family's defaults, and ``set_keys``; the preset fills the rest."""
-    table, defaults = getattr(commopt, family.key), family.options()
+def _given(family: Family, config: "CommOptimizers.Config") -> dict[str, Any]:
+    """The family options the user set: those typed (on the command line or in the override's
+    JSON: ``config.typed``, whatever their value), those listed in ``set_keys``, and those a config
+    function set to a value other than the family's default; the preset fills the rest."""
+    table, defaults = getattr(config.commopt, family.key), family.options()
+    shown = family.presets.get(config.shown_preset, {})  # written in by the config function, not set
+    prefix = family.key + "."
+    chosen = {k[len(prefix):] for k in config.typed if k.startswith(prefix)} | set(config.set_keys)
     return {f.name: getattr(table, f.name) for f in fields(table)
-            if f.name in set_keys or getattr(table, f.name) != getattr(defaults, f.name)}
+            if f.name in chosen or getattr(table, f.name) != shown.get(f.name, getattr(defaults, f.name))}
+
+
+def show_preset(config: "CommOptimizers.Config") -> "CommOptimizers.Config":
+    """``config`` with its optimizer's preset written into its family's table where that holds the
+    family default, so that ``--help`` shows the values the run would use. They still count as not
+    set (``shown_preset``): another name of the family (``--optimizer.name DeMo``) takes its own."""
+    if owns_replicate_sync(config.name):
+        family = family_of(config.name)
+        table, defaults = getattr(config.commopt, family.key), family.options()
+        preset = {k: v for k, v in family.presets[config.name].items() if getattr(table, k) == getattr(defaults, k)}
+        setattr(config.commopt, family.key, replace(table, **preset))
+        config.shown_preset = config.name
+    return config
+
+
+def typed_on_command_line() -> list[str]:
+    """``<family>.<key>`` of every ``--optimizer.commopt.<family>.<key>`` on the command line
+    torchtitan is parsing (none outside that parse)."""
+    args = command_line_being_parsed()
+    if args is None:
+        return []
+    return sorted(f"{family}.{key}" for family, keys in typed_family_keys(args, "--optimizer.commopt").items()
+                  for key in keys)
 
 
 def checkpoint_settings(trainer_config: Any, optimizer_name: str, spelling: Spelling = CLI) -> Optional[CheckpointSettings]:
@@ -76,7 +106,14 @@ def resolve_config(config: "CommOptimizers.Config") -> Optional[Resolved]:
     """The resolved optimizer of ``config`` (``None`` for torchtitan's AdamW/Adam); ``ConfigError``
     lists every problem."""
     return resolve_options(config.name, config.commopt, hparams_of(config, config.warmup_steps),
-                           lambda family: _given(family, config.commopt, config.set_keys))
+                           lambda family: _given(family, config), found=optimizer_problems(config))
+
+
+def optimizer_problems(config: "CommOptimizers.Config") -> list[str]:
+    """The ``[optimizer]`` values of ``config`` that the TOML routes refuse too (a negative lr, ...),
+    named by their command-line flags."""
+    values = {key: getattr(config, key) for key in ("lr", "beta1", "beta2", "eps", "weight_decay")}
+    return optimizer_value_problems(values, lambda key: f"--optimizer.{key}")
 
 
 def refuse_bad_options(config: "CommOptimizers.Config") -> None:
@@ -111,8 +148,15 @@ class CommOptimizers(CommOptimizersContainer):
         commopt: CommOpt = field(default_factory=CommOpt)  # type: ignore[valid-type]
         """The [commopt] options: common ones plus one table per family (--optimizer.commopt.demo.topk 16)."""
         set_keys: list[str] = field(default_factory=list)
-        """Family option keys set on purpose even where equal to the family default (the preset then
-        does not replace them; a TOML's [commopt.<family>] keys)."""
+        """Family option keys the preset must not replace, besides those typed (a config function's
+        keys set on purpose to the family default; a TOML's [commopt.<family>] keys)."""
+        shown_preset: tyro.conf.Suppress[str] = ""
+        """The optimizer whose preset a config function wrote into ``commopt`` for ``--help`` (not a
+        flag; :func:`show_preset`): values equal to it count as not set."""
+        typed: tyro.conf.Suppress[list[str]] = field(default_factory=list)
+        """``<family>.<key>`` of each option the user typed (not a flag): read from the command line as
+        it is parsed, or the override's JSON keys. A typed value is used even where it equals the family
+        default; the preset fills only what was not typed."""
 
         @property
         def syncs_replicate(self) -> bool:
@@ -120,6 +164,7 @@ class CommOptimizers(CommOptimizersContainer):
             return owns_replicate_sync(self.name)
 
         def __post_init__(self) -> None:
+            self.typed = sorted(set(self.typed) | set(typed_on_command_line()))
             refuse_bad_options(self)
 
     def __init__(self, config: "CommOptimizers.Config", *, model_parts: list[nn.Module]) -> None:

@@ -35,7 +35,7 @@ def run_toml(run: TomlRun) -> None:
 
     logger.info("torchtitan version: %s; titan_commopt TOML run: %s", torchtitan.__version__,
                 run.job_config.job.description)
-    config = apply_cpu_fixes(run.trainer_config)
+    config = apply_cpu_fixes(run.trainer_config, keep_backend=True)  # the TOML's backend, checked before
     sl.init_structured_logger(source="training", output_dir=config.dump_folder,
                               enable=config.debug.enable_structured_logging)
     train(lambda: TomlTrainer(config), config, builds_in_local_tensor_mode=False)

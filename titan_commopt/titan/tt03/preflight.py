@@ -1,0 +1,152 @@
+"""The checks of a torchtitan 0.3 run that need its whole config, before any process group exists.
+
+torchtitan 0.3 parses the command line into the config the config function returned
+(``ConfigManager.parse_args``), calls ``config.build()``, and the ``Trainer`` it builds starts the
+process group first thing; it checks little before that (a mesh that does not fit the processes is
+a bare ``AssertionError`` after it, ``spmd_types`` on two processes fails deep inside FSDP, a
+missing tokenizer is a ``FileNotFoundError``, a misspelled override target a ``ValueError``, and
+``@override``\\ s run only after the process group exists). Our config functions therefore return a
+:class:`CommOptTrainer.Config`: the same fields, built into :class:`CommOptTrainer`, which runs
+:func:`preflight` before torchtitan's ``Trainer.__init__``:
+
+- the ``--override.imports`` entries, applied to a copy of the config: an unknown target, or an
+  override that refuses its options (ours: one line each), stops here;
+- the mesh against ``WORLD_SIZE``, ``parallelism.spmd_backend``, the tokenizer directory and the
+  datasets, worded as on the TOML routes (``config/torchtitan_keys.py``, ``common/data.py``).
+
+Every problem is one line, exit status 2 (``stop_run``: once, by rank 0 or by
+``python -m titan_commopt.run``). A stock config run with ``--module llama3`` builds torchtitan's own
+Trainer: there our override's checks run when torchtitan applies it, after the process group.
+"""
+
+import copy
+import logging
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+from torchtitan.trainer import Trainer
+
+from titan_commopt.options import ConfigError
+
+from ..common.data import dataset_problems
+from ..config.torchtitan_keys import data_parallel_degree, mesh_problems, spmd_backend_problems, world_size_from_env
+from .container import refuse
+
+__all__ = ["CommOptTrainer", "ours", "preflight", "config_problems", "override_problems", "switch_problems"]
+
+
+class CommOptTrainer(Trainer):
+    """torchtitan 0.3's Trainer, with :func:`preflight` before it starts the process group."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        """``Trainer.Config`` (the same fields and command line), built into :class:`CommOptTrainer`."""
+
+    def __init__(self, config: "CommOptTrainer.Config") -> None:
+        preflight(config)
+        super().__init__(config)
+
+
+def ours(cfg: Trainer.Config) -> CommOptTrainer.Config:
+    """``cfg``'s fields in a :class:`CommOptTrainer.Config`."""
+    if isinstance(cfg, CommOptTrainer.Config):
+        return cfg
+    return CommOptTrainer.Config(**{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.init})
+
+
+def preflight(config: Any) -> None:
+    """Every problem of ``config`` found without a process group: one line each, exit status 2."""
+    problems = override_problems(config) + config_problems(config, world_size_from_env())
+    if problems:
+        refuse(ConfigError("\n".join(problems)))
+
+
+def override_problems(config: Any) -> list[str]:
+    """The ``--override.imports`` entries applied to a copy of ``config``: the line of the first that
+    fails (an override of ours that refuses its options stops the run with its own lines)."""
+    from torchtitan.config.override import apply_overrides
+
+    if not config.override.imports:
+        return []
+    trial = copy.deepcopy(config)
+    logging.disable(logging.INFO)  # the real application logs its [Override] lines
+    try:
+        apply_overrides(trial.override, trial)
+    except (ValueError, ImportError, TypeError) as error:
+        return [f"--override.imports: {error}"]
+    finally:
+        logging.disable(logging.NOTSET)
+    return []
+
+
+def config_problems(config: Any, world_size: Any) -> list[str]:
+    """The mesh against ``world_size`` (None: not checked), the SPMD backend, the tokenizer and the
+    datasets of a 0.3 ``Trainer.Config``."""
+    out = mesh_problems(config.parallelism, world_size) + spmd_backend_problems(config.parallelism, world_size)
+    out += _tokenizer_problems(config)
+    dp = data_parallel_degree(config.parallelism, world_size) or 1
+    out += _data_problems("dataloader", config.dataloader, dp)
+    if getattr(config.validator, "enable", False):
+        out += _data_problems("validator.dataloader", config.validator.dataloader, dp)
+    return out
+
+
+def _tokenizer_problems(config: Any) -> list[str]:
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    if not isinstance(config.tokenizer, HuggingFaceTokenizer.Config):
+        return []  # another tokenizer reads what it reads
+    path = config.hf_assets_path
+    where = f"hf_assets_path = {path!r}"
+    allowed = "allowed is a directory with tokenizer.json (HuggingFace)"
+    if not os.path.isdir(path):
+        return [f"{where}: {'not a directory' if os.path.exists(path) else 'no such directory'}; {allowed}"]
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return [f"{where}: holds no tokenizer.json; {allowed}"]
+    return []
+
+
+def _data_problems(section: str, dataloader: Any, dp: int) -> list[str]:
+    dataset = getattr(dataloader, "dataset", None)
+    if not dataset:
+        return []  # a dataloader of another kind
+    return [line.replace(f"[{section}] ", f"{section}.", 1)
+            for line in dataset_problems(section, dataset, getattr(dataloader, "dataset_path", None), dp)]
+
+
+def switch_problems(config: Any, args: list[str]) -> list[str]:
+    """A boolean field given a value on the command line (``--metrics.enable_tensorboard false``):
+    torchtitan 0.3's command line spells booleans as switches, and tyro's own error names no key."""
+    out = []
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if not flag.startswith("--") or not (eq or (i + 1 < len(args) and not args[i + 1].startswith("--"))):
+            continue
+        path = flag[2:].replace("-", "_").split(".")
+        if not _is_switch(config, path):
+            continue
+        value = value if eq else args[i + 1]
+        *parents, key = path
+        key = key[3:] if key.startswith("no_") and not hasattr(_walk(config, parents), key) else key
+        dotted = ".".join([*parents, key]).replace("_", "-")
+        negated = ".".join([*parents, "no-" + key]).replace("_", "-")
+        out.append(f"{arg if eq else flag + ' ' + value}: a switch on torchtitan 0.3's command line, which takes no "
+                   f"value: --{dotted} (true) or --{negated} (false); underscores work too")
+    return out
+
+
+def _walk(config: Any, path: list[str]) -> Any:
+    for part in path:
+        config = getattr(config, part, None)
+    return config
+
+
+def _is_switch(config: Any, path: list[str]) -> bool:
+    *parents, key = path
+    parent = _walk(config, parents)
+    if parent is None:
+        return False
+    if key.startswith("no_") and not hasattr(parent, key):
+        key = key[3:]
+    return isinstance(getattr(parent, key, None), bool)
