@@ -142,6 +142,13 @@ def test_unknown_config_name_lists_only_config_functions(capsys):
     assert "apply_cpu_fixes" not in line and "commopt_optimizer" not in line
 
 
+@pytest.mark.parametrize("helper", ["apply_cpu_fixes", "commopt_optimizer", "with_comm_metrics", "stock"])
+def test_a_helper_named_as_config_is_one_line(capsys, helper):
+    line = one_line(capsys, lambda: parse(config=helper))
+    assert f"--config '{helper}': a helper of titan_commopt.titan.tt03.configs, not a config function" in line
+    assert "cpu_debugmodel, cpu_debugmodel_adamw" in line
+
+
 @pytest.mark.parametrize("args, world_size, expected", [
     ([], 3, "data_parallel_replicate_degree = 2: must divide WORLD_SIZE = 3"),
     (["--parallelism.spmd_backend", "spmd_types"], 2, "spmd_backend = 'spmd_types' with WORLD_SIZE = 2"),

@@ -33,6 +33,7 @@ accelerator exists).
 """
 
 import dataclasses
+import functools
 import sys
 from typing import Any, Optional
 
@@ -225,6 +226,27 @@ def __getattr__(name: str) -> Any:
         except ConfigError as error:
             refuse(error)
     return lambda: stock(name)
+
+
+def _helper(function: Any) -> Any:
+    """``function``, a helper of this module rather than a config function: torchtitan's ConfigManager
+    (``_load_config``) finds it by name on ``--config <its name>`` and calls it with no argument, which
+    is one line, exit status 2, instead of a ``TypeError`` or a config of the wrong kind. Called by
+    anyone else, it is ``function`` itself."""
+
+    @functools.wraps(function)
+    def called(*args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and sys._getframe(1).f_code.co_name == "_load_config":
+            refuse(ConfigError(f"--config {function.__name__!r}: a helper of {__name__}, not a config function; "
+                               f"allowed is one of {', '.join(CONFIG_FUNCTIONS)}, or a stock one such as "
+                               "llama3_debugmodel"))
+        return function(*args, **kwargs)
+
+    return called
+
+
+commopt_optimizer, apply_cpu_fixes, with_comm_metrics, stock = (
+    _helper(f) for f in (commopt_optimizer, apply_cpu_fixes, with_comm_metrics, stock))
 
 
 def __dir__() -> list[str]:
