@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from ..config.checkpoint import CLI, Spelling
 
-__all__ = ["trainer_being_built", "command_line_being_parsed", "spelling_of"]
+__all__ = ["trainer_being_built", "command_line_being_parsed", "looking_up_a_config", "spelling_of"]
 
 
 def trainer_being_built() -> Optional[Any]:
@@ -54,6 +54,19 @@ def command_line_being_parsed() -> Optional[list[str]]:
             return list(args) if args is not None else None
         frame = frame.f_back
     return None
+
+
+def looking_up_a_config() -> bool:
+    """Whether torchtitan's ``ConfigManager._load_config`` is on the call stack: it looks the
+    ``--config`` name up on the config module (``getattr``) and calls what it finds with no argument."""
+    from torchtitan.config.manager import ConfigManager
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is ConfigManager._load_config.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def spelling_of(trainer: Any) -> Spelling:

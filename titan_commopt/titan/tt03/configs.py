@@ -45,7 +45,7 @@ from titan_commopt.options import ConfigError
 from ..config.section import CommOpt
 from ..platform.console import quiet_known_noise
 from .assets import dataset_dir, tokenizer_dir
-from .building import command_line_being_parsed
+from .building import command_line_being_parsed, looking_up_a_config
 from .container import CommOptimizers, refuse, show_preset
 from .cpu import apply_cpu_fixes
 from .metrics import CommMetricsProcessor
@@ -218,7 +218,7 @@ def _stock_function(name: str) -> Optional[Any]:
 def __getattr__(name: str) -> Any:
     """``--config <stock name>``: :func:`stock`'s config of it; an unknown ``--config`` name: one line,
     exit status 2 (only when torchtitan's ConfigManager looks the name up)."""
-    if name.startswith("__") or sys._getframe(1).f_code.co_name != "_load_config":
+    if name.startswith("__") or not looking_up_a_config():
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if _stock_function(name) is None:
         try:
@@ -236,7 +236,7 @@ def _helper(function: Any) -> Any:
 
     @functools.wraps(function)
     def called(*args: Any, **kwargs: Any) -> Any:
-        if not args and not kwargs and sys._getframe(1).f_code.co_name == "_load_config":
+        if not args and not kwargs and looking_up_a_config():
             refuse(ConfigError(f"--config {function.__name__!r}: a helper of {__name__}, not a config function; "
                                f"allowed is one of {', '.join(CONFIG_FUNCTIONS)}, or a stock one such as "
                                "llama3_debugmodel"))
