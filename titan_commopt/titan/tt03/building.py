@@ -21,11 +21,26 @@ from 0.3's command line.
 """
 
 import sys
-from typing import Any, Optional
+from types import CodeType, FrameType
+from typing import Any, Iterator, Optional
 
 from ..config.checkpoint import CLI, Spelling
 
 __all__ = ["trainer_being_built", "command_line_being_parsed", "looking_up_a_config", "spelling_of"]
+
+
+def _callers() -> Iterator[FrameType]:
+    """The frames on the call stack, innermost first (from this module's own, which none of the walks
+    below looks for)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def _running(code: CodeType) -> Optional[FrameType]:
+    """The innermost frame on the call stack that runs ``code`` (a function's ``__code__``), or None."""
+    return next((frame for frame in _callers() if frame.f_code is code), None)
 
 
 def trainer_being_built() -> Optional[Any]:
@@ -33,12 +48,10 @@ def trainer_being_built() -> Optional[Any]:
     None (called outside a Trainer's construction)."""
     from torchtitan.trainer import Trainer
 
-    frame = sys._getframe(1)
-    while frame is not None:
+    for frame in _callers():
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, Trainer) and frame.f_code.co_name == "__init__":
             return candidate
-        frame = frame.f_back
     return None
 
 
@@ -47,13 +60,9 @@ def command_line_being_parsed() -> Optional[list[str]]:
     line, or the list a caller handed it), when called from inside that parse; else None."""
     from torchtitan.config.manager import ConfigManager
 
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is ConfigManager.parse_args.__code__:
-            args = frame.f_locals.get("args")
-            return list(args) if args is not None else None
-        frame = frame.f_back
-    return None
+    frame = _running(ConfigManager.parse_args.__code__)
+    args = frame.f_locals.get("args") if frame is not None else None
+    return list(args) if args is not None else None
 
 
 def looking_up_a_config() -> bool:
@@ -61,12 +70,7 @@ def looking_up_a_config() -> bool:
     ``--config`` name up on the config module (``getattr``) and calls what it finds with no argument."""
     from torchtitan.config.manager import ConfigManager
 
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is ConfigManager._load_config.__code__:
-            return True
-        frame = frame.f_back
-    return False
+    return _running(ConfigManager._load_config.__code__) is not None
 
 
 def spelling_of(trainer: Any) -> Spelling:

@@ -177,8 +177,7 @@ def stock(name: str) -> Trainer.Config:
     function = _stock_function(name)
     if function is None:
         raise ConfigError(f"--config {name!r}: no such config function in {__name__} or in torchtitan's models "
-                          f"({', '.join(_stock_modules())}); allowed is one of {', '.join(CONFIG_FUNCTIONS)}, or "
-                          f"a stock one such as llama3_debugmodel")
+                          f"({', '.join(_stock_modules())}); {_ALLOWED}")
     cfg = function()
     if not os.path.exists(cfg.hf_assets_path):
         cfg.hf_assets_path = str(tokenizer_dir())
@@ -190,6 +189,7 @@ def stock(name: str) -> Trainer.Config:
 
 _C4_TEST = "tests/assets/c4_test"  # where torchtitan's c4_test reads by default (its source tree)
 CONFIG_FUNCTIONS = tuple(n for n in __all__ if n.startswith(("cpu_", "llama3_8b_")))  # --config names of ours
+_ALLOWED = f"allowed is one of {', '.join(CONFIG_FUNCTIONS)}, or a stock one such as llama3_debugmodel"
 
 
 def _stock_modules() -> list[str]:
@@ -238,8 +238,7 @@ def _helper(function: Any) -> Any:
     def called(*args: Any, **kwargs: Any) -> Any:
         if not args and not kwargs and looking_up_a_config():
             refuse(ConfigError(f"--config {function.__name__!r}: a helper of {__name__}, not a config function; "
-                               f"allowed is one of {', '.join(CONFIG_FUNCTIONS)}, or a stock one such as "
-                               "llama3_debugmodel"))
+                               f"{_ALLOWED}"))
         return function(*args, **kwargs)
 
     return called
