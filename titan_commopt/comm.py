@@ -54,6 +54,7 @@ __all__ = [
     "group_size",
     "group_ranks",
     "record_estimate",
+    "managed_group",
     "nbytes",
     "DTYPES",
 ]
@@ -450,6 +451,86 @@ def broadcast(
         ledger, role, "broadcast", n if is_src else 0, 0 if is_src else n, tensor.device,
         lambda a: dist.broadcast(tensor, group_src=src_group_rank, group=group, async_op=a), lambda: tensor, False,
     )
+
+
+def managed_group(manager: Any, name: str, before: Callable[[], None] = lambda: None) -> dist.ProcessGroup:
+    """R under fault tolerance: a c10d group over torchft ``manager``'s process group, which the
+    Manager rebuilds at every quorum change, whose size is the quorum's (``num_participants``).
+
+    Every collective this module issues runs over it unchanged, and none raises when a peer dies:
+    the error goes to the Manager (``manager.errored()``, so the step will not commit), later
+    collectives of the step send nothing, and each one's result is then what it would be had every
+    peer sent this replica's own payload: a valid payload (indices in range, finite values), so the
+    step runs to its end and is undone there. torchft's own wrapper manages only ``allreduce``; this
+    one also maps the two single-tensor collectives torch 2.13 calls: ``all_gather_single`` onto the
+    Manager's coalesced all-gather, and ``reduce_scatter_single`` onto an all-to-all summed on
+    arrival (torchft's gloo group has no reduce-scatter). Its rank is 0 on every replica (a
+    one-rank c10d group): the replica index is the quorum's (``Topology.quorum``). Called once per
+    process, at the same point on every rank of the group (it creates a c10d group). ``before()`` runs
+    before each collective is issued."""
+    from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
+    from torchft.manager import _ManagedWork
+    from torchft.process_group import ManagedProcessGroup
+
+    class Finishing(dist._Work):
+        """Waits for the Manager's work; then ``done()``, or ``failed()`` if anything errored."""
+
+        def __init__(self, work: Any, done: Callable[[], None], failed: Callable[[], None]) -> None:
+            super().__init__()
+            self._work, self._done, self._failed, self._finished = work, done, failed, False
+
+        def wait(self, timeout: Any = None) -> bool:
+            if not self._finished:
+                ok = self._work is not None and self._work.wait() is not False
+                (self._done if ok and manager.errored() is None else self._failed)()
+                self._finished = True
+            return True
+
+    def issue(launch: Callable[[], Any], done: Callable[[], None], failed: Callable[[], None], value: Any) -> Any:
+        before()
+        work = None
+        if manager.errored() is None:
+            try:
+                work = _ManagedWork(manager, launch(), value)
+            except Exception as error:  # noqa: BLE001 (a collective that cannot start: a dead peer)
+                manager.report_error(error)
+        return Finishing(work, done, failed)
+
+    class ManagedReplicate(ManagedProcessGroup):
+        def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+            (tensor,) = tensors
+            op = opts.reduceOp if isinstance(opts, AllreduceOptions) else opts
+            own = tensor.clone()
+            w = manager.num_participants()
+
+            def failed() -> None:
+                tensor.copy_(own * w if op == dist.ReduceOp.SUM else own)
+
+            before()
+            if manager.errored() is not None:
+                return Finishing(None, lambda: None, failed)
+            return Finishing(manager.allreduce(tensor, reduce_op=op), lambda: None, failed)
+
+        def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
+            def failed() -> None:
+                output.view(-1, input.numel()).copy_(input.reshape(1, -1))
+
+            return issue(lambda: manager._pg.allgather_into_tensor_coalesced([output], [input], AllgatherOptions()),
+                         lambda: None, failed, output)
+
+        def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
+            w, received, src = manager.num_participants(), torch.empty_like(input), input.contiguous()
+            rank = manager.participating_rank() or 0
+
+            def done() -> None:
+                output.copy_(received.view(w, -1).sum(0).view_as(output))
+
+            def failed() -> None:
+                output.copy_(src.view(w, -1)[rank].view_as(output) * w)
+
+            return issue(lambda: manager._pg.alltoall_base(received, src, [], [], AllToAllOptions()), done, failed, output)
+
+    return ManagedReplicate(manager).register(name)
 
 
 def record_estimate(

@@ -71,11 +71,23 @@ class Topology:
     tp: Optional[dist.ProcessGroup] = None
     grad_scale: float = 1.0
     shard_mesh: Optional[DeviceMesh] = None
+    quorum: Optional[Any] = None  # live membership (fault tolerance): see ``replicated``
 
     # ---- sizes and coordinates -------------------------------------------------------------
     @property
+    def replicated(self) -> bool:
+        """Whether this run has replicas to sync with: decided once, when an optimizer is built.
+
+        Without fault tolerance it is ``W > 1``. Under fault tolerance (``quorum`` set: an object with
+        ``size()`` and ``rank()``, the Manager's current quorum) the replicas come and go: W and the
+        replica index are read per quorum, and an optimizer takes its R path even while the quorum
+        has one member, so that a job whose first quorum has one group still syncs when a second
+        joins (its R collectives over a quorum of one are no-ops)."""
+        return self.quorum is not None or self.replicate_size > 1
+
+    @property
     def replicate_size(self) -> int:
-        return _group_size(self.replicate)
+        return self.quorum.size() if self.quorum is not None else _group_size(self.replicate)
 
     @property
     def shard_size(self) -> int:
@@ -87,8 +99,9 @@ class Topology:
 
     @property
     def replica_index(self) -> int:
-        """Which replica this rank belongs to (0..W-1): its coordinate along R."""
-        return _group_rank(self.replicate)
+        """Which replica this rank belongs to (0..W-1): its coordinate along R. Under fault tolerance
+        the quorum's (torchft's managed group reports rank 0 on every replica)."""
+        return self.quorum.rank() if self.quorum is not None else _group_rank(self.replicate)
 
     @property
     def shard_rank(self) -> int:

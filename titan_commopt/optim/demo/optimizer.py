@@ -262,9 +262,9 @@ class DeMo(CommOptimizer):
         direction, self._state_keys, subtract = BASES[cfg.base]
         self._rules = Rules(direction, subtract, phi_of(cfg))
         self.overlap = cfg.overlap
-        self.coefficient_domain = cfg.replicator == "demo" and cfg.base == "sgd" and topology.replicate_size > 1
+        self.coefficient_domain = cfg.replicator == "demo" and cfg.base == "sgd" and topology.replicated
         self._demo = cfg.replicator == "demo"
-        diloco = cfg.replicator == "diloco" and topology.replicate_size > 1
+        diloco = cfg.replicator == "diloco" and topology.replicated
         self._sync_period = period_of(cfg) if diloco and period_of(cfg) > 1 else None
         self._new_replicator = partial(make_replicator, cfg)
         self._chunk = cfg.chunk
@@ -319,7 +319,7 @@ class DeMo(CommOptimizer):
         trainable = [(p, group) for group in self.param_groups for p in group["params"] if p.requires_grad]
         for p, _ in trainable:
             self._init_state(p)
-        if self.topology.replicate_size > 1:
+        if self.topology.replicated:
             self._plan_for(trainable)
 
     @torch.no_grad()
@@ -337,7 +337,7 @@ class DeMo(CommOptimizer):
         if steps:
             torch._foreach_add_(steps, 1.0)
         grad = partial(_replica_grad32, topology=self.topology, ledger=self.ledger)
-        if self.topology.replicate_size == 1:  # nobody to sync with: the base optimizer on each shard
+        if not self.topology.replicated:  # nobody to sync with: the base optimizer on each shard
             for p, group in active:
                 x = self._rules.direction(self.state[p], group, grad(p), self._steps[id(p)])
                 if x.numel():

@@ -307,7 +307,7 @@ class Dion(CommOptimizer):
         # local shape and device). One replica: nothing crosses R, the dense path is exact and free.
         self._demo_synced = (
             {p for kind, pairs in routed.items() if demo_synced(kind, cfg) for _, p in pairs}
-            if self.topology.replicate_size > 1 else set()
+            if self.topology.replicated else set()
         )
         self._replicators: dict[tuple, Any] = {}
         self._stepped = False
@@ -462,7 +462,7 @@ class Dion(CommOptimizer):
 
     def _gradients(self) -> tuple[list, list]:
         """``(param, group, layout, G)`` of the Dion matrices and ``(param, group, G)`` of the rest."""
-        copy = self.topology.replicate_size > 1  # the fused R mean writes back in place: never into p.grad
+        copy = self.topology.replicated  # the fused R mean writes back in place: never into p.grad
         matrices, scalars = [], []
         for group in self.param_groups:
             for p in group["params"]:
@@ -536,7 +536,7 @@ class Dion(CommOptimizer):
             # payload stays (m + n)·r/k.
             p_lays = [dataclasses.replace(lay, rows=lay.cols, row_split=lay.col_split) for lay in b.lays]
             yield from reduce_r(list(b.P.unbind(0)), p_lays, self.topology.replicate,
-                                self.topology.replicate_size > 1, self.ledger)
+                                self.topology.replicated, self.ledger)
         elif b.lay.compressed:
             yield comm.all_reduce(b.P, R, self.topology.replicate, op="mean", ledger=self.ledger, async_op=True)
 
@@ -559,7 +559,7 @@ class Dion(CommOptimizer):
         b.R = b.P.new_empty(len(b.params), b.B.shape[2], b.P.shape[-1])
         self._products.mm(_as(b.B, b.P.dtype).mT, b.P, out=b.R)  # R̂ = B̂ᵀ P
         yield from reduce_r(list(b.R.unbind(0)), b.lays, self.topology.replicate,
-                            self.topology.replicate_size > 1, self.ledger)
+                            self.topology.replicated, self.ledger)
 
     def _column_norms(self, batches: list[_Batch]) -> None:
         """[k, r] squared column norms of R per batch, in float32 at least (as microsoft/dion), summed

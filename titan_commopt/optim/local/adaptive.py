@@ -375,8 +375,8 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
         nesterov = cfg.outer == "nesterov"
         self._outer = partial(updates.nesterov_outer_, lr=cfg.outer_lr, momentum=cfg.outer_momentum) if nesterov else None
         # One replica syncs nothing, unless the outer step runs (DiLoCo with one worker is not Adam).
-        self._syncs = topology.replicate_size > 1 or nesterov
-        self._replicate = topology.replicate if topology.replicate_size > 1 else None
+        self._syncs = topology.replicated or nesterov
+        self._replicate = topology.replicate if topology.replicated else None
         self._wire_dtype = None if cfg.transfer_dtype == "native" else comm.DTYPES[cfg.transfer_dtype]
         self._sync_delay = cfg.sync_delay
         self.start_step_counter()
@@ -419,7 +419,7 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
     def steps_to_next_sync(self) -> Optional[int]:
         """Steps until the next R sync of any state (x, u_j or v); ``None`` when one period is 1
         (a sync every step) or all are 0 (never), or with one replica."""
-        return None if self.topology.replicate_size == 1 else self.schedule.steps_to_next(self._n)
+        return None if not self.topology.replicated else self.schedule.steps_to_next(self._n)
 
     # ---- state -----------------------------------------------------------------------------------
     def _init_state(self, p: torch.Tensor, n_moments: int) -> dict:

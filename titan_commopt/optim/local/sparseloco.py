@@ -380,7 +380,7 @@ class SparseLoCo(LocalSteps, CommOptimizer):
         self.cfg = cfg
         self.H, self._sync_delay = cfg.H, cfg.sync_delay
         self._quantizer = StatisticalQuantizer(BINS, cfg.quant_range) if cfg.quantization == "2bit" else None
-        self._replicate = topology.replicate if topology.replicate_size > 1 else None
+        self._replicate = topology.replicate if topology.replicated else None
         self._codecs: dict[tuple, ShardCodec] = {}
         self.start_step_counter()
         self._pieces: list[_Piece] = []
@@ -418,7 +418,7 @@ class SparseLoCo(LocalSteps, CommOptimizer):
         return self._n == 0 or (self._sync_delay == 0 and self._n % self.H == 0)
 
     def steps_to_next_sync(self) -> Optional[int]:
-        if self.topology.replicate_size == 1 or self.H == 1:
+        if not self.topology.replicated or self.H == 1:
             return None
         return self.H - self._n % self.H
 

@@ -1,7 +1,8 @@
 """torchtitan's ``OptimizersContainer`` around our optimizers: one training step's rules, bytes and scalars.
 
 Per ``step()``: the safeguards decide whether every rank skips it (``safeguards.py``); the
-optimizers step; FSDP2's estimated traffic is recorded and the run's comm ledger's step closed,
+optimizers step (under fault tolerance as a transaction around the Manager's commit:
+``fault_tolerance.py``); FSDP2's estimated traffic is recorded and the run's comm ledger's step closed,
 after the replicas' drift check (its bytes belong to the step). For optimizers that own R the
 container also takes over torchtitan's gradient clipping (``clipping.py``) and saves its state per
 replica (``replica_checkpoint.py``). :meth:`CommOptimizersContainer.metrics` gives the scalars the
@@ -20,9 +21,10 @@ from titan_commopt import comm
 from titan_commopt.optim import CommOptimizer, Resolved
 from titan_commopt.optim.common import local
 from titan_commopt.optim.traffic import FsdpTraffic
-from titan_commopt.topology import Topology
+from titan_commopt.topology import R, Topology
 
-from . import replica_checkpoint
+from . import replica_checkpoint, replica_state
+from .fault_tolerance import ReplicaGroupFT, clone_tree
 from .safeguards import Safeguards, StepGuard
 
 __all__ = ["CommOptimizersContainer", "Safeguards"]
@@ -69,6 +71,8 @@ class CommOptimizersContainer(OptimizersContainer):
         self._nonfinite_vote: Optional[bool] = None  # agreed by clip_grad_norm_ for the coming step
         self._logged = (dict(ledger.totals), ledger.steps)  # the ledger at the previous metrics()
         self._param_ids = {id(p) for _, p in self._named_params()}
+        self.ft: Optional[ReplicaGroupFT] = None  # live fault tolerance: attach_fault_tolerance
+        self.committed = True  # whether the last step() stands (always, without fault tolerance)
         if hasattr(OptimizersContainer, "_validate_length"):  # torchtitan 0.2.2's check (0.3 has none)
             self._validate_length(len(model_parts))
         all_params = [p for m in model_parts for p in m.parameters() if p.requires_grad]
@@ -119,6 +123,8 @@ class CommOptimizersContainer(OptimizersContainer):
         if dist.is_available() and dist.is_initialized():
             comm.all_reduce(sq, "world", dist.group.WORLD, op="sum", ledger=self.ledger)
             world = dist.get_world_size()
+        if self.ft is not None:  # the world is one replica group: the mean over the quorum's groups too
+            comm.all_reduce(sq, R, self.topology.replicate, op="mean", ledger=self.ledger)
         mean_sq = float(sq.item()) / world
         total = self.topology.grad_scale * math.sqrt(mean_sq) if math.isfinite(mean_sq) else float("nan")
         self._nonfinite_vote = not math.isfinite(total)
@@ -128,8 +134,17 @@ class CommOptimizersContainer(OptimizersContainer):
         return total_norm
 
     def step(self, *args: Any, **kwargs: Any) -> None:
+        ft = self.ft
+        if ft is not None:
+            ft.begin_step()  # where zero_grad did not
+            if not self.owns_replicate_sync:  # HSDP's R sync ran in backward: commit, then step
+                self._step_after_commit(*args, **kwargs)
+                return
+            saved = self._transaction_state()
         vote, self._nonfinite_vote = self._nonfinite_vote, None
-        grads = (p.grad for _, p in self._named_params())
+        grads = [p.grad for _, p in self._named_params()]
+        if ft is not None and vote is None:  # one decision over every group of the quorum
+            vote = self._any_replica(replica_state.any_nonfinite(grads, ledger=self.ledger))
         if not self.guard.skip_step(vote, grads, self.steps_taken + 1):
             for optimizer in self.optimizers:
                 optimizer.step(*args, **kwargs)
@@ -137,8 +152,73 @@ class CommOptimizersContainer(OptimizersContainer):
         if self.fsdp_traffic is not None:
             self.fsdp_traffic.record(self.ledger)
         if self.guard.due_for_drift_check(self.steps_taken) and self.replicas_in_sync():
-            self.guard.check_replicas(self._named_params(), self.topology, self.steps_taken)
+            self.guard.check_replicas(self._named_params(), self.topology, self.steps_taken,
+                                      valid=(lambda: not ft.errored()) if ft is not None else None)
+        if ft is not None:  # no R collective after this point: a group that does not commit heals next
+            self.committed = ft.commit()
+            if not self.committed:
+                self._restore(saved)
         self.ledger.end_step()  # after the drift check: its bytes belong to this step
+
+    def _step_after_commit(self, *args: Any, **kwargs: Any) -> None:
+        """torchtitan's own AdamW/Adam under fault tolerance: FSDP's all-reduce hook averaged the
+        gradients over the quorum during backward; the optimizers step only if that committed."""
+        assert self.ft is not None
+        self.committed = self.ft.commit()
+        if self.committed:
+            grads = (p.grad for _, p in self._named_params())
+            if not self.guard.skip_step(self._nonfinite_vote, grads, self.steps_taken + 1):
+                for optimizer in self.optimizers:
+                    optimizer.step(*args, **kwargs)
+            self.steps_taken += 1
+        self._nonfinite_vote = None
+        if self.fsdp_traffic is not None:
+            self.fsdp_traffic.record(self.ledger)
+        self.ledger.end_step()
+
+    def _any_replica(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any group of the quorum (one 4-byte all-reduce over R)."""
+        value = torch.full((1,), float(flag), device=comm.control_device())
+        comm.all_reduce(value, R, self.topology.replicate, op="max", ledger=self.ledger)
+        return bool(value.item() > 0)
+
+    # ---- fault tolerance: the state a step may change, and what a heal carries ----
+    def attach_fault_tolerance(self, ft: ReplicaGroupFT) -> None:
+        """Make every step a transaction around ``ft``'s commit, and let a healing group fetch this
+        container's state (parameters, optimizer state, counters, ledger totals) from a peer."""
+        self.ft = ft
+        ft.register_state("commopt_optimizer", self._heal_state, self._load_heal_state)
+        if self.steps_taken:  # resumed from a checkpoint on disk
+            ft.resume_at(self.steps_taken)
+
+    def _transaction_state(self) -> dict[str, Any]:
+        """Copies of everything ``step()`` may change (the ledger aside: the bytes of a step that does
+        not commit were sent all the same)."""
+        return clone_tree({
+            "params": {n: local(p.data) for n, p in self._named_params()},
+            "optimizers": [o.state_dict() for o in self.optimizers],
+            "counters": {"steps_taken": self.steps_taken, "skipped_steps": self.guard.skipped_steps,
+                         "consecutive_skips": self.guard.consecutive_skips},
+        })
+
+    @torch.no_grad()
+    def _restore(self, state: dict[str, Any]) -> None:
+        for name, p in self._named_params():
+            local(p.data).copy_(state["params"][name])
+        for optimizer, saved in zip(self.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(saved)
+        counters = state["counters"]
+        self.steps_taken = counters["steps_taken"]
+        self.guard.skipped_steps = counters["skipped_steps"]
+        self.guard.consecutive_skips = counters["consecutive_skips"]
+
+    def _heal_state(self) -> dict[str, Any]:
+        return {**self._transaction_state(), "ledger": self.ledger.state_dict()}
+
+    def _load_heal_state(self, state: dict[str, Any]) -> None:
+        self._restore(state)
+        self.ledger.load_state_dict(state["ledger"])
+        self._logged = (dict(self.ledger.totals), self.ledger.steps)
 
     def steps_to_next_sync(self) -> Optional[int]:
         """Optimizer steps until the next R sync of a periodic optimizer (1 = the next step);
@@ -167,6 +247,8 @@ class CommOptimizersContainer(OptimizersContainer):
         out = comm.scalars(self.ledger, since, self.ledger.steps - steps_before, self.adamw_reference_r_bytes)
         self._logged = (dict(self.ledger.totals), self.ledger.steps)
         out["commopt/skipped_steps"] = float(self.skipped_steps)
+        if self.ft is not None:
+            out.update(self.ft.metrics())
         for optimizer in self.optimizers:
             if isinstance(optimizer, CommOptimizer):
                 out.update({f"commopt/{k}": float(v) for k, v in optimizer.metrics().items()})
@@ -175,6 +257,8 @@ class CommOptimizersContainer(OptimizersContainer):
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
         if self._pending_params:
             self._pending_params.restore(self._named_params())
+        if self.ft is not None:  # before the forward: a healing group computes on the healed parameters
+            self.ft.begin_step()
         super().zero_grad(*args, **kwargs)
 
     # ---- checkpoints ----
@@ -186,9 +270,9 @@ class CommOptimizersContainer(OptimizersContainer):
         if not self.owns_replicate_sync:
             return replica_checkpoint.save_ledger(flat, ledger)
         return replica_checkpoint.save_replica(
-            flat, self.topology.replica_index,
+            flat, self._checkpoint_replica(),
             counters={"skipped_steps": self.skipped_steps, "steps_taken": self.steps_taken},
-            resolved_record={**self.resolved.record(), "replicas": self.topology.replicate_size},
+            resolved_record={**self.resolved.record(), "replicas": self._checkpoint_replicas()},
             ledger=ledger,
             params=self._named_params() if any(o.params_replica_local for o in self.optimizers) else None,
         )
@@ -199,7 +283,7 @@ class CommOptimizersContainer(OptimizersContainer):
             super().load_state_dict(rest)
         else:
             mine, counters = replica_checkpoint.load_replica(
-                state_dict, self.topology.replica_index, self.ledger, self._pending_params
+                state_dict, self._checkpoint_replica(), self.ledger, self._pending_params
             )
             self.guard.skipped_steps = counters["skipped_steps"]
             self.steps_taken = counters["steps_taken"]
@@ -212,6 +296,14 @@ class CommOptimizersContainer(OptimizersContainer):
                     group.update(values)
         self._ledger_in_checkpoint = True
         self._logged = (dict(self.ledger.totals), self.ledger.steps)  # per-step scalars from the checkpoint on
+
+    def _checkpoint_replica(self) -> int:
+        """The replica a checkpoint's state belongs to: under fault tolerance the group's own
+        ``replica_id`` (the quorum's index changes with membership; each group writes its own folder)."""
+        return self.ft.replica_id if self.ft is not None else self.topology.replica_index
+
+    def _checkpoint_replicas(self) -> int:
+        return self.ft.settings.group_size if self.ft is not None else self.topology.replicate_size
 
     @staticmethod
     def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ flattened here into one group); T is ``tp``. :func:`topology_of` reads any objec
 off (0.3's optimizer container is built from the model parts alone, without ``ParallelDims``).
 """
 
+import dataclasses
 from typing import Any, Optional
 
 from torch.distributed.device_mesh import DeviceMesh
@@ -20,10 +21,18 @@ __all__ = ["topology_of", "ParameterMeshes"]
 _SHARD_DIMS = ("dp_shard", "cp")  # full_dtensor's S, kept apart on the parameters' mesh
 
 
-def topology_of(meshes: Any) -> Topology:
+def topology_of(meshes: Any, ft: Any = None) -> Topology:
     """R/S/T of a run. torchtitan divides the loss by the global token count, so a replica's
-    gradient is ``1/W`` of its mean gradient: ``grad_scale = W`` (``Topology.from_parallel_dims``)."""
-    return Topology.from_parallel_dims(meshes, sums_over_replicas=True)
+    gradient is ``1/W`` of its mean gradient: ``grad_scale = W`` (``Topology.from_parallel_dims``).
+
+    Under fault tolerance (``ft``: ``common/fault_tolerance.ReplicaGroupFT``) the meshes are one
+    replica group's: R is the Manager's group over the quorum (W and the replica index read per
+    quorum), and the token count spans the group only, so ``p.grad`` is already the replica's mean
+    gradient (``grad_scale = 1``)."""
+    topology = Topology.from_parallel_dims(meshes, sums_over_replicas=True)
+    if ft is None:
+        return topology
+    return dataclasses.replace(topology, replicate=ft.replicate, quorum=ft.quorum, grad_scale=1.0)
 
 
 class ParameterMeshes:

@@ -83,6 +83,9 @@ class CommMetrics:
 
     def should_log(self, step: int) -> bool:
         # Every rank decides alike (the loss is all-reduced on a log step): the same config everywhere.
+        # Under fault tolerance a step that did not commit is trained again: logged once, when it commits.
+        if not getattr(getattr(self, "optimizers", None), "committed", True):
+            return False
         return super().should_log(step) or step == self._last_step  # type: ignore[misc]
 
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,

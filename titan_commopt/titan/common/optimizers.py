@@ -36,7 +36,8 @@ def build_per_part(
     optimizers = []
     for model in model_parts:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        broadcast_parameters([p for _, p in named], topology, ledger=setup)
+        if topology.quorum is None:  # under fault tolerance the first quorum heals every group from one
+            broadcast_parameters([p for _, p in named], topology, ledger=setup)
         optimizers.append(build_optimizer(named, topology, resolved, ledger=ledger))
     return optimizers
 

@@ -10,7 +10,7 @@ so that every rank stops alike, rank 0 printing one line (``titan/platform/stop.
 """
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Optional
+from typing import Any, Callable, Iterable, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -84,15 +84,18 @@ class StepGuard:
         every = self.safeguards.check_replicas_every
         return bool(every) and steps_taken % every == 0
 
-    def check_replicas(self, named_params: list[tuple[str, Any]], topology: Topology, steps_taken: int) -> None:
+    def check_replicas(self, named_params: list[tuple[str, Any]], topology: Topology, steps_taken: int,
+                       valid: Optional[Callable[[], bool]] = None) -> None:
         """The replicas' parameters compared by fingerprint. Only the ranks of a shard whose
         replicas differ see it, so the decision is agreed over all ranks (one flag all-reduce):
-        every rank stops alike, rank 0 printing the first rank's finding (one line, exit status 1)."""
+        every rank stops alike, rank 0 printing the first rank's finding (one line, exit status 1).
+        ``valid()``: whether the gathered fingerprints can be trusted (under fault tolerance not when
+        a peer failed during the gather: that step is undone anyway)."""
         try:
             replica_state.check_replicas(named_params, topology, ledger=self.ledger)
             found = None
         except replica_state.ReplicaDriftError as error:
-            found = str(error)
+            found = str(error) if valid is None or valid() else None
         if replica_state.any_rank(found is not None, ledger=self.ledger):
             findings = comm.all_gather_object(found, "world", dist.group.WORLD)  # the run stops here
             first = next(text for text in findings if text)

@@ -18,6 +18,7 @@ each: a ``[commopt.<family>]`` table the chosen optimizer does not read, and MT-
 end of a warm-up in a run too short for it.
 """
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -27,6 +28,7 @@ from titan_commopt.options import ConfigError, problems as option_problems
 from .parse import ParsedJob
 from .section import commopt_of
 from .sources import given_options, user_set_keys
+from .fault_tolerance import LIGHTHOUSE_ENV, FtSettings, in_flight_problems, problems as ft_problems
 from .torchtitan_keys import SpecProblems, torchtitan_problems, world_size_from_env
 
 __all__ = [
@@ -93,7 +95,6 @@ _UNSUPPORTED_WITH_OWN_R_SYNC = (
     ("parallelism.pipeline_parallel_degree", lambda v: v > 1, "pipeline parallelism is not supported yet"),
     ("parallelism.expert_parallel_degree", lambda v: v > 1, "expert parallelism is not supported yet"),
     ("training.enable_cpu_offload", True, "FSDP CPU offload is not supported yet"),
-    ("fault_tolerance.enable", True, "torchft replicas would bypass the optimizer's own R sync"),
 )
 
 
@@ -123,12 +124,19 @@ def resolve_job(
     ``spec_problems``: the installed line's checks of the model, tokenizer and data."""
     world_size = world_size_from_env() if world_size is None else world_size
     name = job_config.optimizer.name
-    return resolve_options(
+    ft = FtSettings.of(getattr(job_config, "fault_tolerance", None))
+    ft_lines = ft_problems(ft, dp_replicate=job_config.parallelism.data_parallel_replicate_degree,
+                           lighthouse=os.environ.get(LIGHTHOUSE_ENV))
+    resolved = resolve_options(
         name, commopt_of(job_config), hparams_of(job_config.optimizer, job_config.lr_scheduler.warmup_steps),
         lambda family: given_options(job_config, family.key, user_keys),
-        found=torchtitan_problems(job_config, world_size, spec_problems),
+        found=torchtitan_problems(job_config, world_size, spec_problems) + ft_lines,
         refused_with_ours=_unsupported(job_config, name),
     )
+    in_flight = in_flight_problems(ft, resolved)  # needs the resolved options: checked once they are valid
+    if in_flight:
+        raise ConfigError("\n".join(in_flight))
+    return resolved
 
 
 @dataclass

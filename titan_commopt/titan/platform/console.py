@@ -40,6 +40,7 @@ Python warnings (``UserWarning``), only without an accelerator:
 """
 
 import logging
+import os
 import re
 import warnings
 
@@ -92,6 +93,9 @@ def quiet_known_noise() -> bool:
     from .cpu import accelerator_available
 
     on_cpu = not accelerator_available()
+    # torchft (imported by torchtitan when installed) logs every quorum and commit at INFO from its
+    # Rust side, read once at import: warnings only, unless the user set RUST_LOG
+    os.environ.setdefault("RUST_LOG", "warn")
     if not _installed:
         # torchtitan logs through the root logger
         logging.getLogger().addFilter(_DropKnownNoise(NOISE_LOG_LINES if on_cpu else OFFLINE_LOG_LINES))

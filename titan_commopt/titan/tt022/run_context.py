@@ -35,6 +35,7 @@ __all__ = ["CommoptRun"]
 class CommoptRun(CheckedJob):
     ledger: CommLedger = field(default_factory=CommLedger)
     topology: Optional[Topology] = None  # once the meshes exist
+    ft: Optional[Any] = None  # live fault tolerance (common/fault_tolerance.ReplicaGroupFT), once started
 
     @classmethod
     def from_command_line(cls, argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> "CommoptRun":

@@ -1,0 +1,354 @@
+"""Live fault tolerance on torchft: a lost replica group costs its peers seconds, not the run.
+
+Turned on by torchtitan's own ``[fault_tolerance]`` keys (``enable``, ``replica_id``, ``group_size``,
+``min_replica_size``, ``process_group``, ``process_group_timeout_ms``) with ``TORCHFT_LIGHTHOUSE``
+naming torchft's lighthouse (``torchft_lighthouse``). Each replica group is its own launch (FSDP/TP
+inside it, its own ``MASTER_PORT``); R is the replica groups, joined by torchft's Manager.
+
+Per training step (:class:`ReplicaGroupFT`), sync quorum (``use_async_quorum=False``):
+
+1. ``begin_step`` (the container's ``zero_grad``, before the forward): the lighthouse's quorum. W and
+   this group's replica index are the quorum's (``Topology.quorum``); a group behind the quorum's
+   step is healed here, before it computes a gradient, from a healthy peer (over HTTP): the
+   parameters, the optimizer state, the container's counters and the ledger totals
+   (:meth:`ReplicaGroupFT.register_state`), and the trainer's step, LR schedule and token count
+   (the trainer's own part); it then skips its data shard to the quorum's step.
+2. The optimizer step runs; every R collective goes over the Manager's process group
+   (``comm.managed_group``), and a peer that dies during one is an error the Manager records, not
+   an exception.
+3. ``commit`` (the Manager's ``should_commit``): if any group member saw an error, or fewer than
+   ``min_replica_size`` groups took part, the step is undone (the container restores what it
+   saved before the step: :meth:`ReplicaGroupFT.snapshot`) and the same batches are trained again
+   with the next quorum (:class:`ReplayBatches`). Nothing of the optimizer's state changes unless
+   the step commits.
+
+No R collective is issued after ``commit`` (a group that did not commit heals at the next quorum
+and would not issue it), and none stays in flight across steps: DeMo's ``overlap`` and the
+streaming ``sync_delay`` are refused under fault tolerance (``config/fault_tolerance.py``).
+
+Per-replica state on a heal (momenta, error feedback, local parameters and their inner optimizer
+state) is the peer's copy, as torchft's own DiLoCo does: docs/fault_tolerance.md argues the choice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from titan_commopt import comm
+
+from ..config.fault_tolerance import LIGHTHOUSE_ENV, LIGHTHOUSE_WAIT_S, FtSettings
+
+__all__ = [
+    "ReplicaGroupFT", "Quorum", "ReplayBatches", "clone_tree", "start", "data_shard", "average_gradients_over_quorum",
+    "FaultTolerantTraining",
+]
+
+logger = logging.getLogger(__name__)
+
+QUORUM_TIMEOUT_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"  # torchft's own override of the quorum wait
+# A failure rehearsal: "<step>:quorum" or "<step>:collective" makes every rank of this launch SIGKILL
+# itself at that step, before its quorum or before its first R collective (a peer is then inside it).
+KILL_ENV = "TITAN_COMMOPT_FT_KILL"
+
+def clone_tree(value: Any) -> Any:
+    """``value`` (dicts, lists, tuples of tensors and scalars) with every tensor cloned (detached)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: clone_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(clone_tree(v) for v in value)
+    return value
+
+
+class Quorum:
+    """``Topology.quorum``: W and this group's index in the Manager's current quorum. Before the
+    first quorum, W is the configured number of groups (what byte estimates price)."""
+
+    def __init__(self, manager: Any, nominal_size: int) -> None:
+        self._manager = manager
+        self._nominal = nominal_size
+        self.started = False
+
+    def size(self) -> int:
+        return self._manager.num_participants() if self.started else self._nominal
+
+    def rank(self) -> int:
+        if not self.started:
+            return 0
+        rank = self._manager.participating_rank()
+        return 0 if rank is None else rank
+
+
+class ReplicaGroupFT:
+    """One replica group's side of live fault tolerance (module docstring). Made once per process,
+    after the group's own process group exists, before the optimizer (whose R is :attr:`replicate`)."""
+
+    def __init__(self, settings: FtSettings, *, manager: Any = None, replicate: Any = None) -> None:
+        """``manager``/``replicate``: given by tests (a stand-in Manager); else made here."""
+        self.settings = settings
+        if manager is None:
+            manager, replicate = _make_manager(settings, lambda: self.before_collective())
+        self.manager = manager
+        self.replicate = replicate
+        self.quorum = Quorum(manager, settings.group_size)
+        self._kill = _kill_point(os.environ.get(KILL_ENV, ""))
+        self.uncommitted_steps = 0
+        self.heals = 0
+        self.last_heal_seconds = 0.0
+        self._in_step = False
+        self._quorum_seen: Optional[tuple[int, int]] = None
+        self._resume_step = 0
+
+    @property
+    def replica_id(self) -> int:
+        return self.settings.replica_id
+
+    # ---- state a heal carries ----
+    def register_state(self, key: str, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        """``save()`` is called on the healthy peer (on torchft's quorum thread while the peer's main
+        thread waits in :meth:`begin_step`); it must return copies, as the peer trains on while the
+        healing group reads them. ``load`` runs on the healing group's main thread."""
+        self.manager.register_state_dict_fn(key, load, save)
+
+    def resume_at(self, committed_steps: int) -> None:
+        """A checkpoint on disk was loaded at ``committed_steps``: the Manager starts counting from there
+        (else every group restarted from its own checkpoint would heal from one of them at step 0)."""
+        self._resume_step = committed_steps
+
+    # ---- one step ----
+    def begin_step(self) -> None:
+        """The quorum of the coming step (and a heal, where this group is behind). Idempotent within a step."""
+        if self._in_step:
+            return
+        manager = self.manager
+        self._maybe_die("quorum")
+        if self._resume_step and manager.current_step() < self._resume_step:
+            manager.load_state_dict({"step": self._resume_step, "batches_committed": manager.batches_committed()})
+        start = time.perf_counter()
+        step_before = manager.current_step()
+        try:
+            manager.start_quorum()
+        except Exception as error:  # noqa: BLE001 (torchft raises its own types, and timeouts)
+            from ..platform.stop import TRAINING_STOPPED, stop_run
+
+            stop_run(f"fault tolerance: no quorum formed (lighthouse {os.environ.get(LIGHTHOUSE_ENV)}, "
+                     f"replica group {self.replica_id}, min_replica_size {self.settings.min_replica_size}): "
+                     f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+                     TRAINING_STOPPED)
+        self.quorum.started = True
+        self._in_step = True
+        healed = manager.current_step() != step_before
+        if healed:
+            self.heals += 1
+            self.last_heal_seconds = time.perf_counter() - start
+            logger.info("fault tolerance: replica group %d healed from a peer at step %d in %.2f s",
+                        self.replica_id, manager.current_step(), self.last_heal_seconds)
+        seen = (manager.num_participants(), self.quorum.rank())
+        if seen != self._quorum_seen:
+            logger.info("fault tolerance: quorum of %d replica group(s), replica group %d is replica %d "
+                        "(step %d)", seen[0], self.replica_id, seen[1], manager.current_step())
+            self._quorum_seen = seen
+
+    def before_collective(self) -> None:
+        """Called before every R collective (``comm.managed_group``)."""
+        self._maybe_die("collective")
+
+    def _maybe_die(self, where: str) -> None:
+        if self._kill is not None and self._kill == (self.manager.current_step() + 1, where):
+            logger.warning("fault tolerance: %s=%s: this process kills itself now", KILL_ENV, os.environ[KILL_ENV])
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def errored(self) -> bool:
+        return self.manager.errored() is not None
+
+    def commit(self) -> bool:
+        """Whether the step just taken stands (the Manager's agreement within this group)."""
+        self._in_step = False
+        committed = bool(self.manager.should_commit())
+        if not committed:
+            self.uncommitted_steps += 1
+            logger.warning("fault tolerance: step %d not committed (a peer failed or too few groups); "
+                           "undone, and trained again with the next quorum", self.manager.current_step() + 1)
+        return committed
+
+    def metrics(self) -> dict[str, float]:
+        return {"commopt/ft_replica_groups": float(self.quorum.size()),
+                "commopt/ft_uncommitted_steps": float(self.uncommitted_steps),
+                "commopt/ft_heals": float(self.heals)}
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _kill_point(text: str) -> Optional[tuple[int, str]]:
+    if not text:
+        return None
+    step, _, where = text.partition(":")
+    if not step.isdigit() or where not in ("quorum", "collective"):
+        raise ValueError(f"{KILL_ENV} = {text!r}: expected <step>:quorum or <step>:collective")
+    return int(step), where
+
+
+def _make_manager(settings: FtSettings, before_collective: Callable[[], None]) -> tuple[Any, Any]:
+    """torchft's Manager for this process (sync quorum) and R over its process group. torchft logs
+    every quorum and commit at INFO (its Rust side through ``RUST_LOG``): warnings only, unless the
+    user set either; our own lines say what changed (a quorum, a heal, a step undone)."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    if logging.getLogger("torchft").level == logging.NOTSET:
+        logging.getLogger("torchft").setLevel(logging.WARNING)
+    import torchft
+
+    timeout = timedelta(milliseconds=settings.process_group_timeout_ms)
+    if settings.process_group == "nccl":
+        pg = torchft.ProcessGroupNCCL(timeout=timeout)
+    else:
+        pg = torchft.ProcessGroupGloo(timeout=timeout)
+    manager = torchft.Manager(
+        pg=pg, min_replica_size=settings.min_replica_size, load_state_dict=None, state_dict=None,
+        use_async_quorum=False,  # heal before the forward; a raw all-gather would carry un-healed payloads
+        replica_id=f"titan_commopt_{settings.replica_id}",
+        rank=dist.get_rank(), world_size=dist.get_world_size(),
+        timeout=max(timeout, timedelta(seconds=30)),  # the heal's transfer and should_commit's agreement
+        quorum_timeout=timedelta(seconds=float(os.environ.get(QUORUM_TIMEOUT_ENV, 120))),
+        connect_timeout=timedelta(seconds=LIGHTHOUSE_WAIT_S),
+    )
+    return manager, comm.managed_group(manager, "commopt_R", before_collective)
+
+
+class ReplayBatches:
+    """The data iterator of a fault-tolerant run: a step that did not commit is trained again on the
+    same batches; after a heal this group's own data shard is skipped forward to the quorum's step
+    (what it would have read had it not been lost), so no shard is read twice or out of order."""
+
+    def __init__(self, source: Iterator[Any]) -> None:
+        self._source = source
+        self._taken: list[Any] = []  # this step's batches, kept until it commits
+        self._replay: list[Any] = []
+        self._drawn = 0  # batches read from the shard so far
+        self._skip = 0  # batches to drop before the next one (after a heal)
+
+    def __iter__(self) -> "ReplayBatches":
+        return self
+
+    def __next__(self) -> Any:
+        if self._replay:
+            batch = self._replay.pop(0)
+        else:
+            while self._skip:
+                next(self._source)
+                self._drawn += 1
+                self._skip -= 1
+            batch = next(self._source)
+            self._drawn += 1
+        self._taken.append(batch)
+        return batch
+
+    def committed(self) -> None:
+        self._taken = []
+
+    def rewind(self) -> None:
+        """The step did not commit: its batches come again, in order."""
+        self._replay = self._taken + self._replay
+        self._taken = []
+
+    def skip_to(self, batches_before: int) -> None:
+        """A heal moved this group to a later step: the next batch is the shard's ``batches_before``-th
+        (what the group would read at that step had it never been lost); pending replays are dropped."""
+        self._replay, self._taken = [], []
+        self._skip = max(batches_before - self._drawn, 0)
+
+
+# ---- the trainer's side, for both torchtitan lines (their Trainers share these attributes) ----
+def start(settings: FtSettings) -> ReplicaGroupFT:
+    """This process's fault tolerance, once its replica group's process group exists: waits (bounded)
+    for the lighthouse, then makes the Manager and R. A lighthouse that does not answer is one line,
+    exit status 2, on every rank."""
+    from ..config.fault_tolerance import wait_for_lighthouse
+    from ..platform.stop import RESUME_REFUSED, stop_run
+
+    problem = wait_for_lighthouse(os.environ.get(LIGHTHOUSE_ENV, ""))
+    if problem is not None:
+        stop_run(f"fault tolerance: {problem}", RESUME_REFUSED)
+    return ReplicaGroupFT(settings)
+
+
+def data_shard(settings: FtSettings, dp_world_size: int, dp_rank: int) -> tuple[int, int]:
+    """The data shard of a rank of replica group ``settings.replica_id``: the groups split the data
+    as replicas of one mesh would (torchtitan's own rule for its fault-tolerant trainer)."""
+    return dp_world_size * settings.group_size, dp_world_size * settings.replica_id + dp_rank
+
+
+def average_gradients_over_quorum(model_parts: list[Any], ft: ReplicaGroupFT) -> None:
+    """torchtitan's own AdamW/Adam under fault tolerance, torchtitan's way (HSDP): every FSDP module's
+    reduce-scattered gradient is then averaged over the quorum's groups."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def hook(output: torch.Tensor) -> None:
+        dist.all_reduce(output, group=ft.replicate, op=dist.ReduceOp.AVG)
+
+    for part in model_parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.set_all_reduce_hook(hook)
+
+
+class FaultTolerantTraining:
+    """A Trainer's training step under fault tolerance: the step is trained again on the same batches
+    until it commits; the LR schedule moves only on a commit; a heal brings the peer's step, token
+    count and LR schedule, and skips this group's data shard to that step."""
+
+    def __init__(self, trainer: Any, ft: ReplicaGroupFT) -> None:
+        self.trainer, self.ft = trainer, ft
+        self._batches: Optional[ReplayBatches] = None
+        schedulers = trainer.lr_schedulers
+        step_schedule = schedulers.step
+        schedulers.step = lambda *a, **k: step_schedule(*a, **k) if trainer.optimizers.committed else None
+        ft.register_state("commopt_trainer", self._save, self._load)
+
+    def train_step(self, data_iterator: Iterator[Any], train_step: Callable[[Iterator[Any]], Any]) -> None:
+        trainer = self.trainer
+        if self._batches is None:  # the first step of this process: after any checkpoint on disk was loaded
+            self._batches = ReplayBatches(data_iterator)
+            self.ft.resume_at(trainer.step - 1)
+        while True:
+            train_step(self._batches)
+            if trainer.optimizers.committed:
+                self._batches.committed()
+                return
+            self._batches.rewind()
+
+    def finish(self) -> None:
+        """One line per rank at the end: the fingerprint of its parameter shards (equal on the same
+        rank of every group when the replicas are in sync)."""
+        from .replica_state import fingerprint
+
+        named = [(n, p) for part in self.trainer.model_parts for n, p in part.named_parameters()]
+        value = 0
+        for _, p in named:
+            value = (value * 1_000_003 + fingerprint(p)) & ((1 << 61) - 1)
+        logger.info("fault tolerance: replica group %d, rank %d: parameters at step %d: fingerprint %x",
+                    self.ft.replica_id, dist.get_rank(), self.trainer.step, value)
+
+    def _save(self) -> dict[str, Any]:
+        trainer = self.trainer
+        return clone_tree({"step": trainer.step, "ntokens_seen": trainer.ntokens_seen,
+                           "lr_schedulers": trainer.lr_schedulers.state_dict()})
+
+    def _load(self, state: dict[str, Any]) -> None:
+        trainer = self.trainer
+        trainer.step, trainer.ntokens_seen = state["step"], state["ntokens_seen"]
+        trainer.lr_schedulers.load_state_dict(state["lr_schedulers"])
+        if self._batches is not None:
+            self._batches.skip_to((trainer.step - 1) * trainer.gradient_accumulation_steps)

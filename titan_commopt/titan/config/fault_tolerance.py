@@ -1,0 +1,121 @@
+"""torchtitan's ``[fault_tolerance]`` keys as titan_commopt reads them, and their checks (made before
+any process group exists; the runtime is ``common/fault_tolerance.py``)."""
+
+import importlib.util
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+from urllib.parse import urlparse
+
+__all__ = ["FtSettings", "LIGHTHOUSE_ENV", "problems", "in_flight_problems", "lighthouse_address", "wait_for_lighthouse"]
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # read by torchft's Manager (group rank 0): http://host:port
+LIGHTHOUSE_WAIT_S = 30.0  # how long a launch waits for the lighthouse to accept a connection
+
+
+@dataclass(frozen=True)
+class FtSettings:
+    """torchtitan's ``[fault_tolerance]`` section, as both lines spell it."""
+
+    enable: bool = False
+    replica_id: int = 0
+    group_size: int = 0
+    min_replica_size: int = 1
+    process_group: str = "gloo"
+    process_group_timeout_ms: int = 10000
+    semi_sync_method: Optional[str] = None
+
+    @classmethod
+    def of(cls, section: Any) -> "FtSettings":
+        if section is None:
+            return cls()
+        return cls(**{k: getattr(section, k) for k in cls.__dataclass_fields__ if hasattr(section, k)})
+
+
+def problems(ft: FtSettings, *, dp_replicate: int, lighthouse: Optional[str]) -> list[str]:
+    """What makes a fault-tolerant run impossible, one line each (none when FT is off).
+    ``lighthouse``: ``$TORCHFT_LIGHTHOUSE`` (None: unset)."""
+    if not ft.enable:
+        return []
+    out = []
+    if importlib.util.find_spec("torchft") is None:
+        out.append("[fault_tolerance] enable = true: torchft is not installed in this environment "
+                   "(bash scripts/setup.sh installs it; or pip install torchft==0.2.0)")
+    if ft.group_size < 1:
+        out.append(f"[fault_tolerance] group_size = {ft.group_size}: with enable = true it is the number of "
+                   "replica groups (each launched on its own), at least 1")
+    elif not 0 <= ft.replica_id < ft.group_size:
+        out.append(f"[fault_tolerance] replica_id = {ft.replica_id}: must be in 0..{ft.group_size - 1} "
+                   f"(group_size = {ft.group_size})")
+    if not 1 <= ft.min_replica_size <= max(ft.group_size, 1):
+        out.append(f"[fault_tolerance] min_replica_size = {ft.min_replica_size}: must be in 1..group_size "
+                   f"({ft.group_size})")
+    if ft.process_group not in ("gloo", "nccl"):
+        out.append(f"[fault_tolerance] process_group = {ft.process_group!r}: allowed are 'gloo' and 'nccl'")
+    if ft.process_group_timeout_ms <= 0:
+        out.append(f"[fault_tolerance] process_group_timeout_ms = {ft.process_group_timeout_ms}: must be > 0")
+    if dp_replicate > 1:
+        out.append(f"[parallelism] data_parallel_replicate_degree = {dp_replicate}: with [fault_tolerance] "
+                   "enable = true the replicas are the replica groups (group_size), each launched on its "
+                   "own; set it to 1")
+    if ft.semi_sync_method:
+        out.append(f"[fault_tolerance] semi_sync_method = {ft.semi_sync_method!r}: torchft's own DiLoCo/LocalSGD "
+                   "wrap torchtitan's trainer, not titan_commopt's; use [optimizer] name = \"DiLoCo\" "
+                   "(or another local-step family) and leave semi_sync_method unset")
+    if lighthouse is not None:
+        address = lighthouse_address(lighthouse)
+        if address is None:
+            out.append(f"{LIGHTHOUSE_ENV} = {lighthouse!r}: not an address; expected http://<host>:<port> "
+                       "of the torchft_lighthouse")
+    else:
+        out.append(f"{LIGHTHOUSE_ENV} is not set: with [fault_tolerance] enable = true every replica group "
+                   "needs the lighthouse's address, e.g. TORCHFT_LIGHTHOUSE=http://<head node>:29510 "
+                   "(start it with: torchft_lighthouse --min_replicas 1 --bind [::]:29510)")
+    return out
+
+
+def in_flight_problems(ft: FtSettings, resolved: Any) -> list[str]:
+    """The resolved optimizer's option that keeps an R collective in flight across steps, refused
+    under fault tolerance: a quorum change between steps rebuilds the process group under it."""
+    if not ft.enable or resolved is None:
+        return []
+    options, key = resolved.options, resolved.family.key
+    why = ("under [fault_tolerance] no R collective may stay in flight across steps (a quorum change "
+           "between steps aborts it)")
+    if getattr(options, "overlap", False):
+        return [f"[commopt.{key}] overlap = true: {why}; set it to false"]
+    if getattr(options, "sync_delay", 0):
+        return [f"[commopt.{key}] sync_delay = {options.sync_delay}: {why}; set it to 0"]
+    return []
+
+
+def lighthouse_address(url: str) -> Optional[tuple[str, int]]:
+    parsed = urlparse(url if "://" in url else f"http://{url}")
+    try:
+        port = parsed.port
+    except ValueError:
+        return None
+    if not parsed.hostname or port is None:
+        return None
+    return parsed.hostname, port
+
+
+def wait_for_lighthouse(url: str, seconds: float = LIGHTHOUSE_WAIT_S) -> Optional[str]:
+    """``None`` once the lighthouse at ``url`` accepts a TCP connection, else (after ``seconds``)
+    the one line that says so. A lighthouse started a little after the groups is waited for."""
+    address = lighthouse_address(url)
+    if address is None:
+        return f"{LIGHTHOUSE_ENV} = {url!r}: not an address; expected http://<host>:<port>"
+    deadline = time.monotonic() + seconds
+    error: Exception = TimeoutError()
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(address, timeout=2.0):
+                return None
+        except OSError as e:
+            error = e
+            time.sleep(0.5)
+    return (f"{LIGHTHOUSE_ENV} = {url}: no torchft lighthouse answered there within {seconds:.0f} s "
+            f"({type(error).__name__}: {error}); start it first (torchft_lighthouse --min_replicas 1 "
+            f"--bind [::]:{address[1]}) or fix the address")
