@@ -52,7 +52,7 @@ BAD = [
     ("Dion", "", ["--optimizer.early_step_in_backward"], ["early_step_in_backward = True", "'Dion'"]),
     ("DES-LOC", "", ["--parallelism.pipeline_parallel_degree", "2"], ["pipeline_parallel_degree = 2", "not supported"]),
     ("Dion", "", ["--training.enable_cpu_offload"], ["enable_cpu_offload = True", "not supported"]),
-    ("Dion", "", ["--fault_tolerance.enable"], ["[fault_tolerance] enable = True", "torchft"]),
+    ("Dion", "", ["--fault_tolerance.enable"], ["[fault_tolerance] group_size = 0", "TORCHFT_LIGHTHOUSE is not set"]),
     # several problems at once: one line each
     ("Dion", "[commopt]\non_nonfinite = 'x'\n[commopt.dion]\nmu = 2.0", [], ["on_nonfinite = 'x'", "mu = 2.0"]),
 ]

@@ -66,10 +66,10 @@ def problems(ft: FtSettings, *, dp_replicate: int, lighthouse: Optional[str]) ->
     if lighthouse is not None:
         address = lighthouse_address(lighthouse)
         if address is None:
-            out.append(f"{LIGHTHOUSE_ENV} = {lighthouse!r}: not an address; expected http://<host>:<port> "
-                       "of the torchft_lighthouse")
+            out.append(f"[fault_tolerance] enable = true: {LIGHTHOUSE_ENV} = {lighthouse!r}: not an address; "
+                       "expected http://<host>:<port> of the torchft_lighthouse")
     else:
-        out.append(f"{LIGHTHOUSE_ENV} is not set: with [fault_tolerance] enable = true every replica group "
+        out.append(f"[fault_tolerance] enable = true: {LIGHTHOUSE_ENV} is not set: every replica group "
                    "needs the lighthouse's address, e.g. TORCHFT_LIGHTHOUSE=http://<head node>:29510 "
                    "(start it with: torchft_lighthouse --min_replicas 1 --bind [::]:29510)")
     return out
