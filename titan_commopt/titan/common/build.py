@@ -57,7 +57,10 @@ def container_arguments(
     run's checkpoint to check, e.g. a container built outside a Trainer); ``dp_degree``: dp_replicate ×
     dp_shard; ``stock_optimizers``: torchtitan's own AdamW/Adam, built when ``resolved`` is None."""
     if checkpoint is not None:
-        check_resume(checkpoint, resolved, topology.replicate_size, dp_degree)
+        replicas = topology.replicate_size
+        if topology.quorum is not None:  # a replica group's own checkpoint: its replica alone, data split over the groups
+            replicas, dp_degree = 1, None if dp_degree is None else dp_degree * topology.quorum.groups
+        check_resume(checkpoint, resolved, replicas, dp_degree)
     if resolved is None:
         optimizers = stock_optimizers()
     else:

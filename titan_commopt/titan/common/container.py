@@ -298,12 +298,13 @@ class CommOptimizersContainer(OptimizersContainer):
         self._logged = (dict(self.ledger.totals), self.ledger.steps)  # per-step scalars from the checkpoint on
 
     def _checkpoint_replica(self) -> int:
-        """The replica a checkpoint's state belongs to: under fault tolerance the group's own
-        ``replica_id`` (the quorum's index changes with membership; each group writes its own folder)."""
-        return self.ft.replica_id if self.ft is not None else self.topology.replica_index
+        """The replica a checkpoint's state belongs to. Under fault tolerance each group writes its
+        own folder holding its own state alone, as replica 0 of one (the quorum's index changes with
+        membership): a group's checkpoint reads like a one-replica run's."""
+        return 0 if self.ft is not None else self.topology.replica_index
 
     def _checkpoint_replicas(self) -> int:
-        return self.ft.settings.group_size if self.ft is not None else self.topology.replicate_size
+        return 1 if self.ft is not None else self.topology.replicate_size
 
     @staticmethod
     def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:

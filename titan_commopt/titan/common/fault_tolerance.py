@@ -35,6 +35,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,8 +58,11 @@ logger = logging.getLogger(__name__)
 
 QUORUM_TIMEOUT_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"  # torchft's own override of the quorum wait
 # A failure rehearsal: "<step>:quorum" or "<step>:collective" makes every rank of this launch SIGKILL
-# itself at that step, before its quorum or before its first R collective (a peer is then inside it).
+# itself at that step, before its quorum or before its first R collective (a peer is then inside it);
+# "<step>:stall" makes it hang there instead (alive, heartbeating: what the stall timeout is for).
 KILL_ENV = "TITAN_COMMOPT_FT_KILL"
+_FAULTS = ("quorum", "collective", "stall")
+_START_POLL_S = 0.5
 
 def clone_tree(value: Any) -> Any:
     """``value`` (dicts, lists, tuples of tensors and scalars) with every tensor cloned (detached)."""
@@ -74,13 +79,13 @@ class Quorum:
     """``Topology.quorum``: W and this group's index in the Manager's current quorum. Before the
     first quorum, W is the configured number of groups (what byte estimates price)."""
 
-    def __init__(self, manager: Any, nominal_size: int) -> None:
+    def __init__(self, manager: Any, groups: int) -> None:
         self._manager = manager
-        self._nominal = nominal_size
+        self.groups = groups  # [fault_tolerance] group_size: how many groups the data is split over
         self.started = False
 
     def size(self) -> int:
-        return self._manager.num_participants() if self.started else self._nominal
+        return self._manager.num_participants() if self.started else self.groups
 
     def rank(self) -> int:
         if not self.started:
@@ -93,9 +98,14 @@ class ReplicaGroupFT:
     """One replica group's side of live fault tolerance (module docstring). Made once per process,
     after the group's own process group exists, before the optimizer (whose R is :attr:`replicate`)."""
 
-    def __init__(self, settings: FtSettings, *, manager: Any = None, replicate: Any = None) -> None:
-        """``manager``/``replicate``: given by tests (a stand-in Manager); else made here."""
+    def __init__(self, settings: FtSettings, *, manager: Any = None, replicate: Any = None,
+                 stall_timeout_s: float = 0.0, start_wait_s: float = 0.0) -> None:
+        """``manager``/``replicate``: given by tests (a stand-in Manager); else made here.
+        ``stall_timeout_s``, ``start_wait_s``: ``[commopt] ft_stall_timeout_s`` (:class:`StallWatchdog`),
+        ``ft_start_wait_s`` (:meth:`_wait_for_every_group`)."""
         self.settings = settings
+        self.start_wait_s = start_wait_s
+        self._watchdog = StallWatchdog(stall_timeout_s, settings.replica_id) if stall_timeout_s > 0 else None
         if manager is None:
             manager, replicate = _make_manager(settings, lambda: self.before_collective())
         self.manager = manager
@@ -103,6 +113,7 @@ class ReplicaGroupFT:
         self.quorum = Quorum(manager, settings.group_size)
         self._kill = _kill_point(os.environ.get(KILL_ENV, ""))
         self.uncommitted_steps = 0
+        self.committed_here = 0  # steps this process committed (a heal's steps not counted)
         self.heals = 0
         self.last_heal_seconds = 0.0
         self._in_step = False
@@ -132,21 +143,19 @@ class ReplicaGroupFT:
             return
         manager = self.manager
         self._maybe_die("quorum")
+        if self._watchdog is not None:
+            self._watchdog.pause()  # waiting for the others is not this group's stall
         if self._resume_step and manager.current_step() < self._resume_step:
             manager.load_state_dict({"step": self._resume_step, "batches_committed": manager.batches_committed()})
         start = time.perf_counter()
         step_before = manager.current_step()
-        try:
-            manager.start_quorum()
-        except Exception as error:  # noqa: BLE001 (torchft raises its own types, and timeouts)
-            from ..platform.stop import TRAINING_STOPPED, stop_run
-
-            stop_run(f"fault tolerance: no quorum formed (lighthouse {os.environ.get(LIGHTHOUSE_ENV)}, "
-                     f"replica group {self.replica_id}, min_replica_size {self.settings.min_replica_size}): "
-                     f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
-                     TRAINING_STOPPED)
+        self._start_quorum()
+        if not self.quorum.started and manager.current_step() == 0:
+            self._wait_for_every_group()
         self.quorum.started = True
         self._in_step = True
+        if self._watchdog is not None and self.committed_here:  # not this process's first step
+            self._watchdog.arm()
         healed = manager.current_step() != step_before
         if healed:
             self.heals += 1
@@ -159,16 +168,52 @@ class ReplicaGroupFT:
                         "(step %d)", seen[0], self.replica_id, seen[1], manager.current_step())
             self._quorum_seen = seen
 
+    def _start_quorum(self) -> None:
+        try:
+            self.manager.start_quorum()
+        except Exception as error:  # noqa: BLE001 (torchft raises its own types, and timeouts)
+            from ..platform.stop import TRAINING_STOPPED, stop_run
+
+            stop_run(f"fault tolerance: no quorum formed (lighthouse {os.environ.get(LIGHTHOUSE_ENV)}, "
+                     f"replica group {self.replica_id}, min_replica_size {self.settings.min_replica_size}): "
+                     f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+                     TRAINING_STOPPED)
+
+    def _wait_for_every_group(self) -> None:
+        """A job's first step waits (up to ``start_wait_s``) for every one of its ``group_size`` groups,
+        so that it starts with all of them rather than with whichever started first (which would train
+        alone until the others join and heal from it). The polls are counted, not timed: every rank of
+        the group asks for the same number of quorums (each one agreed by the whole group)."""
+        groups, polls = self.settings.group_size, int(self.start_wait_s / _START_POLL_S)
+        if self.manager.num_participants() >= groups or polls == 0:
+            return
+        logger.info("fault tolerance: waiting up to %.0f s for all %d replica groups to start (%d in the quorum)",
+                    self.start_wait_s, groups, self.manager.num_participants())
+        for _ in range(polls):
+            time.sleep(_START_POLL_S)
+            self._start_quorum()
+            if self.manager.num_participants() >= groups:
+                return
+        logger.warning("fault tolerance: %d of %d replica groups started within %.0f s; training with them, "
+                       "the others join (and heal) when they start", self.manager.num_participants(), groups,
+                       self.start_wait_s)
+
     def before_collective(self) -> None:
         """Called before every R collective (``comm.managed_group``)."""
         self._maybe_die("collective")
+        self._maybe_die("stall")
 
     def _maybe_die(self, where: str) -> None:
-        if self._kill is not None and self._kill == (self.manager.current_step() + 1, where):
-            logger.warning("fault tolerance: %s=%s: this process kills itself now", KILL_ENV, os.environ[KILL_ENV])
-            for handler in logging.getLogger().handlers:
-                handler.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self._kill is None or self._kill != (self.manager.current_step() + 1, where):
+            return
+        logger.warning("fault tolerance: %s=%s: this process %s now", KILL_ENV, os.environ[KILL_ENV],
+                       "hangs" if where == "stall" else "kills itself")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        if where == "stall":
+            while True:
+                time.sleep(3600)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def errored(self) -> bool:
         return self.manager.errored() is not None
@@ -177,6 +222,9 @@ class ReplicaGroupFT:
         """Whether the step just taken stands (the Manager's agreement within this group)."""
         self._in_step = False
         committed = bool(self.manager.should_commit())
+        if self._watchdog is not None:
+            self._watchdog.pause()
+        self.committed_here += committed
         if not committed:
             self.uncommitted_steps += 1
             logger.warning("fault tolerance: step %d not committed (a peer failed or too few groups); "
@@ -192,12 +240,49 @@ class ReplicaGroupFT:
         self.manager.shutdown(wait=False)
 
 
+class StallWatchdog:
+    """Drops a replica group that is alive but stalled: torchft's lighthouse never drops a group that
+    still heartbeats, and with two groups the other cannot form a quorum without it, so a group whose
+    step runs past the timeout ends itself (every rank: each has a watchdog) with one line, exit
+    status 1; the lighthouse then drops it and the others go on; a relaunch heals. Armed from the
+    quorum to the commit of every step but the first (compilation, warm-up)."""
+
+    def __init__(self, seconds: float, replica_id: int) -> None:
+        self.seconds, self.replica_id = seconds, replica_id
+        self._deadline: Optional[float] = None
+        self._step = 0
+        self._thread: Optional[threading.Thread] = None
+
+    def arm(self) -> None:
+        self._step += 1
+        self._deadline = time.monotonic() + self.seconds
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="commopt-ft-watchdog", daemon=True)
+            self._thread.start()
+
+    def pause(self) -> None:
+        self._deadline = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.seconds / 4))
+            deadline = self._deadline
+            if deadline is not None and time.monotonic() > deadline:
+                line = (f"titan_commopt: fault tolerance: replica group {self.replica_id} stalled: a step ran "
+                        f"past [commopt] ft_stall_timeout_s = {self.seconds:g} s; this group leaves, the "
+                        "others go on, relaunch it to rejoin")
+                if os.environ.get("RANK", "0") in ("0", ""):
+                    print(line, file=sys.stderr, flush=True)
+                logger.error(line)
+                os._exit(1)
+
+
 def _kill_point(text: str) -> Optional[tuple[int, str]]:
     if not text:
         return None
     step, _, where = text.partition(":")
-    if not step.isdigit() or where not in ("quorum", "collective"):
-        raise ValueError(f"{KILL_ENV} = {text!r}: expected <step>:quorum or <step>:collective")
+    if not step.isdigit() or where not in _FAULTS:
+        raise ValueError(f"{KILL_ENV} = {text!r}: expected <step>:quorum, <step>:collective or <step>:stall")
     return int(step), where
 
 
@@ -271,17 +356,17 @@ class ReplayBatches:
 
 
 # ---- the trainer's side, for both torchtitan lines (their Trainers share these attributes) ----
-def start(settings: FtSettings) -> ReplicaGroupFT:
+def start(settings: FtSettings, commopt: Any) -> ReplicaGroupFT:
     """This process's fault tolerance, once its replica group's process group exists: waits (bounded)
     for the lighthouse, then makes the Manager and R. A lighthouse that does not answer is one line,
-    exit status 2, on every rank."""
+    exit status 2, on every rank. ``commopt``: the ``[commopt]`` section (its ``ft_*`` keys)."""
     from ..config.fault_tolerance import wait_for_lighthouse
     from ..platform.stop import RESUME_REFUSED, stop_run
 
     problem = wait_for_lighthouse(os.environ.get(LIGHTHOUSE_ENV, ""))
     if problem is not None:
         stop_run(f"fault tolerance: {problem}", RESUME_REFUSED)
-    return ReplicaGroupFT(settings)
+    return ReplicaGroupFT(settings, stall_timeout_s=commopt.ft_stall_timeout_s, start_wait_s=commopt.ft_start_wait_s)
 
 
 def data_shard(settings: FtSettings, dp_world_size: int, dp_rank: int) -> tuple[int, int]:

@@ -38,6 +38,18 @@ class CommonOptions:
         "kernels (triton) or torch's eager operators (torch, the reference). auto: Triton where the "
         "parameters are on a CUDA/ROCm device and Triton is installed, torch elsewhere.",
     )
+    ft_start_wait_s: float = option(
+        120.0, "Under [fault_tolerance]: a job's first step waits up to this many seconds for all of its "
+        "group_size replica groups to join the quorum, so that it starts with all of them (a group that "
+        "starts later joins then and heals from the others). 0 = start with whoever is there.", ge=0,
+    )
+    ft_stall_timeout_s: float = option(
+        60.0, "Under [fault_tolerance]: a replica group whose step (forward, backward, optimizer, commit; "
+        "not the wait for a quorum, not the first step) takes longer than this many seconds is stalled: "
+        "every rank of it exits (one line, status 1), so that the lighthouse drops it and the other groups "
+        "go on (torchft never drops a group that still heartbeats). Keep it below the quorum timeout "
+        "(TORCHFT_QUORUM_TIMEOUT_SEC, 120 s here). 0 = never.", ge=0,
+    )
     max_consecutive_skips: int = option(
         10, "Stop the run (one line, exit status 1) once this many optimizer steps in a row were skipped "
         "for a NaN/Inf gradient (on_nonfinite = \"skip\"): training cannot recover by itself. 0 = never "

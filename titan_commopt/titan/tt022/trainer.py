@@ -21,6 +21,7 @@ from torchtitan.tools.logging import init_logger, logger
 from ..common import fault_tolerance
 from ..common.main import train
 from ..config.fault_tolerance import FtSettings
+from ..config.section import commopt_of
 from .run_context import CommoptRun
 from .spec import bind_run
 
@@ -47,7 +48,7 @@ class Trainer(torchtitan_train.Trainer):
         parallel_dims = super().init_distributed()
         settings = FtSettings.of(self.run.job_config.fault_tolerance)
         if settings.enable:
-            self.run.ft = fault_tolerance.start(settings)
+            self.run.ft = fault_tolerance.start(settings, commopt_of(self.run.job_config))
         return parallel_dims
 
     def train_step(self, data_iterator: Any) -> None:
