@@ -453,7 +453,9 @@ def broadcast(
     )
 
 
-def managed_group(manager: Any, name: str, before: Callable[[], None] = lambda: None) -> dist.ProcessGroup:
+def managed_group(
+    manager: Any, name: str, before: Callable[[], None] = lambda: None, waiting: Callable[[bool], None] = lambda _: None,
+) -> dist.ProcessGroup:
     """R under fault tolerance: a c10d group over torchft ``manager``'s process group, which the
     Manager rebuilds at every quorum change, whose size is the quorum's (``num_participants``).
 
@@ -467,7 +469,7 @@ def managed_group(manager: Any, name: str, before: Callable[[], None] = lambda: 
     arrival (torchft's gloo group has no reduce-scatter). Its rank is 0 on every replica (a
     one-rank c10d group): the replica index is the quorum's (``Topology.quorum``). Called once per
     process, at the same point on every rank of the group (it creates a c10d group). ``before()`` runs
-    before each collective is issued."""
+    before each collective is issued, ``waiting(True)``/``waiting(False)`` around the wait for one."""
     from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
     from torchft.manager import _ManagedWork
     from torchft.process_group import ManagedProcessGroup
@@ -481,7 +483,11 @@ def managed_group(manager: Any, name: str, before: Callable[[], None] = lambda: 
 
         def wait(self, timeout: Any = None) -> bool:
             if not self._finished:
-                ok = self._work is not None and self._work.wait() is not False
+                waiting(True)
+                try:
+                    ok = self._work is not None and self._work.wait() is not False
+                finally:
+                    waiting(False)
                 (self._done if ok and manager.errored() is None else self._failed)()
                 self._finished = True
             return True

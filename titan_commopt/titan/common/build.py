@@ -58,8 +58,8 @@ def container_arguments(
     dp_shard; ``stock_optimizers``: torchtitan's own AdamW/Adam, built when ``resolved`` is None."""
     if checkpoint is not None:
         replicas = topology.replicate_size
-        if topology.quorum is not None:  # a replica group's own checkpoint: its replica alone, data split over the groups
-            replicas, dp_degree = 1, None if dp_degree is None else dp_degree * topology.quorum.groups
+        if topology.quorum is not None:  # a replica group's own checkpoint: its replica alone, and its data
+            replicas, dp_degree = 1, None  # ranks' loader states, keyed by their rank among every group's
         check_resume(checkpoint, resolved, replicas, dp_degree)
     if resolved is None:
         optimizers = stock_optimizers()

@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -107,7 +106,7 @@ class ReplicaGroupFT:
         self.start_wait_s = start_wait_s
         self._watchdog = StallWatchdog(stall_timeout_s, settings.replica_id) if stall_timeout_s > 0 else None
         if manager is None:
-            manager, replicate = _make_manager(settings, lambda: self.before_collective())
+            manager, replicate = _make_manager(settings, self)
         self.manager = manager
         self.replicate = replicate
         self.quorum = Quorum(manager, settings.group_size)
@@ -203,6 +202,11 @@ class ReplicaGroupFT:
         self._maybe_die("collective")
         self._maybe_die("stall")
 
+    def waiting_for_peers(self, waiting: bool) -> None:
+        """Called around the wait for an R collective (``comm.managed_group``)."""
+        if self._watchdog is not None:
+            (self._watchdog.hold if waiting else self._watchdog.release)()
+
     def _maybe_die(self, where: str) -> None:
         if self._kill is None or self._kill != (self.manager.current_step() + 1, where):
             return
@@ -250,11 +254,11 @@ class StallWatchdog:
     def __init__(self, seconds: float, replica_id: int) -> None:
         self.seconds, self.replica_id = seconds, replica_id
         self._deadline: Optional[float] = None
-        self._step = 0
+        self._held_since: Optional[float] = None
         self._thread: Optional[threading.Thread] = None
 
     def arm(self) -> None:
-        self._step += 1
+        self._held_since = None
         self._deadline = time.monotonic() + self.seconds
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="commopt-ft-watchdog", daemon=True)
@@ -263,17 +267,26 @@ class StallWatchdog:
     def pause(self) -> None:
         self._deadline = None
 
+    def hold(self) -> None:
+        """Waiting for the peers in an R collective (bounded by the process group's timeout): not counted."""
+        if self._deadline is not None:
+            self._held_since = time.monotonic()
+
+    def release(self) -> None:
+        held, self._held_since = self._held_since, None
+        if held is not None and self._deadline is not None:
+            self._deadline += time.monotonic() - held
+
     def _watch(self) -> None:
         while True:
             time.sleep(min(1.0, self.seconds / 4))
             deadline = self._deadline
-            if deadline is not None and time.monotonic() > deadline:
-                line = (f"titan_commopt: fault tolerance: replica group {self.replica_id} stalled: a step ran "
-                        f"past [commopt] ft_stall_timeout_s = {self.seconds:g} s; this group leaves, the "
-                        "others go on, relaunch it to rejoin")
-                if os.environ.get("RANK", "0") in ("0", ""):
-                    print(line, file=sys.stderr, flush=True)
-                logger.error(line)
+            if deadline is not None and self._held_since is None and time.monotonic() > deadline:
+                logger.error("fault tolerance: replica group %d stalled: a step ran past [commopt] "
+                             "ft_stall_timeout_s = %g s; this group leaves, the others go on, relaunch it to rejoin",
+                             self.replica_id, self.seconds)
+                for handler in logging.getLogger().handlers:
+                    handler.flush()
                 os._exit(1)
 
 
@@ -286,7 +299,7 @@ def _kill_point(text: str) -> Optional[tuple[int, str]]:
     return int(step), where
 
 
-def _make_manager(settings: FtSettings, before_collective: Callable[[], None]) -> tuple[Any, Any]:
+def _make_manager(settings: FtSettings, ft: "ReplicaGroupFT") -> tuple[Any, Any]:
     """torchft's Manager for this process (sync quorum) and R over its process group. torchft logs
     every quorum and commit at INFO (its Rust side through ``RUST_LOG``): warnings only, unless the
     user set either; our own lines say what changed (a quorum, a heal, a step undone)."""
@@ -309,7 +322,7 @@ def _make_manager(settings: FtSettings, before_collective: Callable[[], None]) -
         quorum_timeout=timedelta(seconds=float(os.environ.get(QUORUM_TIMEOUT_ENV, 120))),
         connect_timeout=timedelta(seconds=LIGHTHOUSE_WAIT_S),
     )
-    return manager, comm.managed_group(manager, "commopt_R", before_collective)
+    return manager, comm.managed_group(manager, "commopt_R", ft.before_collective, ft.waiting_for_peers)
 
 
 class ReplayBatches:
