@@ -63,6 +63,7 @@ KILL_ENV = "TITAN_COMMOPT_FT_KILL"
 _FAULTS = ("quorum", "collective", "stall")
 _START_POLL_S = 0.5
 
+
 def clone_tree(value: Any) -> Any:
     """``value`` (dicts, lists, tuples of tensors and scalars) with every tensor cloned (detached)."""
     if isinstance(value, torch.Tensor):
@@ -173,9 +174,10 @@ class ReplicaGroupFT:
         except Exception as error:  # noqa: BLE001 (torchft raises its own types, and timeouts)
             from ..platform.stop import TRAINING_STOPPED, stop_run
 
-            stop_run(f"fault tolerance: no quorum formed (lighthouse {os.environ.get(LIGHTHOUSE_ENV)}, "
-                     f"replica group {self.replica_id}, min_replica_size {self.settings.min_replica_size}): "
-                     f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+            stop_run(f"fault tolerance: replica group {self.replica_id} got no quorum from the lighthouse at "
+                     f"{os.environ.get(LIGHTHOUSE_ENV)} within {quorum_timeout_s():g} s ({QUORUM_TIMEOUT_ENV}; a "
+                     "quorum needs the lighthouse's --min_replicas groups, and more than half of those that "
+                     f"heartbeat): {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
                      TRAINING_STOPPED)
 
     def _wait_for_every_group(self) -> None:
@@ -290,6 +292,11 @@ class StallWatchdog:
                 os._exit(1)
 
 
+def quorum_timeout_s() -> float:
+    """How long a quorum is waited for: torchft's own ``TORCHFT_QUORUM_TIMEOUT_SEC``, 120 s unset."""
+    return float(os.environ.get(QUORUM_TIMEOUT_ENV, 120))
+
+
 def _kill_point(text: str) -> Optional[tuple[int, str]]:
     if not text:
         return None
@@ -319,7 +326,7 @@ def _make_manager(settings: FtSettings, ft: "ReplicaGroupFT") -> tuple[Any, Any]
         replica_id=f"titan_commopt_{settings.replica_id}",
         rank=dist.get_rank(), world_size=dist.get_world_size(),
         timeout=max(timeout, timedelta(seconds=30)),  # the heal's transfer and should_commit's agreement
-        quorum_timeout=timedelta(seconds=float(os.environ.get(QUORUM_TIMEOUT_ENV, 120))),
+        quorum_timeout=timedelta(seconds=quorum_timeout_s()),
         connect_timeout=timedelta(seconds=LIGHTHOUSE_WAIT_S),
     )
     return manager, comm.managed_group(manager, "commopt_R", ft.before_collective, ft.waiting_for_peers)
