@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 from urllib.parse import urlparse
 
+from .checkpoint import TOML, Spelling
+
 __all__ = ["FtSettings", "LIGHTHOUSE_ENV", "problems", "in_flight_problems", "lighthouse_address", "wait_for_lighthouse"]
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # read by torchft's Manager (group rank 0): http://host:port
@@ -33,60 +35,65 @@ class FtSettings:
         return cls(**{k: getattr(section, k) for k in cls.__dataclass_fields__ if hasattr(section, k)})
 
 
-def problems(ft: FtSettings, *, dp_replicate: int, lighthouse: Optional[str]) -> list[str]:
+def problems(ft: FtSettings, *, dp_replicate: int, lighthouse: Optional[str], spelling: Spelling = TOML) -> list[str]:
     """What makes a fault-tolerant run impossible, one line each (none when FT is off).
-    ``lighthouse``: ``$TORCHFT_LIGHTHOUSE`` (None: unset)."""
+    ``lighthouse``: ``$TORCHFT_LIGHTHOUSE`` (None: unset); ``spelling``: how the lines name the keys
+    (a TOML's ``[fault_tolerance] group_size = 0``, 0.3's ``--fault_tolerance.group_size 0``)."""
     if not ft.enable:
         return []
+
+    def setting(key: str, value: Any, section: str = "fault_tolerance") -> str:
+        return spelling.setting(section, key, value)
+
+    enabled = setting("enable", True)
     out = []
     if importlib.util.find_spec("torchft") is None:
-        out.append("[fault_tolerance] enable = true: torchft is not installed in this environment "
+        out.append(f"{enabled}: torchft is not installed in this environment "
                    "(bash scripts/setup.sh installs it; or pip install torchft==0.2.0)")
     if ft.group_size < 1:
-        out.append(f"[fault_tolerance] group_size = {ft.group_size}: with enable = true it is the number of "
+        out.append(f"{setting('group_size', ft.group_size)}: with {enabled} it is the number of "
                    "replica groups (each launched on its own), at least 1")
     elif not 0 <= ft.replica_id < ft.group_size:
-        out.append(f"[fault_tolerance] replica_id = {ft.replica_id}: must be in 0..{ft.group_size - 1} "
-                   f"(group_size = {ft.group_size})")
+        out.append(f"{setting('replica_id', ft.replica_id)}: must be in 0..{ft.group_size - 1} "
+                   f"({setting('group_size', ft.group_size)})")
     if not 1 <= ft.min_replica_size <= max(ft.group_size, 1):
-        out.append(f"[fault_tolerance] min_replica_size = {ft.min_replica_size}: must be in 1..group_size "
+        out.append(f"{setting('min_replica_size', ft.min_replica_size)}: must be in 1..group_size "
                    f"({ft.group_size})")
     if ft.process_group not in ("gloo", "nccl"):
-        out.append(f"[fault_tolerance] process_group = {ft.process_group!r}: allowed are 'gloo' and 'nccl'")
+        out.append(f"{setting('process_group', ft.process_group)}: allowed are 'gloo' and 'nccl'")
     if ft.process_group_timeout_ms <= 0:
-        out.append(f"[fault_tolerance] process_group_timeout_ms = {ft.process_group_timeout_ms}: must be > 0")
+        out.append(f"{setting('process_group_timeout_ms', ft.process_group_timeout_ms)}: must be > 0")
     if dp_replicate > 1:
-        out.append(f"[parallelism] data_parallel_replicate_degree = {dp_replicate}: with [fault_tolerance] "
-                   "enable = true the replicas are the replica groups (group_size), each launched on its "
-                   "own; set it to 1")
+        out.append(f"{setting('data_parallel_replicate_degree', dp_replicate, 'parallelism')}: with {enabled} "
+                   "the replicas are the replica groups (group_size), each launched on its own; set it to 1")
     if ft.semi_sync_method:
-        out.append(f"[fault_tolerance] semi_sync_method = {ft.semi_sync_method!r}: torchft's own DiLoCo/LocalSGD "
-                   "wrap torchtitan's trainer, not titan_commopt's; use [optimizer] name = \"DiLoCo\" "
+        out.append(f"{setting('semi_sync_method', ft.semi_sync_method)}: torchft's own DiLoCo/LocalSGD "
+                   f"wrap torchtitan's trainer, not titan_commopt's; use {setting('name', 'DiLoCo', 'optimizer')} "
                    "(or another local-step family) and leave semi_sync_method unset")
     if lighthouse is not None:
         address = lighthouse_address(lighthouse)
         if address is None:
-            out.append(f"[fault_tolerance] enable = true: {LIGHTHOUSE_ENV} = {lighthouse!r}: not an address; "
+            out.append(f"{enabled}: {LIGHTHOUSE_ENV} = {lighthouse!r}: not an address; "
                        "expected http://<host>:<port> of the torchft_lighthouse")
     else:
-        out.append(f"[fault_tolerance] enable = true: {LIGHTHOUSE_ENV} is not set: every replica group "
+        out.append(f"{enabled}: {LIGHTHOUSE_ENV} is not set: every replica group "
                    "needs the lighthouse's address, e.g. TORCHFT_LIGHTHOUSE=http://<head node>:29510 "
                    "(start it with: torchft_lighthouse --min_replicas 1 --bind [::]:29510)")
     return out
 
 
-def in_flight_problems(ft: FtSettings, resolved: Any) -> list[str]:
+def in_flight_problems(ft: FtSettings, resolved: Any, spelling: Spelling = TOML) -> list[str]:
     """The resolved optimizer's option that keeps an R collective in flight across steps, refused
     under fault tolerance: a quorum change between steps rebuilds the process group under it."""
     if not ft.enable or resolved is None:
         return []
-    options, key = resolved.options, resolved.family.key
-    why = ("under [fault_tolerance] no R collective may stay in flight across steps (a quorum change "
-           "between steps aborts it)")
+    options, section = resolved.options, f"commopt.{resolved.family.key}"
+    why = (f"under {spelling.setting('fault_tolerance', 'enable', True)} no R collective may stay in flight "
+           "across steps (a quorum change between steps aborts it)")
     if getattr(options, "overlap", False):
-        return [f"[commopt.{key}] overlap = true: {why}; set it to false"]
+        return [f"{spelling.setting(section, 'overlap', True)}: {why}; set it to false"]
     if getattr(options, "sync_delay", 0):
-        return [f"[commopt.{key}] sync_delay = {options.sync_delay}: {why}; set it to 0"]
+        return [f"{spelling.setting(section, 'sync_delay', options.sync_delay)}: {why}; set it to 0"]
     return []
 
 

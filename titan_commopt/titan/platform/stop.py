@@ -88,7 +88,8 @@ def _global_rank() -> int:
 
 
 def stop_run(message: str, status: int) -> NoReturn:
-    """Print ``message`` once (see :func:`announce`) and raise :class:`RunStopped` on this rank.
-    Call it on every rank alike (the decision must be the same everywhere)."""
-    announce(f"titan_commopt: {message}", status)
+    """Print ``message`` once (see :func:`announce`; each of its lines prefixed, as one problem per
+    line) and raise :class:`RunStopped` on this rank. Call it on every rank alike (the decision must
+    be the same everywhere)."""
+    announce("\n".join(f"titan_commopt: {line}" for line in message.splitlines() or [""]), status)
     raise RunStopped(message, status)
