@@ -1,8 +1,10 @@
 """Live fault tolerance on torchft: a lost replica group costs its peers seconds, not the run.
 
 Turned on by torchtitan's own ``[fault_tolerance]`` keys (``enable``, ``replica_id``, ``group_size``,
-``min_replica_size``, ``process_group``, ``process_group_timeout_ms``) with ``TORCHFT_LIGHTHOUSE``
-naming torchft's lighthouse (``torchft_lighthouse``). Each replica group is its own launch (FSDP/TP
+``min_replica_size``, ``process_group``, ``process_group_timeout_ms``; on 0.3 the same fields of its
+torchft experiment's config, ``--fault_tolerance.*``) with ``TORCHFT_LIGHTHOUSE`` naming torchft's
+lighthouse (``torchft_lighthouse``). Each line's Trainer starts it and routes its steps here
+(``tt022/trainer.py``, ``tt03/fault_tolerance.py``). Each replica group is its own launch (FSDP/TP
 inside it, its own ``MASTER_PORT``); R is the replica groups, joined by torchft's Manager.
 
 Per training step (:class:`ReplicaGroupFT`), sync quorum (``use_async_quorum=False``):
@@ -306,13 +308,29 @@ def _kill_point(text: str) -> Optional[tuple[int, str]]:
     return int(step), where
 
 
+# torchft's loggers: its modules', and the two that log an empty INFO record per quorum and per commit
+# (structured fields for its OpenTelemetry export, when TORCHFT_USE_OTEL is set)
+_TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits")
+
+
+class _NoFlightRecorder(logging.Filter):
+    """torchft warns at every quorum change that it cannot reset NCCL's flight recorder: on gloo
+    there is none."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unable to reset NCCL flight recorder" not in record.getMessage()
+
+
 def _make_manager(settings: FtSettings, ft: "ReplicaGroupFT") -> tuple[Any, Any]:
     """torchft's Manager for this process (sync quorum) and R over its process group. torchft logs
     every quorum and commit at INFO (its Rust side through ``RUST_LOG``): warnings only, unless the
     user set either; our own lines say what changed (a quorum, a heal, a step undone)."""
     os.environ.setdefault("RUST_LOG", "warn")
-    if logging.getLogger("torchft").level == logging.NOTSET:
-        logging.getLogger("torchft").setLevel(logging.WARNING)
+    for name in _TORCHFT_LOGGERS:
+        if logging.getLogger(name).level == logging.NOTSET:
+            logging.getLogger(name).setLevel(logging.WARNING)
+    if settings.process_group == "gloo":
+        logging.getLogger("torchft.manager").addFilter(_NoFlightRecorder())
     import torchft
 
     timeout = timedelta(milliseconds=settings.process_group_timeout_ms)

@@ -83,9 +83,6 @@ class CommMetrics:
 
     def should_log(self, step: int) -> bool:
         # Every rank decides alike (the loss is all-reduced on a log step): the same config everywhere.
-        # Under fault tolerance a step that did not commit is trained again: logged once, when it commits.
-        if not getattr(getattr(self, "optimizers", None), "committed", True):
-            return False
         return super().should_log(step) or step == self._last_step  # type: ignore[misc]
 
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
@@ -93,6 +90,10 @@ class CommMetrics:
         container = getattr(self, "optimizers", None)
         if not isinstance(container, CommOptimizersContainer):  # torchtitan's own container: nothing of ours
             return super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)  # type: ignore[misc]
+        if not container.committed:
+            # Under fault tolerance a step that did not commit is trained again: logged once, when it
+            # commits. Decided here, not in should_log: 0.3 asks that before the step is taken.
+            return
         scalars = container.metrics()
         super().log(step, global_avg_loss, global_max_loss, grad_norm, {**(extra_metrics or {}), **scalars})  # type: ignore[misc]
         self._write_extras(step, container, scalars)
