@@ -89,7 +89,7 @@ def test_a_key_set_at_its_default_beats_the_preset_in_the_container(tmp_path):
 
 
 GONE = {  # where the key is set → (arguments after the config file, the key the line names)
-    "toml": ([], "[fault_tolerance] enable"),
+    "toml": ([], "[checkpoint] enable_ft_dataloader_checkpoints"),
     "command line": (["--parallelism.expert_tensor_parallel_degree", "2"], "[parallelism] expert_tensor_parallel_degree"),
     # a value with no counterpart: 0.2.2's default layer-wise selective AC ("2")
     "value": (["--activation_checkpoint.mode", "selective"], "[activation_checkpoint] selective_ac_option = '2'"),
@@ -103,7 +103,7 @@ def test_key_without_counterpart_is_one_line_exit_2(tmp_path, capsys, where):
     config = CONFIG
     if where == "toml":
         config = tmp_path / "bad.toml"
-        config.write_text(CONFIG.read_text() + "\n[fault_tolerance]\nenable = true\n")
+        config.write_text(CONFIG.read_text().replace("[checkpoint]\n", "[checkpoint]\nenable_ft_dataloader_checkpoints = false\n"))
     extra, key = GONE[where]
     with pytest.raises(SystemExit) as info:
         main(["--job.config_file", str(config), *extra])

@@ -7,6 +7,8 @@
 - ``overrides.py``: ``@override`` functions for ``--override.imports`` (our optimizer in any config; our metrics);
 - ``preflight.py``: ``CommOptTrainer``, the Trainer of our config functions, which checks the whole
   config (overrides on a copy, mesh, backend, tokenizer, data) before the process group;
+- ``fault_tolerance.py``: ``ReplicaGroupTrainer``, live fault tolerance on torchft (torchtitan's own
+  ``--fault_tolerance.*`` keys), the Trainer ``CommOptTrainer`` and our TOML runner's derive from;
 - ``fsdp.py``: the ``fully_shard`` wrapper (R left to our optimizers; SUM on gloo); ``building.py``:
   the Trainer being built, which the wrapper and the container read;
 - ``cpu.py``, ``assets.py``, ``metrics.py``: the CPU fixes, the offline tokenizer and dataset, ``comm/*``

@@ -176,9 +176,11 @@ class CommOptimizers(CommOptimizersContainer):
         param_mesh = getattr(first, "device_mesh", None)
         owns_r = resolved is not None
         self._check_replicate(param_mesh, owns_r)
-        # AdamW/Adam: R is HSDP's dp_replicate on the parameters' mesh (its all-reduce is estimated).
-        topology = topology_of(ParameterMeshes(param_mesh, fsdp.replicate_mesh() if owns_r else None))
         trainer = trainer_being_built()
+        self._check_fault_tolerance(trainer)
+        ft = getattr(trainer, "ft", None)  # live fault tolerance: fault_tolerance.ReplicaGroupTrainer
+        # AdamW/Adam: R is HSDP's dp_replicate on the parameters' mesh (its all-reduce is estimated).
+        topology = topology_of(ParameterMeshes(param_mesh, fsdp.replicate_mesh() if owns_r else None), ft)
         seen = fsdp.seen
         super().__init__(**container_arguments(
             model_parts, name=config.name, resolved=resolved, topology=topology, commopt=config.commopt,
@@ -192,6 +194,20 @@ class CommOptimizers(CommOptimizersContainer):
             stock_optimizers=lambda: self._stock_optimizers(config, model_parts), ledger=comm.CommLedger(),
         ))
         route_clipping(self)
+        if ft is not None:
+            self.attach_fault_tolerance(ft)
+
+    @staticmethod
+    def _check_fault_tolerance(trainer: Any) -> None:
+        """torchtitan's own torchft Trainer (``FaultTolerantTrainer``) averages the gradients over the
+        replica groups and brackets only its own container's step with the quorum: not ours."""
+        manager = getattr(trainer, "ft_manager", None)
+        if manager is not None and getattr(manager, "enabled", False):
+            refuse(ConfigError(
+                "fault_tolerance.enable under torchtitan's torchft Trainer (FaultTolerantTrainer) with a titan_commopt "
+                "optimizer: that Trainer averages the gradients over the replica groups and commits only its own "
+                "container's steps; run it with our config module (--module titan_commopt.titan.tt03.configs "
+                "--config cpu_debugmodel or another, --fault_tolerance.* as there) or our TOML ([fault_tolerance])"))
 
     @staticmethod
     def _check_replicate(param_mesh: Any, owns_r: bool) -> None:

@@ -1,7 +1,9 @@
 """torchtitan 0.3's ``MetricsProcessor`` with the ``comm/*`` and ``commopt/*`` scalars next to the loss
 (``common/metrics.py``): in TensorBoard (and any other logger torchtitan has on) and on the console.
 The Trainer hands the processor its optimizers (``metrics_processor.optimizers``); when they are ours
-(``container.py``) each log step adds ``container.metrics()``. The config module uses it; with
+(``container.py``) each log step adds ``container.metrics()``. Under fault tolerance each replica
+group writes TensorBoard under ``<dump_folder>/tb/<time>/replica_<id>`` (as 0.2.2 and torchtitan's
+torchft Trainer do). The config module uses it; with
 ``--override.imports`` add ``titan_commopt.titan.tt03.overrides.comm_metrics``.
 """
 
@@ -11,6 +13,7 @@ from typing import Any
 from torchtitan.components.metrics import MetricsProcessor
 
 from ..common.metrics import CommMetrics
+from .building import trainer_being_built
 
 __all__ = ["CommMetricsProcessor"]
 
@@ -21,5 +24,9 @@ class CommMetricsProcessor(CommMetrics, MetricsProcessor):
         pass
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        ft = getattr(trainer_being_built(), "ft", None)
+        if ft is not None:  # one replica group of a fault-tolerant run: its own folder, as on 0.2.2
+            kwargs.setdefault("ft_enable", True)
+            kwargs.setdefault("ft_replica_id", ft.replica_id)
         super().__init__(*args, **kwargs)
         self._start_comm_log(((kwargs.get("config_dict") or {}).get("training") or {}).get("steps"))

@@ -12,7 +12,9 @@ missing tokenizer is a ``FileNotFoundError``, a misspelled override target a ``V
 - the ``--override.imports`` entries, applied to a copy of the config: an unknown target, or an
   override that refuses its options (ours: one line each), stops here;
 - the mesh against ``WORLD_SIZE``, ``parallelism.spmd_backend``, the tokenizer directory and the
-  datasets, worded as on the TOML routes (``config/torchtitan_keys.py``, ``common/data.py``).
+  datasets, worded as on the TOML routes (``config/torchtitan_keys.py``, ``common/data.py``);
+- ``--fault_tolerance.*`` (``fault_tolerance.py``): the checks of ``config/fault_tolerance.py`` in the
+  command line's spelling, and an optimizer config our container cannot commit with the quorum.
 
 Every problem is one line, exit status 2 (``stop_run``: once, by rank 0 or by
 ``python -m titan_commopt.run``). A stock config run with ``--module llama3`` builds torchtitan's own
@@ -30,18 +32,26 @@ from torchtitan.trainer import Trainer
 from titan_commopt.options import ConfigError
 
 from ..common.data import dataset_problems
+from ..config.checkpoint import CLI
+from ..config.fault_tolerance import LIGHTHOUSE_ENV, FtSettings, in_flight_problems, problems as ft_problems
 from ..config.torchtitan_keys import data_parallel_degree, mesh_problems, spmd_backend_problems, world_size_from_env
-from .container import refuse
+from .container import refuse, resolve_config
+from .fault_tolerance import ReplicaGroupTrainer, committing_optimizer, uncommitting_optimizer
 
-__all__ = ["CommOptTrainer", "ours", "preflight", "config_problems", "override_problems", "switch_problems"]
+__all__ = [
+    "CommOptTrainer", "ours", "preflight", "config_problems", "override_problems", "fault_tolerance_problems",
+    "switch_problems",
+]
 
 
-class CommOptTrainer(Trainer):
-    """torchtitan 0.3's Trainer, with :func:`preflight` before it starts the process group."""
+class CommOptTrainer(ReplicaGroupTrainer):
+    """torchtitan 0.3's Trainer, with :func:`preflight` before it starts the process group (and live
+    fault tolerance under ``--fault_tolerance.enable``: ``fault_tolerance.py``)."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(Trainer.Config):
-        """``Trainer.Config`` (the same fields and command line), built into :class:`CommOptTrainer`."""
+    class Config(ReplicaGroupTrainer.Config):
+        """``Trainer.Config`` (the same fields and command line, and torchtitan's torchft
+        experiment's ``fault_tolerance``), built into :class:`CommOptTrainer`."""
 
     def __init__(self, config: "CommOptTrainer.Config") -> None:
         preflight(config)
@@ -57,7 +67,8 @@ def ours(cfg: Trainer.Config) -> CommOptTrainer.Config:
 
 def preflight(config: Any) -> None:
     """Every problem of ``config`` found without a process group: one line each, exit status 2."""
-    problems = override_problems(config) + config_problems(config, world_size_from_env())
+    overridden, problems = _overridden(config)
+    problems += config_problems(config, world_size_from_env()) + fault_tolerance_problems(overridden)
     if problems:
         refuse(ConfigError("\n".join(problems)))
 
@@ -65,19 +76,44 @@ def preflight(config: Any) -> None:
 def override_problems(config: Any) -> list[str]:
     """The ``--override.imports`` entries applied to a copy of ``config``: the line of the first that
     fails (an override of ours that refuses its options stops the run with its own lines)."""
+    return _overridden(config)[1]
+
+
+def _overridden(config: Any) -> tuple[Any, list[str]]:
+    """``config`` with its ``--override.imports`` applied (to a copy; ``config`` itself when there are
+    none), and the line of the first override that fails."""
     from torchtitan.config.override import apply_overrides
 
     if not config.override.imports:
-        return []
+        return config, []
     trial = copy.deepcopy(config)
     logging.disable(logging.INFO)  # the real application logs its [Override] lines
     try:
         apply_overrides(trial.override, trial)
     except (ValueError, ImportError, TypeError) as error:
-        return [f"--override.imports: {error}"]
+        return config, [f"--override.imports: {error}"]
     finally:
         logging.disable(logging.NOTSET)
-    return []
+    return trial, []
+
+
+def fault_tolerance_problems(config: Any) -> list[str]:
+    """``--fault_tolerance.*`` of ``config`` (overrides applied): torchtitan's torchft keys that cannot
+    work, the lighthouse's address, the mesh, and an optimizer that cannot run under fault
+    tolerance (an R sync in flight across steps, or a container that cannot commit with the quorum)."""
+    settings = FtSettings.of(getattr(config, "fault_tolerance", None))
+    out = ft_problems(settings, dp_replicate=config.parallelism.data_parallel_replicate_degree,
+                      lighthouse=os.environ.get(LIGHTHOUSE_ENV), spelling=CLI)
+    if not settings.enable:
+        return out
+    optimizer = committing_optimizer(config.optimizer)
+    if optimizer is None:
+        return out + [uncommitting_optimizer(config.optimizer)]
+    try:
+        resolved = resolve_config(optimizer)
+    except ConfigError:  # bad options: refused where the optimizer config is made
+        return out
+    return out + in_flight_problems(settings, resolved, spelling=CLI)
 
 
 def config_problems(config: Any, world_size: Any) -> list[str]:

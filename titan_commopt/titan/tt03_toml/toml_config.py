@@ -285,9 +285,10 @@ def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     from ..tt03 import assets
+    from ..tt03.fault_tolerance import with_fault_tolerance
     from .toml_schema import all_keys
 
-    cfg = llama3_debugmodel()
+    cfg = with_fault_tolerance(llama3_debugmodel())  # [fault_tolerance]: torchtitan's torchft keys
     for section, keys in all_keys().items():
         if section in SECTIONS_GONE:
             continue

@@ -41,7 +41,9 @@ class Key:
     to: Union[str, Gone]  # a dotted path in Trainer.Config, BY_HAND, WIRING, or Gone
 
 
-_NO_FT = Gone("torchtitan 0.3's Trainer has no torchft fault tolerance")
+_FT_DATALOADER = Gone(
+    "torchtitan 0.3's CheckpointManager has no such key; under [fault_tolerance] each replica group checkpoints "
+    "its whole state, its dataloader's too, into its own folder (<folder>/replica_<replica_id>)")
 _CONVERTERS = Gone(
     "torchtitan 0.3 applies model converters (float8, mx) in the model registry "
     "(model_registry(flavor, converters=[...])); use a config module (--module ... --config ...)"
@@ -149,7 +151,7 @@ SCHEMA: dict[str, tuple[Key, ...]] = {
     ),
     "checkpoint": (
         Key("enable", bool, False, "checkpoint.enable"),
-        Key("enable_ft_dataloader_checkpoints", bool, True, _NO_FT),
+        Key("enable_ft_dataloader_checkpoints", bool, True, _FT_DATALOADER),
         Key("folder", str, "checkpoint", "checkpoint.folder"),
         Key("interval", int, 500, "checkpoint.interval"),
         Key("initial_load_path", Optional[str], None, "checkpoint.initial_load_path"),
@@ -196,14 +198,14 @@ SCHEMA: dict[str, tuple[Key, ...]] = {
         Key("enable", bool, False, Gone("torchtitan 0.3 has no memory estimation mode")),
         Key("disable_fake_mode", bool, False, Gone("torchtitan 0.3 has no memory estimation mode")),
     ),
-    "fault_tolerance": (
-        Key("enable", bool, False, _NO_FT),
-        Key("process_group", str, "gloo", _NO_FT),
-        Key("process_group_timeout_ms", int, 10000, _NO_FT),
-        Key("replica_id", int, 0, _NO_FT),
-        Key("group_size", int, 0, _NO_FT),
-        Key("min_replica_size", int, 1, _NO_FT),
-        Key("semi_sync_method", Optional[str], None, _NO_FT),
+    "fault_tolerance": (  # torchtitan 0.3's torchft experiment spells them alike (TorchFTManager.Config)
+        Key("enable", bool, False, "fault_tolerance.enable"),
+        Key("process_group", str, "gloo", "fault_tolerance.process_group"),
+        Key("process_group_timeout_ms", int, 10000, "fault_tolerance.process_group_timeout_ms"),
+        Key("replica_id", int, 0, "fault_tolerance.replica_id"),
+        Key("group_size", int, 0, "fault_tolerance.group_size"),
+        Key("min_replica_size", int, 1, "fault_tolerance.min_replica_size"),
+        Key("semi_sync_method", Optional[str], None, "fault_tolerance.semi_sync_method"),
     ),
     "experimental": (
         Key("custom_import", str, "", WIRING),

@@ -1,0 +1,178 @@
+"""Live fault tolerance on torchtitan 0.3 (the runtime both lines share: ``common/fault_tolerance.py``).
+
+A 0.3 user turns it on as torchtitan 0.3's own torchft experiment spells it: the Trainer config's
+``fault_tolerance`` field is torchtitan's ``TorchFTManager.Config``
+(``torchtitan.experiments.torchft``), so on our config module's command line::
+
+    TORCHFT_LIGHTHOUSE=http://<head node>:29510 python -m titan_commopt.run --nproc_per_node=2 \\
+        -m torchtitan.train --module titan_commopt.titan.tt03.configs --config cpu_debugmodel \\
+        --parallelism.data_parallel_replicate_degree 1 \\
+        --fault_tolerance.enable --fault_tolerance.replica_id 0 --fault_tolerance.group_size 2
+
+(``process_group``, ``process_group_timeout_ms``, ``min_replica_size`` as torchtitan documents them;
+``semi_sync_method`` is refused: torchft's DiLoCo/LocalSGD wrap torchtitan's optimizer, ours own R),
+and from our TOML on 0.3 with the TOML's ``[fault_tolerance]`` keys, as on 0.2.2. Each replica
+group is its own launch; R is the replica groups, joined by torchft's Manager.
+
+:class:`ReplicaGroupTrainer` is torchtitan 0.3's Trainer with that field (the Trainer of our
+config functions, ``preflight.CommOptTrainer``, and of our TOML runner derive from it). With
+``fault_tolerance.enable`` it
+
+- starts torchft's Manager right after the group's process group exists, before anything is built
+  on R (:meth:`ReplicaGroupTrainer.init_distributed`); the optimizer container
+  (``container.CommOptimizers``) finds it on the Trainer being built and takes R and W from it;
+- gives the group its own checkpoint folder (``<folder>/replica_<id>``) and its own part of the
+  data (:func:`group_shard`);
+- trains each step until it commits (``FaultTolerantTraining``) and logs each rank's parameter
+  fingerprint at close;
+- runs torchtitan's own AdamW/Adam inside our container (:func:`committing_optimizer`), whose step
+  is applied only once the quorum commits, with FSDP's gradient all-reduce over the quorum
+  (``average_gradients_over_quorum``): torchtitan's own way;
+- logs with our metrics processor (``metrics.py``), which logs a step once, when it commits, and
+  writes each group's TensorBoard under ``replica_<id>``.
+
+The config's checks (before any process group) are the TOML route's (``config/validate.py``) or
+the config module's (``preflight.py``), worded for each.
+"""
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterator, Optional
+
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.config.override import derive
+from torchtitan.trainer import Trainer
+
+from ..platform.console import quiet_known_noise
+
+quiet_known_noise()  # before torchft's first import, which reads RUST_LOG once
+from torchtitan.experiments.torchft.manager import TorchFTManager  # noqa: E402
+
+from titan_commopt.options import ConfigError  # noqa: E402
+
+from ..common import fault_tolerance  # noqa: E402
+from ..common.container import CommOptimizersContainer  # noqa: E402
+from ..common.fault_tolerance import ReplicaGroupFT, data_shard  # noqa: E402
+from ..config.fault_tolerance import FtSettings  # noqa: E402
+from .container import CommOptimizers, refuse  # noqa: E402
+from .metrics import CommMetricsProcessor  # noqa: E402
+
+__all__ = [
+    "ReplicaGroupTrainer", "with_fault_tolerance", "group_shard", "committing_optimizer", "uncommitting_optimizer",
+    "STOCK_NAMES",
+]
+
+STOCK_NAMES = ("AdamW", "Adam")  # torchtitan's own optimizers our container runs under fault tolerance
+
+
+class ReplicaGroupTrainer(Trainer):
+    """torchtitan 0.3's Trainer, one replica group of a fault-tolerant run when its config's
+    ``fault_tolerance.enable`` is set (module docstring); torchtitan's own Trainer otherwise."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        fault_tolerance: TorchFTManager.Config = field(default_factory=TorchFTManager.Config)
+        """torchft: one replica group of a fault-tolerant run (torchtitan's torchft experiment's keys)."""
+
+    def __init__(self, config: Any) -> None:
+        self.ft: Optional[ReplicaGroupFT] = None  # started by init_distributed
+        self._ft_training: Optional[fault_tolerance.FaultTolerantTraining] = None
+        settings = FtSettings.of(getattr(config, "fault_tolerance", None))
+        if settings.enable:
+            config.checkpoint.folder = os.path.join(config.checkpoint.folder, f"replica_{settings.replica_id}")
+            config.dataloader = group_shard(config.dataloader, settings)
+            optimizer = committing_optimizer(config.optimizer)
+            if optimizer is not None:  # else refused before (preflight.py), or an override makes it ours
+                config.optimizer = optimizer
+            if type(config.metrics) is MetricsProcessor.Config:  # a step is logged once, when it commits
+                config.metrics = derive(config.metrics, CommMetricsProcessor.Config)
+        super().__init__(config)
+        if self.ft is not None:
+            if not isinstance(self.optimizers, CommOptimizersContainer):  # a config preflight.py did not check
+                refuse(ConfigError(uncommitting_optimizer(config.optimizer)))
+            if not self.optimizers.owns_replicate_sync:
+                fault_tolerance.average_gradients_over_quorum(self.model_parts, self.ft)
+            self._ft_training = fault_tolerance.FaultTolerantTraining(self, self.ft)
+
+    def init_distributed(self) -> Any:
+        parallel_dims = super().init_distributed()
+        settings = FtSettings.of(getattr(self.config, "fault_tolerance", None))
+        if settings.enable:
+            self.ft = fault_tolerance.start(settings)
+        return parallel_dims
+
+    def train_step(self, data_iterator: Iterator[Any]) -> None:
+        if self._ft_training is None:
+            super().train_step(data_iterator)
+            return
+
+        train_step = super().train_step
+
+        def attempt(batches: Iterator[Any]) -> None:
+            tokens = self.ntokens_seen
+            train_step(batches)
+            if not self.optimizers.committed:  # 0.3 counts a batch's tokens at its forward: once per step
+                self.ntokens_seen = tokens
+
+        self._ft_training.train_step(data_iterator, attempt)
+
+    def close(self) -> None:
+        if self._ft_training is not None:
+            self._ft_training.finish()
+        super().close()
+        if self.ft is not None:
+            self.ft.shutdown()
+
+
+def with_fault_tolerance(cfg: Trainer.Config) -> ReplicaGroupTrainer.Config:
+    """``cfg``'s fields in a :class:`ReplicaGroupTrainer.Config` (fault tolerance off until set)."""
+    if isinstance(cfg, ReplicaGroupTrainer.Config):
+        return cfg
+    return ReplicaGroupTrainer.Config(**{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.init})
+
+
+def group_shard(dataloader: Any, settings: FtSettings) -> Any:
+    """``dataloader`` (a dataloader config) whose ``build`` reads replica group
+    ``settings.replica_id``'s part of the data: the groups split it as the replicas of one mesh
+    would (``common/fault_tolerance.data_shard``). 0.3's Trainer builds the dataloader with its own
+    mesh's data-parallel degree and rank, which under fault tolerance span one group."""
+    base = type(dataloader)
+
+    @dataclass(kw_only=True, slots=True)
+    class GroupShard(base):  # type: ignore[valid-type, misc]
+        def build(self, *, dp_world_size: int, dp_rank: int, **kwargs: Any) -> Any:
+            dp_world_size, dp_rank = data_shard(settings, dp_world_size, dp_rank)
+            return base.build(self, dp_world_size=dp_world_size, dp_rank=dp_rank, **kwargs)
+
+    GroupShard.__name__ = GroupShard.__qualname__ = base.__qualname__  # what the config log shows
+    return GroupShard(**{f.name: getattr(dataloader, f.name) for f in fields(dataloader) if f.init})
+
+
+def uncommitting_optimizer(optimizer: Any) -> str:
+    """The line that refuses ``optimizer`` (a config :func:`committing_optimizer` has no answer for)."""
+    kind = type(optimizer).__qualname__
+    names = sorted({g.optimizer_name for g in getattr(optimizer, "param_groups", None) or []}) or [kind]
+    return (f"--fault_tolerance.enable with the optimizer config {kind} ({', '.join(names)}): under fault "
+            f"tolerance each step is applied only once the quorum commits, which titan_commopt's container does; "
+            f"allowed is one of ours (--optimizer.name on a config of titan_commopt.titan.tt03.configs, or "
+            f"--override.imports titan_commopt.titan.tt03.overrides.commopt) or torchtitan's "
+            f"{' or '.join(STOCK_NAMES)}")
+
+
+def committing_optimizer(optimizer: Any) -> Optional[CommOptimizers.Config]:
+    """The optimizer config of a fault-tolerant run: ours as it is; torchtitan's own
+    ``OptimizersContainer.Config`` of AdamW or Adam (one optimizer for every param group) as ours
+    with the same param groups (torchtitan's optimizers in our container, which applies a step only
+    once the quorum commits); ``None`` for anything else (``preflight.py`` refuses it)."""
+    if isinstance(optimizer, CommOptimizers.Config):
+        return optimizer
+    if type(optimizer) is not OptimizersContainer.Config:
+        return None
+    names = {group.optimizer_name for group in optimizer.param_groups} or {"AdamW"}
+    if len(names) != 1 or not names <= set(STOCK_NAMES):
+        return None
+    return CommOptimizers.Config(
+        name=names.pop(), param_groups=list(optimizer.param_groups), implementation=optimizer.implementation,
+        optimizer_factory_kwargs_by_name=dict(optimizer.optimizer_factory_kwargs_by_name),
+    )
