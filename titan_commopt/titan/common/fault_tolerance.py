@@ -378,6 +378,11 @@ class ReplayBatches:
         self._taken.append(batch)
         return batch
 
+    @property
+    def taken(self) -> list[Any]:
+        """The batches handed out since the last commit or rewind: the step being tried."""
+        return list(self._taken)
+
     def committed(self) -> None:
         self._taken = []
 

@@ -109,11 +109,10 @@ class ReplicaGroupTrainer(Trainer):
 
         train_step = super().train_step
 
-        def attempt(batches: Iterator[Any]) -> None:
-            tokens = self.ntokens_seen
+        def attempt(batches: fault_tolerance.ReplayBatches) -> None:
             train_step(batches)
             if not self.optimizers.committed:  # 0.3 counts a batch's tokens at its forward: once per step
-                self.ntokens_seen = tokens
+                self.ntokens_seen -= sum(labels.numel() for _, labels in batches.taken)
 
         self._ft_training.train_step(data_iterator, attempt)
 
