@@ -90,6 +90,24 @@ def test_config_module_takes_torchtitans_torchft_flags():
     assert parse().fault_tolerance.enable is False
 
 
+def test_the_commopt_ft_keys_reach_the_runtime_from_flags_and_overrides():
+    """``[commopt] ft_*`` (the stall timeout, the start wait) as the run builds its optimizer: typed,
+    or in an override's JSON (applied by torchtitan only after the Manager starts); torchtitan's own
+    optimizer config: the defaults."""
+    import json
+
+    from titan_commopt.titan.config.section import CommOpt
+    from titan_commopt.titan.tt03.fault_tolerance import commopt_section
+
+    assert commopt_section(parse("--optimizer.commopt.ft_stall_timeout_s", "5")).ft_stall_timeout_s == 5
+    stock = parse(config="cpu_debugmodel_adamw")
+    assert commopt_section(stock).ft_stall_timeout_s == CommOpt().ft_stall_timeout_s
+    override = json.dumps({"name": "FlexDeMo", "ft_start_wait_s": 7})
+    overridden = parse("--override.imports", f"titan_commopt.titan.tt03.overrides.commopt={override}",
+                       config="cpu_debugmodel_adamw")
+    assert commopt_section(overridden).ft_start_wait_s == 7
+
+
 # ---- bad input: one line each, exit status 2, before any process group -------------------------------
 TOML_BAD = [  # arguments after the TOML, with TORCHFT_LIGHTHOUSE unset → the start of each line expected
     (["--fault_tolerance.enable"], ["[fault_tolerance] group_size = 0: with [fault_tolerance] enable = true",

@@ -55,12 +55,13 @@ from ..common import fault_tolerance  # noqa: E402
 from ..common.container import CommOptimizersContainer  # noqa: E402
 from ..common.fault_tolerance import ReplicaGroupFT, data_shard  # noqa: E402
 from ..config.fault_tolerance import FtSettings  # noqa: E402
+from ..config.section import CommOpt  # noqa: E402
 from .container import CommOptimizers, refuse  # noqa: E402
 from .metrics import CommMetricsProcessor  # noqa: E402
 
 __all__ = [
-    "ReplicaGroupTrainer", "with_fault_tolerance", "group_shard", "committing_optimizer", "uncommitting_optimizer",
-    "STOCK_NAMES",
+    "ReplicaGroupTrainer", "with_fault_tolerance", "commopt_section", "group_shard", "committing_optimizer",
+    "uncommitting_optimizer", "STOCK_NAMES",
 ]
 
 STOCK_NAMES = ("AdamW", "Adam")  # torchtitan's own optimizers our container runs under fault tolerance
@@ -99,7 +100,7 @@ class ReplicaGroupTrainer(Trainer):
         parallel_dims = super().init_distributed()
         settings = FtSettings.of(getattr(self.config, "fault_tolerance", None))
         if settings.enable:
-            self.ft = fault_tolerance.start(settings)
+            self.ft = fault_tolerance.start(settings, commopt_section(self.config))
         return parallel_dims
 
     def train_step(self, data_iterator: Iterator[Any]) -> None:
@@ -122,6 +123,19 @@ class ReplicaGroupTrainer(Trainer):
         super().close()
         if self.ft is not None:
             self.ft.shutdown()
+
+
+def commopt_section(config: Any) -> CommOpt:
+    """The ``[commopt]`` options of ``config``'s optimizer (its ``ft_*`` keys), as the run will build
+    it (``--override.imports`` applied, on a copy: torchtitan applies them after the process group
+    exists); the defaults for torchtitan's own optimizer config."""
+    optimizer = config.optimizer
+    if config.override.imports:
+        from .preflight import overridden
+
+        optimizer = overridden(config)[0].optimizer
+    commopt = getattr(optimizer, "commopt", None)
+    return commopt if isinstance(commopt, CommOpt) else CommOpt()
 
 
 def with_fault_tolerance(cfg: Trainer.Config) -> ReplicaGroupTrainer.Config:

@@ -39,8 +39,8 @@ from .container import refuse, resolve_config
 from .fault_tolerance import ReplicaGroupTrainer, committing_optimizer, uncommitting_optimizer
 
 __all__ = [
-    "CommOptTrainer", "ours", "preflight", "config_problems", "override_problems", "fault_tolerance_problems",
-    "switch_problems",
+    "CommOptTrainer", "ours", "preflight", "config_problems", "override_problems", "overridden",
+    "fault_tolerance_problems", "switch_problems",
 ]
 
 
@@ -67,8 +67,8 @@ def ours(cfg: Trainer.Config) -> CommOptTrainer.Config:
 
 def preflight(config: Any) -> None:
     """Every problem of ``config`` found without a process group: one line each, exit status 2."""
-    overridden, problems = _overridden(config)
-    problems += config_problems(config, world_size_from_env()) + fault_tolerance_problems(overridden)
+    as_run, problems = overridden(config)
+    problems += config_problems(config, world_size_from_env()) + fault_tolerance_problems(as_run)
     if problems:
         refuse(ConfigError("\n".join(problems)))
 
@@ -76,10 +76,10 @@ def preflight(config: Any) -> None:
 def override_problems(config: Any) -> list[str]:
     """The ``--override.imports`` entries applied to a copy of ``config``: the line of the first that
     fails (an override of ours that refuses its options stops the run with its own lines)."""
-    return _overridden(config)[1]
+    return overridden(config)[1]
 
 
-def _overridden(config: Any) -> tuple[Any, list[str]]:
+def overridden(config: Any) -> tuple[Any, list[str]]:
     """``config`` with its ``--override.imports`` applied (to a copy; ``config`` itself when there are
     none), and the line of the first override that fails."""
     from torchtitan.config.override import apply_overrides
