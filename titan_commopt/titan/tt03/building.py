@@ -18,16 +18,20 @@ These two are the only places the plug-in walks the call stack.
 
 A Trainer may say how its user writes settings (:func:`spelling_of`): our TOML runner's does
 (``tt03_toml/runner.py``), so that a refused resume names the TOML's keys; torchtitan's own is run
-from 0.3's command line.
+from 0.3's command line. :func:`overridden` is the config as the run will build it (its
+``--override.imports`` applied to a copy), which the checks before the process group and the live
+fault tolerance both read.
 """
 
+import copy
+import logging
 import sys
 from types import CodeType, FrameType
 from typing import Any, Iterator, Optional
 
 from ..config.checkpoint import CLI, Spelling
 
-__all__ = ["trainer_being_built", "command_line_being_parsed", "looking_up_a_config", "spelling_of"]
+__all__ = ["trainer_being_built", "command_line_being_parsed", "looking_up_a_config", "spelling_of", "overridden"]
 
 
 def _callers() -> Iterator[FrameType]:
@@ -77,3 +81,21 @@ def looking_up_a_config() -> bool:
 def spelling_of(trainer: Any) -> Spelling:
     """How the user of ``trainer`` writes settings (``settings_spelling``; default: 0.3's command line)."""
     return getattr(trainer, "settings_spelling", CLI)
+
+
+def overridden(config: Any) -> tuple[Any, list[str]]:
+    """``config`` with its ``--override.imports`` applied (to a copy; ``config`` itself when there are
+    none), and the line of the first override that fails."""
+    from torchtitan.config.override import apply_overrides
+
+    if not config.override.imports:
+        return config, []
+    trial = copy.deepcopy(config)
+    logging.disable(logging.INFO)  # the real application logs its [Override] lines
+    try:
+        apply_overrides(trial.override, trial)
+    except (ValueError, ImportError, TypeError) as error:
+        return config, [f"--override.imports: {error}"]
+    finally:
+        logging.disable(logging.NOTSET)
+    return trial, []

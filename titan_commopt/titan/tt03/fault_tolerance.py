@@ -56,6 +56,7 @@ from ..common.container import CommOptimizersContainer  # noqa: E402
 from ..common.fault_tolerance import ReplicaGroupFT, data_shard  # noqa: E402
 from ..config.fault_tolerance import FtSettings  # noqa: E402
 from ..config.section import CommOpt  # noqa: E402
+from .building import overridden  # noqa: E402
 from .container import CommOptimizers, refuse  # noqa: E402
 from .metrics import CommMetricsProcessor  # noqa: E402
 
@@ -131,8 +132,6 @@ def commopt_section(config: Any) -> CommOpt:
     exists); the defaults for torchtitan's own optimizer config."""
     optimizer = config.optimizer
     if config.override.imports:
-        from .preflight import overridden
-
         optimizer = overridden(config)[0].optimizer
     commopt = getattr(optimizer, "commopt", None)
     return commopt if isinstance(commopt, CommOpt) else CommOpt()

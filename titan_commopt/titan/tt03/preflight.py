@@ -21,8 +21,6 @@ Every problem is one line, exit status 2 (``stop_run``: once, by rank 0 or by
 Trainer: there our override's checks run when torchtitan applies it, after the process group.
 """
 
-import copy
-import logging
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -35,11 +33,12 @@ from ..common.data import dataset_problems
 from ..config.checkpoint import CLI
 from ..config.fault_tolerance import LIGHTHOUSE_ENV, FtSettings, in_flight_problems, problems as ft_problems
 from ..config.torchtitan_keys import data_parallel_degree, mesh_problems, spmd_backend_problems, world_size_from_env
+from .building import overridden
 from .container import refuse, resolve_config
 from .fault_tolerance import ReplicaGroupTrainer, committing_optimizer, uncommitting_optimizer
 
 __all__ = [
-    "CommOptTrainer", "ours", "preflight", "config_problems", "override_problems", "overridden",
+    "CommOptTrainer", "ours", "preflight", "config_problems", "override_problems",
     "fault_tolerance_problems", "switch_problems",
 ]
 
@@ -77,24 +76,6 @@ def override_problems(config: Any) -> list[str]:
     """The ``--override.imports`` entries applied to a copy of ``config``: the line of the first that
     fails (an override of ours that refuses its options stops the run with its own lines)."""
     return overridden(config)[1]
-
-
-def overridden(config: Any) -> tuple[Any, list[str]]:
-    """``config`` with its ``--override.imports`` applied (to a copy; ``config`` itself when there are
-    none), and the line of the first override that fails."""
-    from torchtitan.config.override import apply_overrides
-
-    if not config.override.imports:
-        return config, []
-    trial = copy.deepcopy(config)
-    logging.disable(logging.INFO)  # the real application logs its [Override] lines
-    try:
-        apply_overrides(trial.override, trial)
-    except (ValueError, ImportError, TypeError) as error:
-        return config, [f"--override.imports: {error}"]
-    finally:
-        logging.disable(logging.NOTSET)
-    return trial, []
 
 
 def fault_tolerance_problems(config: Any) -> list[str]:
