@@ -112,6 +112,12 @@ class Log:
             return None
         return (self.steps[last] - self.steps[first]) / (last - first)
 
+    def median_step(self, first: int, last: int) -> Optional[float]:
+        """Median seconds between consecutive step lines over steps ``first``+1 .. ``last`` (less
+        sensitive than the mean to another user's burst on a shared machine)."""
+        window = [gap for step, _, gap in self.gaps() if first < step <= last]
+        return statistics.median(window) if window else None
+
     def gaps(self) -> list[tuple[int, float, float]]:
         """(step, time of its line, seconds since the previous committed step's line), in step order."""
         order = sorted(self.steps.items())
@@ -272,28 +278,31 @@ class Bench:
     # ---- the runs ----
     def plain(self, tag: str, config: Path) -> dict:
         a = self.args
-        launch = self.launch(f"{tag}-plain", config, 4, a.port_base + 10, a.steps,
+        launch = self.launch(tag, config, 4, a.port_base + 10, a.steps,
                              "--parallelism.data_parallel_replicate_degree", "2",
                              "--parallelism.data_parallel_shard_degree", "2")
         self.finish(launch)
-        mean = launch.read().mean_step(a.warmup, a.steps)
+        log = launch.read()
+        mean = log.mean_step(a.warmup, a.steps)
         if mean is None:
             raise RuntimeError(f"{launch.log.name}: no step lines {a.warmup} and {a.steps}")
-        return {"step_s": mean}
+        return {"step_s": mean, "step_median_s": log.median_step(a.warmup, a.steps)}
 
     def ft(self, tag: str, config: Path) -> dict:
         a = self.args
-        lighthouse = Lighthouse(a.lighthouse_port, 2, a.heartbeat_ms[0], a.join_ms, self.out / f"{tag}-ft-lighthouse.log")
+        lighthouse = Lighthouse(a.lighthouse_port, 2, a.heartbeat_ms[0], a.join_ms, self.out / f"{tag}-lighthouse.log")
         try:
-            groups = [self.group(f"{tag}-ft-g{k}", config, k, a.port_base + k, a.steps, lighthouse, 2) for k in (0, 1)]
+            groups = [self.group(f"{tag}-g{k}", config, k, a.port_base + k, a.steps, lighthouse, 2) for k in (0, 1)]
             self.finish(*groups)
         finally:
             self.stop_all()
             lighthouse.close()
-        means = [g.read().mean_step(a.warmup, a.steps) for g in groups]
+        logs = [g.read() for g in groups]
+        means = [log.mean_step(a.warmup, a.steps) for log in logs]
         if None in means:
-            raise RuntimeError(f"{tag}-ft: no step lines {a.warmup} and {a.steps} in a group's log")
-        return {"step_s": statistics.mean(means), "step_s_by_group": means}
+            raise RuntimeError(f"{tag}: no step lines {a.warmup} and {a.steps} in a group's log")
+        return {"step_s": statistics.mean(means), "step_s_by_group": means,
+                "step_median_s": statistics.mean(log.median_step(a.warmup, a.steps) for log in logs)}
 
     def kill(self, tag: str, config: Path, where: str, heartbeat_ms: int) -> dict:
         a = self.args
@@ -323,6 +332,8 @@ class Bench:
                                "raise --kill-step (the groups started too far apart)")
         if k - 1 not in s.steps or k not in s.steps:
             raise RuntimeError(f"{survivor.log.name}: no line of step {k - 1} or {k}")
+        if not r.heals:
+            raise RuntimeError(f"{again.log.name}: the relaunched group trained without healing from group 0")
         before = [gap for step, _, gap in s.gaps() if joined[0][2] + 2 <= step < k]
         rejoin_quorum = [q for q in s.quorums if q[1] == 2 and q[0] > again.started and q[2] >= k]
         rejoin_step = rejoin_quorum[0][2] + 1 if rejoin_quorum else None
@@ -331,8 +342,8 @@ class Bench:
             "stall_s": s.steps[k] - s.steps[k - 1],
             "step_before_s": statistics.median(before) if before else None,
             "uncommitted": sum(t < again.started for t, _ in s.uncommitted),  # not the stop at the end
-            "heal_s": r.heals[0][2] if r.heals else None,
-            "healed_at_step": r.heals[0][1] if r.heals else None,
+            "heal_s": r.heals[0][2],
+            "healed_at_step": r.heals[0][1],
             "rejoin_s": first[1] - again.started,
             "survivor_rejoin_step_s": (s.steps[rejoin_step] - s.steps[rejoin_step - 1]
                                        if rejoin_step and {rejoin_step, rejoin_step - 1} <= s.steps.keys() else None),
@@ -391,13 +402,19 @@ def report(results: list[dict]) -> str:
                                                             sorted(ft, key=lambda r: r["repeat"]))]
         ratios = [f["step_s"] / p["step_s"] for p, f in zip(sorted(plain, key=lambda r: r["repeat"]),
                                                             sorted(ft, key=lambda r: r["repeat"]))]
+        medians = [f["step_median_s"] - p["step_median_s"] for p, f in zip(sorted(plain, key=lambda r: r["repeat"]),
+                                                                            sorted(ft, key=lambda r: r["repeat"]))
+                   if "step_median_s" in p and "step_median_s" in f]
         cost_rows.append([label, _spread([r["step_s"] for r in plain], 1e3, 1), _spread([r["step_s"] for r in ft], 1e3, 1),
-                          _spread(diffs, 1e3, 1), _spread(ratios, 1.0, 3), f"{len(plain)}/{len(ft)}"])
+                          _spread(diffs, 1e3, 1), _spread(ratios, 1.0, 3),
+                          _spread([r.get("step_median_s") for r in plain], 1e3, 1),
+                          _spread([r.get("step_median_s") for r in ft], 1e3, 1), _spread(medians, 1e3, 1),
+                          f"{len(plain)}/{len(ft)}"])
     if cost_rows:
-        out.append("Per-step cost of the quorum (mean step time, ms; median [min–max] over repeats; FT − plain "
-                   "and FT / plain paired by repeat)\n")
-        out.append(table(["config", "plain (1 launch, 4 proc)", "FT (2 groups x 2 proc)", "FT − plain", "FT / plain",
-                          "runs ok"], cost_rows))
+        out.append("Per-step cost of the quorum (ms; median [min–max] over repeats; FT − plain and FT / plain "
+                   "paired by repeat; mean: over the window, median: of the window's steps)\n")
+        out.append(table(["config", "plain mean (1 launch, 4 proc)", "FT mean (2 groups x 2 proc)", "FT − plain",
+                          "FT / plain", "plain median", "FT median", "FT − plain (medians)", "runs ok"], cost_rows))
     kill_rows = []
     for key in dict.fromkeys((r["config"], r["run"], r.get("heartbeat_ms"), r.get("pg_timeout_ms"))
                              for r in results if r["run"] in ("kill-quorum", "kill-collective", "stall")):

@@ -307,7 +307,7 @@ def test_bench_ft_measures_a_fault_tolerant_run(tmp_path):
     (row,) = json.loads((tmp_path / "r.json").read_text())
     assert row["run"] == "ft" and row["config"] == "FlexDeMo", row
     assert len(row["step_s_by_group"]) == 2 and all(0 < s < 30 for s in row["step_s_by_group"]), row
-    assert f"| FlexDeMo | – | {row['step_s'] * 1e3:.1f} |" in proc.stdout, proc.stdout
+    assert f"| FlexDeMo | – | {row['step_s'] * 1e3:.1f} | – | – | – | {row['step_median_s'] * 1e3:.1f} |" in proc.stdout, proc.stdout
     for group in (0, 1):  # each group trained to the last step inside a quorum of both
         log = (tmp_path / "logs" / f"FlexDeMo-ft-r0-g{group}.log").read_text()
         assert "quorum of 2 replica group(s)" in log and "step:  6  loss:" in log
