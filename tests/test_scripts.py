@@ -268,3 +268,93 @@ def test_project_time_to_loss_prints_every_assumption_and_refuses_a_missing_rati
     assert project.main(["--optimizers", "AdamW", "FlexDeMo", "--links", "10gbit"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--steps-ratio: no ratio for FlexDeMo" in err[0]
+
+
+def _free_port_base(span: int) -> int:
+    """A port from which ``span`` consecutive ports are free on 127.0.0.1 (the script's MASTER_PORTs)."""
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randrange(30000, 60000 - span)
+        try:
+            socks = []
+            for port in range(base, base + span):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def test_bench_ft_measures_a_fault_tolerant_run(tmp_path):
+    """The smallest run of scripts/bench_ft.py: the lighthouse and 2 replica groups x 2 processes, a
+    few steps; the mean step time comes from both groups' step lines. (The kill runs take a minute
+    each: two start-ups, one after the other.)"""
+    base = _free_port_base(12)
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_ft.py", "--runs", "ft", "--repeats", "1", "--steps", "6", "--warmup", "2",
+         "--lighthouse-port", str(base + 11), "--port-base", str(base), "--timeout", "300",
+         "--out", str(tmp_path / "logs"), "--json", str(tmp_path / "r.json")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "r.json").read_text())
+    assert row["run"] == "ft" and row["config"] == "FlexDeMo", row
+    assert len(row["step_s_by_group"]) == 2 and all(0 < s < 30 for s in row["step_s_by_group"]), row
+    assert f"| FlexDeMo | – | {row['step_s'] * 1e3:.1f} | – | – | – | {row['step_median_s'] * 1e3:.1f} |" in proc.stdout, proc.stdout
+    for group in (0, 1):  # each group trained to the last step inside a quorum of both
+        log = (tmp_path / "logs" / f"FlexDeMo-ft-r0-g{group}.log").read_text()
+        assert "quorum of 2 replica group(s)" in log and "step:  6  loss:" in log
+
+
+def test_bench_ft_reads_the_survivor_s_stall_and_the_heal_from_the_console_lines(tmp_path):
+    from scripts.bench_ft import Log
+
+    lines = [
+        "[rank0]:[titan] 2026-11-27 21:42:05,100 - titan_commopt.titan.common.fault_tolerance - INFO - "
+        "fault tolerance: quorum of 2 replica group(s), replica group 0 is replica 0 (step 0)",
+        "[rank0]:[titan] 2026-11-27 21:42:05,300 - root - INFO - step: 63  loss:  3.1  grad_norm:  0.4",
+        "[rank0]:[titan] 2026-11-27 21:42:05,300 - root - INFO - step: 63  loss:  3.1  R sent: 3.72KB/step",
+        "[rank0]:[titan] 2026-11-27 21:42:10,500 - titan_commopt.titan.common.fault_tolerance - WARNING - "
+        "fault tolerance: step 64 not committed (a peer failed or too few groups); undone",
+        "[rank0]:[titan] 2026-11-27 21:42:10,637 - titan_commopt.titan.common.fault_tolerance - INFO - "
+        "fault tolerance: quorum of 1 replica group(s), replica group 0 is replica 0 (step 63)",
+        "[rank0]:[titan] 2026-11-27 21:42:10,800 - root - INFO - step: 64  loss:  3.0  grad_norm:  0.4",
+        "[rank0]:[titan] 2026-11-27 21:42:11,000 - root - INFO - step: 65  loss:  3.0  grad_norm:  0.4",
+        "[rank0]:[titan] 2026-11-27 21:42:27,077 - titan_commopt.titan.common.fault_tolerance - INFO - "
+        "fault tolerance: replica group 1 healed from a peer at step 223 in 0.16 s",
+        "[rank0]:[titan] 2026-11-27 21:42:28,000 - titan_commopt.titan.common.fault_tolerance - WARNING - "
+        "fault tolerance: TITAN_COMMOPT_FT_KILL=64:quorum: this process kills itself now",
+    ]
+    path = tmp_path / "g.log"
+    path.write_text("\n".join(lines) + "\n")
+    log = Log.read(path)
+    assert sorted(log.steps) == [63, 64, 65]
+    assert log.steps[64] - log.steps[63] == pytest.approx(5.5, abs=1e-3)
+    assert log.mean_step(63, 65) == pytest.approx(2.85, abs=1e-3)
+    assert [(s, round(g, 3)) for s, _, g in log.gaps()] == [(64, 5.5), (65, 0.2)]
+    assert [(n, s) for _, n, s in log.quorums] == [(2, 0), (1, 63)]
+    assert [(s, sec) for _, s, sec in log.heals] == [(223, 0.16)]
+    assert [s for _, s in log.uncommitted] == [64] and len(log.kills) == 1
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--runs", "kill"], "--runs 'kill': allowed are plain, ft, kill-quorum, kill-collective, stall"),
+    (["--warmup", "60"], "--warmup 60: allowed is 0 .. --steps - 1 (59)"),
+    (["--kill-step", "2"], "--kill-step 2: allowed is an integer >= 3"),
+    (["--heartbeat-ms", "0"], "--heartbeat-ms 0: allowed are integers >= 1"),
+    (["--configs", "nope.toml"], "--configs 'nope.toml': no such file"),
+])
+def test_bench_ft_bad_argument_is_one_line_exit_2(capsys, args, expected):
+    from scripts import bench_ft
+
+    with pytest.raises(SystemExit) as stop:
+        bench_ft.main(args)
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and "\n" not in err and err.startswith(expected), err
