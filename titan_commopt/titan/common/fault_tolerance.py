@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from titan_commopt import comm
 
-from ..config.fault_tolerance import LIGHTHOUSE_ENV, LIGHTHOUSE_WAIT_S, FtSettings
+from ..config.fault_tolerance import LIGHTHOUSE_ENV, FtSettings, lighthouse_wait_seconds
 
 __all__ = [
     "ReplicaGroupFT", "Quorum", "ReplayBatches", "clone_tree", "start", "data_shard", "average_gradients_over_quorum",
@@ -222,7 +222,7 @@ def _make_manager(settings: FtSettings, before_collective: Callable[[], None]) -
         rank=dist.get_rank(), world_size=dist.get_world_size(),
         timeout=max(timeout, timedelta(seconds=30)),  # the heal's transfer and should_commit's agreement
         quorum_timeout=timedelta(seconds=float(os.environ.get(QUORUM_TIMEOUT_ENV, 120))),
-        connect_timeout=timedelta(seconds=LIGHTHOUSE_WAIT_S),
+        connect_timeout=timedelta(seconds=lighthouse_wait_seconds()),
     )
     return manager, comm.managed_group(manager, "commopt_R", before_collective)
 
@@ -278,7 +278,10 @@ def start(settings: FtSettings) -> ReplicaGroupFT:
     from ..config.fault_tolerance import wait_for_lighthouse
     from ..platform.stop import RESUME_REFUSED, stop_run
 
-    problem = wait_for_lighthouse(os.environ.get(LIGHTHOUSE_ENV, ""))
+    url = os.environ.get(LIGHTHOUSE_ENV, "")
+    problem = wait_for_lighthouse(url, waiting=lambda seconds: logger.info(
+        "fault tolerance: replica group %d waits up to %.0f s for the torchft lighthouse at %s",
+        settings.replica_id, seconds, url))
     if problem is not None:
         stop_run(f"fault tolerance: {problem}", RESUME_REFUSED)
     return ReplicaGroupFT(settings)
