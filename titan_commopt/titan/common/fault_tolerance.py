@@ -12,7 +12,9 @@ Per training step (:class:`ReplicaGroupFT`), sync quorum (``use_async_quorum=Fal
    step is healed here, before it computes a gradient, from a healthy peer (over HTTP): the
    parameters, the optimizer state, the container's counters and the ledger totals
    (:meth:`ReplicaGroupFT.register_state`), and the trainer's step, LR schedule and token count
-   (the trainer's own part); it then skips its data shard to the quorum's step.
+   (the trainer's own part); it then skips its data shard to the quorum's step. The job's first
+   quorum is asked again until every one of the ``group_size`` groups is in it (bounded by the
+   lighthouse wait), so that a run that never fails trains alike whatever order its groups started in.
 2. The optimizer step runs; every R collective goes over the Manager's process group
    (``comm.managed_group``), and a peer that dies during one is an error the Manager records, not
    an exception.
@@ -58,6 +60,7 @@ QUORUM_TIMEOUT_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"  # torchft's own override of t
 # A failure rehearsal: "<step>:quorum" or "<step>:collective" makes every rank of this launch SIGKILL
 # itself at that step, before its quorum or before its first R collective (a peer is then inside it).
 KILL_ENV = "TITAN_COMMOPT_FT_KILL"
+START_POLL_S = 0.1  # between asks for the job's first quorum, while it lacks a group
 
 def clone_tree(value: Any) -> Any:
     """``value`` (dicts, lists, tuples of tensors and scalars) with every tensor cloned (detached)."""
@@ -107,6 +110,7 @@ class ReplicaGroupFT:
         self.last_heal_seconds = 0.0
         self._in_step = False
         self._quorum_seen: Optional[tuple[int, int]] = None
+        self._started = False  # the first quorum was asked
         self._resume_step = 0
 
     @property
@@ -136,15 +140,10 @@ class ReplicaGroupFT:
             manager.load_state_dict({"step": self._resume_step, "batches_committed": manager.batches_committed()})
         start = time.perf_counter()
         step_before = manager.current_step()
-        try:
-            manager.start_quorum()
-        except Exception as error:  # noqa: BLE001 (torchft raises its own types, and timeouts)
-            from ..platform.stop import TRAINING_STOPPED, stop_run
-
-            stop_run(f"fault tolerance: no quorum formed (lighthouse {os.environ.get(LIGHTHOUSE_ENV)}, "
-                     f"replica group {self.replica_id}, min_replica_size {self.settings.min_replica_size}): "
-                     f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
-                     TRAINING_STOPPED)
+        self._start_quorum()
+        if not self._started:
+            self._started = True
+            self._wait_for_every_group()
         self.quorum.started = True
         self._in_step = True
         healed = manager.current_step() != step_before
@@ -158,6 +157,39 @@ class ReplicaGroupFT:
             logger.info("fault tolerance: quorum of %d replica group(s), replica group %d is replica %d "
                         "(step %d)", seen[0], self.replica_id, seen[1], manager.current_step())
             self._quorum_seen = seen
+
+    def _start_quorum(self) -> None:
+        try:
+            self.manager.start_quorum()
+        except Exception as error:  # noqa: BLE001 (torchft raises its own types, and timeouts)
+            from ..platform.stop import TRAINING_STOPPED, stop_run
+
+            stop_run(f"fault tolerance: no quorum formed (lighthouse {os.environ.get(LIGHTHOUSE_ENV)}, "
+                     f"replica group {self.replica_id}, min_replica_size {self.settings.min_replica_size}): "
+                     f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+                     TRAINING_STOPPED)
+
+    def _wait_for_every_group(self) -> None:
+        """The first quorum of a fresh job (no group has committed a step) is asked again until it
+        has all ``group_size`` groups, for at most the lighthouse wait: a run that never fails then
+        trains the same whatever order its groups came up in. Else (torchft's quorum takes whoever
+        asked) the first group up trains alone meanwhile, and a short run may even end before the
+        others start, each group then training on its own. A group joining a job that has trained
+        (a relaunch, a resume) takes part at once."""
+        manager, size = self.manager, self.settings.group_size
+        if manager.current_step() != 0 or manager.num_participants() >= size:
+            return
+        seconds = lighthouse_wait_seconds()
+        logger.info("fault tolerance: replica group %d: %d of %d replica groups in the job's first quorum; "
+                    "waiting up to %.0f s for the others", self.replica_id, manager.num_participants(), size, seconds)
+        # a number of asks, not a deadline: every rank of the group must ask as often as the others
+        for _ in range(max(round(seconds / START_POLL_S), 1)):
+            time.sleep(START_POLL_S)
+            self._start_quorum()
+            if manager.current_step() != 0 or manager.num_participants() >= size:
+                return
+        logger.warning("fault tolerance: replica group %d starts with %d of %d replica groups; the others "
+                       "heal when they join", self.replica_id, manager.num_participants(), size)
 
     def before_collective(self) -> None:
         """Called before every R collective (``comm.managed_group``)."""
