@@ -14,7 +14,9 @@ Per training step (:class:`ReplicaGroupFT`), sync quorum (``use_async_quorum=Fal
    step is healed here, before it computes a gradient, from a healthy peer (over HTTP): the
    parameters, the optimizer state, the container's counters and the ledger totals
    (:meth:`ReplicaGroupFT.register_state`), and the trainer's step, LR schedule and token count
-   (the trainer's own part); it then skips its data shard to the quorum's step.
+   (the trainer's own part); it then skips its data shard to the quorum's step. The job's first
+   quorum is asked again until every one of the ``group_size`` groups is in it (bounded by the
+   lighthouse wait), so that a run that never fails trains alike whatever order its groups started in.
 2. The optimizer step runs; every R collective goes over the Manager's process group
    (``comm.managed_group``), and a peer that dies during one is an error the Manager records, not
    an exception.
@@ -48,7 +50,7 @@ import torch.distributed as dist
 
 from titan_commopt import comm
 
-from ..config.fault_tolerance import LIGHTHOUSE_ENV, LIGHTHOUSE_WAIT_S, FtSettings
+from ..config.fault_tolerance import LIGHTHOUSE_ENV, FtSettings, lighthouse_wait_seconds
 
 __all__ = [
     "ReplicaGroupFT", "Quorum", "ReplayBatches", "clone_tree", "start", "data_shard", "average_gradients_over_quorum",
@@ -120,6 +122,7 @@ class ReplicaGroupFT:
         self.last_heal_seconds = 0.0
         self._in_step = False
         self._quorum_seen: Optional[tuple[int, int]] = None
+        self._started = False  # the first quorum was asked
         self._resume_step = 0
 
     @property
@@ -195,8 +198,8 @@ class ReplicaGroupFT:
         for _ in range(polls):
             time.sleep(_START_POLL_S)
             self._start_quorum()
-            if self.manager.num_participants() >= groups:
-                return
+            if self.manager.num_participants() >= groups or self.manager.current_step() != 0:
+                return  # all here, or this group joined (and healed from) a job that has trained
         logger.warning("fault tolerance: %d of %d replica groups started within %.0f s; training with them, "
                        "the others join (and heal) when they start", self.manager.num_participants(), groups,
                        self.start_wait_s)
@@ -345,7 +348,7 @@ def _make_manager(settings: FtSettings, ft: "ReplicaGroupFT") -> tuple[Any, Any]
         rank=dist.get_rank(), world_size=dist.get_world_size(),
         timeout=max(timeout, timedelta(seconds=30)),  # the heal's transfer and should_commit's agreement
         quorum_timeout=timedelta(seconds=quorum_timeout_s()),
-        connect_timeout=timedelta(seconds=LIGHTHOUSE_WAIT_S),
+        connect_timeout=timedelta(seconds=lighthouse_wait_seconds()),
     )
     return manager, comm.managed_group(manager, "commopt_R", ft.before_collective, ft.waiting_for_peers)
 
@@ -406,7 +409,10 @@ def start(settings: FtSettings, commopt: Any) -> ReplicaGroupFT:
     from ..config.fault_tolerance import wait_for_lighthouse
     from ..platform.stop import RESUME_REFUSED, stop_run
 
-    problem = wait_for_lighthouse(os.environ.get(LIGHTHOUSE_ENV, ""))
+    url = os.environ.get(LIGHTHOUSE_ENV, "")
+    problem = wait_for_lighthouse(url, waiting=lambda seconds: logger.info(
+        "fault tolerance: replica group %d waits up to %.0f s for the torchft lighthouse at %s",
+        settings.replica_id, seconds, url))
     if problem is not None:
         stop_run(f"fault tolerance: {problem}", RESUME_REFUSED)
     return ReplicaGroupFT(settings, stall_timeout_s=commopt.ft_stall_timeout_s, start_wait_s=commopt.ft_start_wait_s)

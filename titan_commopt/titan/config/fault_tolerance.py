@@ -1,19 +1,29 @@
 """torchtitan's ``[fault_tolerance]`` keys as titan_commopt reads them, and their checks (made before
-any process group exists; the runtime is ``common/fault_tolerance.py``)."""
+any process group exists; the runtime is ``common/fault_tolerance.py``).
+
+Each launch waits for the lighthouse to accept a connection, at most :data:`LIGHTHOUSE_WAIT_S` seconds
+(``TITAN_COMMOPT_LIGHTHOUSE_WAIT_S`` changes it, e.g. where a scheduler starts the lighthouse together
+with the groups and may start it later, or in a test that expects no lighthouse); torchft's Manager then
+connects to it within the same time."""
 
 import importlib.util
+import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 from urllib.parse import urlparse
 
 from .checkpoint import TOML, Spelling
 
-__all__ = ["FtSettings", "LIGHTHOUSE_ENV", "problems", "in_flight_problems", "lighthouse_address", "wait_for_lighthouse"]
+__all__ = [
+    "FtSettings", "LIGHTHOUSE_ENV", "LIGHTHOUSE_WAIT_ENV", "problems", "in_flight_problems", "lighthouse_address",
+    "lighthouse_wait_seconds", "wait_for_lighthouse",
+]
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # read by torchft's Manager (group rank 0): http://host:port
 LIGHTHOUSE_WAIT_S = 30.0  # how long a launch waits for the lighthouse to accept a connection
+LIGHTHOUSE_WAIT_ENV = "TITAN_COMMOPT_LIGHTHOUSE_WAIT_S"  # seconds, instead of LIGHTHOUSE_WAIT_S
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,9 @@ def problems(ft: FtSettings, *, dp_replicate: int, lighthouse: Optional[str], sp
         out.append(f"{setting('semi_sync_method', ft.semi_sync_method)}: torchft's own DiLoCo/LocalSGD "
                    f"wrap torchtitan's trainer, not titan_commopt's; use {setting('name', 'DiLoCo', 'optimizer')} "
                    "(or another local-step family) and leave semi_sync_method unset")
+    if _wait_seconds(os.environ.get(LIGHTHOUSE_WAIT_ENV)) is None:
+        out.append(f"{LIGHTHOUSE_WAIT_ENV} = {os.environ[LIGHTHOUSE_WAIT_ENV]!r}: the seconds a launch waits for "
+                   f"the lighthouse; allowed is a finite number > 0 (unset: {LIGHTHOUSE_WAIT_S:.0f})")
     if lighthouse is not None:
         address = lighthouse_address(lighthouse)
         if address is None:
@@ -108,20 +121,43 @@ def lighthouse_address(url: str) -> Optional[tuple[str, int]]:
     return parsed.hostname, port
 
 
-def wait_for_lighthouse(url: str, seconds: float = LIGHTHOUSE_WAIT_S) -> Optional[str]:
-    """``None`` once the lighthouse at ``url`` accepts a TCP connection, else (after ``seconds``)
-    the one line that says so. A lighthouse started a little after the groups is waited for."""
+def _wait_seconds(text: Optional[str]) -> Optional[float]:
+    if text is None or text == "":
+        return LIGHTHOUSE_WAIT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        return None
+    return seconds if 0 < seconds < float("inf") else None
+
+
+def lighthouse_wait_seconds() -> float:
+    """How long a launch waits for the lighthouse: ``$TITAN_COMMOPT_LIGHTHOUSE_WAIT_S``, else
+    :data:`LIGHTHOUSE_WAIT_S` (a bad value is refused before, by :func:`problems`)."""
+    return _wait_seconds(os.environ.get(LIGHTHOUSE_WAIT_ENV)) or LIGHTHOUSE_WAIT_S
+
+
+def wait_for_lighthouse(url: str, seconds: Optional[float] = None,
+                        waiting: Callable[[float], None] = lambda seconds: None) -> Optional[str]:
+    """``None`` once the lighthouse at ``url`` accepts a TCP connection, else (after ``seconds``,
+    default :func:`lighthouse_wait_seconds`) the one line that says so. A lighthouse started a little
+    after the groups is waited for: ``waiting(seconds)`` is called once if the first try fails."""
+    seconds = lighthouse_wait_seconds() if seconds is None else seconds
     address = lighthouse_address(url)
     if address is None:
         return f"{LIGHTHOUSE_ENV} = {url!r}: not an address; expected http://<host>:<port>"
     deadline = time.monotonic() + seconds
     error: Exception = TimeoutError()
+    first = True
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection(address, timeout=2.0):
+            with socket.create_connection(address, timeout=min(2.0, seconds)):
                 return None
         except OSError as e:
             error = e
+            if first:
+                waiting(seconds)
+                first = False
             time.sleep(0.5)
     return (f"{LIGHTHOUSE_ENV} = {url}: no torchft lighthouse answered there within {seconds:.0f} s "
             f"({type(error).__name__}: {error}); start it first (torchft_lighthouse --min_replicas 1 "

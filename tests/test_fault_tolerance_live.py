@@ -1,0 +1,314 @@
+"""Live fault tolerance on torchtitan 0.2.2 (torchft): real replica groups on CPU/gloo, each its own
+``python -m titan_commopt.run`` launch, joined by a torchft lighthouse (``tests/ft_utils.py``).
+
+- FlexDeMo, 2 groups x 2 processes, group 1 SIGKILLed during a collective and relaunched at once: the
+  survivor undoes that step, goes on alone without a restart, the relaunched group heals from it and
+  rejoins; both end on the same parameters, and the losses up to the kill are those of a run that
+  never failed (FlexDeMo's no-failure run, which is also its short run).
+- DiLoCo, the same, killed between steps inside an outer period: the run checks the replicas'
+  parameters at every sync (``[commopt] check_replicas_every``), and they end equal. DiLoCo rather
+  than SparseLoCo: it runs on the local-step engine DES-LOC, MT-DAO and LocalAdam share (the anchor,
+  the outer optimizer's momentum and the sync schedule a heal must carry), and it is the algorithm
+  torchft itself ships, so its behaviour under failures is the one users compare with; SparseLoCo
+  (and DES-LOC, whose optimizer states sync too) get a short run below.
+- Every family a short run (2 groups x 1 process; torchtitan's own AdamW through its FSDP hook, 2 x 2).
+- Bad input: one line each, exit status 2 (an unreachable lighthouse after a bounded wait)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.ft_utils import FtJob, GroupLog, KILL_ENV, RUN_S, START_S, free_port
+from tests.titan_utils import CONFIG, EXTRA, LINE, LR, ROOT
+
+pytestmark = pytest.mark.skipif(LINE != "0.2", reason="the live fault-tolerance runs are torchtitan 0.2.2's")
+
+TINY = ["--model.flavor", "cpu_tiny"]
+# FtJob.hold_back paces a survivor as if its steps were long: its stall watchdog ([commopt]
+# ft_stall_timeout_s) would take that for a stall, so the failure runs (and their references) turn it off.
+NO_WATCHDOG = ["--commopt.ft_stall_timeout_s", "0"]
+NPROC = 2  # processes per replica group in the failure runs
+
+# FlexDeMo: group 1 dies at step KILL_AT (before its first R collective there: its peer is inside it).
+# Up to KILL_AT the LR is in its warm-up, which does not depend on the run's length: the no-failure
+# run (WARMUP steps) and the failure run train alike until the kill.
+WARMUP = 10
+KILL_AT = 6
+# Steps after the kill: the survivor's steps alone (a few: it is held back while the relaunched group
+# starts, FtJob.hold_back) and the steps both groups then train together.
+AFTER_KILL = 34
+
+
+def _flexdemo(steps: int) -> list[str]:
+    return [*TINY, *NO_WATCHDOG, "--optimizer.name", "FlexDeMo", "--optimizer.lr", LR["FlexDeMo"], "--lr_scheduler.warmup_steps",
+            str(WARMUP), "--training.steps", str(steps), "--commopt.check_replicas_every", "5"]
+
+
+# DiLoCo: an outer step every KX steps; group 1 dies before the quorum of step DILOCO_KILL_AT, inside the
+# period that ends at step 8; both runs end on a sync.
+KX = 4
+DILOCO_KILL_AT = 6
+DILOCO_STEPS = 40
+
+
+def _diloco(steps: int) -> list[str]:
+    return [*TINY, *NO_WATCHDOG, "--optimizer.name", "DiLoCo", "--commopt.local.Kx", str(KX), "--lr_scheduler.warmup_steps",
+            str(2 * KX), "--training.steps", str(steps), "--commopt.check_replicas_every", str(KX)]
+
+
+def _run(tmp, args: list[str], nproc: int = NPROC) -> list[GroupLog]:
+    """A job that never fails: its two groups' logs (a one-process group without torchrun)."""
+    with FtJob(tmp, args, nproc=nproc, launcher=nproc > 1) as job:
+        return job.finish(job.start())
+
+
+@pytest.fixture(scope="module")
+def flexdemo_run(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("flexdemo"), _flexdemo(WARMUP))
+
+
+@pytest.fixture(scope="module")
+def diloco_run(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("diloco"), _diloco(2 * KX))
+
+
+def _assert_short_run(logs: list[GroupLog], steps: int, nproc: int) -> None:
+    """Both groups trained every step together from the first (the job's first quorum waits for every
+    group), nothing undone or healed, and the same rank of both groups ends on the same parameters."""
+    for replica_id, log in enumerate(logs):
+        for rank in range(nproc):
+            assert log.quorums[rank] == [(2, replica_id, 0)], (replica_id, rank, log.quorums)
+            assert sorted(log.loss_by_step(rank)) == list(range(1, steps + 1))
+        assert not log.not_committed and not log.heals
+    for rank in range(nproc):
+        assert logs[0].fingerprints[rank][0] == steps
+        assert logs[0].fingerprints[rank] == logs[1].fingerprints[rank], rank
+    # each group reads its own part of the data
+    assert logs[0].loss_by_step()[1] != logs[1].loss_by_step()[1]
+
+
+def _kill_and_relaunch(job: FtJob, kill_at: int, where: str):
+    """Start the job with group 1 set to die at step ``kill_at`` (``where``: "quorum" or "collective"),
+    relaunch it as soon as it died, hold the survivor back (``FtJob.hold_back``) from its first quorum
+    alone until the relaunched group starts training, and wait for both to end. Returns the logs of
+    the killed launch, the survivor and the relaunched group, and the survivor's console."""
+    survivor, victim = job.start(env={1: {KILL_ENV: f"{kill_at}:{where}"}})
+    job.until(lambda: len(victim.log().killed) == NPROC, f"group 1 killing itself at step {kill_at}", RUN_S,
+              [victim, survivor])
+    victim.kill()  # its workers are gone; its launcher need not finish its report first
+    again = job.launch(1, label="group1_relaunched")
+    # the survivor's quorum alone forms once the lighthouse misses the dead group's heartbeats; held
+    # back from then on, it trains that step (and a few more) alone, then heals the relaunched group
+    job.until(lambda: [w for w, _, _ in survivor.log().quorums.get(0, [])][1:] == [1], "the survivor's quorum alone",
+              RUN_S, [survivor])
+    job.hold_back(survivor, lambda: again.text().count("Training starts at step 1") == NPROC,
+                  "the relaunched group to start training", START_S)
+    survivor_log, again_log = job.finish([survivor, again])
+    return victim.log(), survivor_log, again_log, survivor.text()
+
+
+def _assert_killed_and_healed(killed: GroupLog, survivor: GroupLog, again: GroupLog, survivor_text: str,
+                              reference: list[GroupLog], kill_at: int, steps: int) -> None:
+    """What a kill at ``kill_at`` and a relaunch must show."""
+    assert killed.killed == set(range(NPROC))
+    for rank in range(NPROC):
+        # losses up to the kill: those of the run that never failed (the survivor's step kill_at too:
+        # its forward ran on the parameters of step kill_at - 1)
+        assert killed.loss_by_step(rank) == reference[1].loss_by_step(rank, upto=kill_at - 1), rank
+        assert survivor.loss_by_step(rank, upto=kill_at) == reference[0].loss_by_step(rank, upto=kill_at), rank
+        # the survivor went on alone, in the same process
+        first, alone, *rest = survivor.quorums[rank]
+        assert first == (2, 0, 0) and alone == (1, 0, kill_at - 1), survivor.quorums[rank]
+        (healed_at, _), = again.heals[rank]
+        assert rest == [(2, 0, healed_at)], survivor.quorums[rank]
+        assert again.quorums[rank] == [(2, 1, healed_at)]
+        assert healed_at >= kill_at, "the survivor trained a step alone before the relaunched group joined"
+        assert sorted(again.loss_by_step(rank)) == list(range(healed_at + 1, steps + 1))
+        # from the heal on, both send the same R traffic each step (the same collectives; a local-step
+        # family keeps the job's sync schedule)
+        assert again.r_sent[rank] == {s: b for s, b in survivor.r_sent[rank].items() if s > healed_at}
+        # both reach the last step on the same parameters
+        assert survivor.fingerprints[rank][0] == again.fingerprints[rank][0] == steps
+        assert survivor.fingerprints[rank] == again.fingerprints[rank], rank
+    assert survivor_text.count("Training starts at step 1") == NPROC  # never restarted
+
+
+def test_flexdemo_short_run(flexdemo_run):
+    _assert_short_run(flexdemo_run, WARMUP, NPROC)
+
+
+def test_flexdemo_group_killed_during_a_collective_heals_and_rejoins(tmp_path, flexdemo_run):
+    steps = KILL_AT + AFTER_KILL
+    with FtJob(tmp_path, _flexdemo(steps)) as job:
+        killed, survivor, again, text = _kill_and_relaunch(job, KILL_AT, "collective")
+    _assert_killed_and_healed(killed, survivor, again, text, flexdemo_run, KILL_AT, steps)
+    # the survivor's peer died inside that step's collective: the step was undone and trained again
+    assert all(survivor.not_committed[rank] == [KILL_AT] for rank in range(NPROC)), survivor.not_committed
+    assert not again.not_committed
+
+
+def test_diloco_short_run(diloco_run):
+    _assert_short_run(diloco_run, 2 * KX, NPROC)
+
+
+def test_diloco_group_killed_between_steps_inside_a_period_heals_and_syncs(tmp_path, diloco_run):
+    assert DILOCO_KILL_AT % KX not in (0, 1) and DILOCO_STEPS % KX == 0  # inside a period; ends on a sync
+    with FtJob(tmp_path, _diloco(DILOCO_STEPS)) as job:
+        killed, survivor, again, text = _kill_and_relaunch(job, DILOCO_KILL_AT, "quorum")
+    # the run checked the replicas' parameters at every sync after the heal (a difference stops it with
+    # exit status 1); they end equal
+    _assert_killed_and_healed(killed, survivor, again, text, diloco_run, DILOCO_KILL_AT, DILOCO_STEPS)
+    # lost between steps: no step of the survivor was undone
+    assert not survivor.not_committed and not again.not_committed
+
+
+# ---- every family: a short run (2 groups x 1 process), ending where the replicas must be equal ----
+SHORT = {  # name: (steps, [commopt] check_replicas_every); the local-step families end on a sync of every state
+    "DeMo": (4, 2),
+    "Dion": (4, 2),
+    "DES-LOC": (8, 2),  # EXTRA: parameters every 2 steps, the states every 4 and 8
+    "SparseLoCo": (4, 2),  # its preset's H = 2
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHORT))
+def test_short_run(tmp_path, name):
+    from scripts._bench_common import cli_overrides
+
+    steps, every = SHORT[name]
+    args = [*TINY, "--optimizer.name", name, "--optimizer.lr", LR.get(name, "0.003"), "--training.steps", str(steps),
+            "--commopt.check_replicas_every", str(every), *cli_overrides(name, EXTRA.get(name, {}))]
+    _assert_short_run(_run(tmp_path, args, nproc=1), steps, 1)
+
+
+def test_adamw_short_run_through_fsdp_hook(tmp_path):
+    """torchtitan's own AdamW under torchft, torchtitan's way: FSDP (2 processes per group) averages
+    each reduce-scattered gradient over the quorum's groups."""
+    _assert_short_run(_run(tmp_path, [*TINY, "--optimizer.name", "AdamW", "--training.steps", "4"]), 4, NPROC)
+
+
+# ---- the job's first quorum waits for every group (a stand-in Manager) ----
+class _Manager:
+    """torchft's Manager as ReplicaGroupFT.begin_step uses it: the quorums it will return, in turn."""
+
+    def __init__(self, sizes: list[int], step: int = 0) -> None:
+        self.sizes, self.step, self.asked = sizes, step, 0
+
+    def start_quorum(self) -> None:
+        self.asked += 1
+
+    def num_participants(self) -> int:
+        return self.sizes[min(self.asked, len(self.sizes)) - 1]
+
+    def participating_rank(self) -> int:
+        return 0
+
+    def current_step(self) -> int:
+        return self.step
+
+
+@pytest.mark.parametrize("sizes, step, wait, asked, size", [
+    ([1, 1, 2], 0, 30.0, 3, 2),  # a fresh job: asked again until both groups are in
+    ([2], 0, 30.0, 1, 2),
+    ([1], 0, 1.5, 4, 1),  # the other group never came: after the wait (3 asks more) it starts alone
+    ([1, 2], 5, 30.0, 1, 1),  # joining a job that trained (a relaunch healed to step 5): at once
+])
+def test_first_quorum_waits_for_every_group(monkeypatch, sizes, step, wait, asked, size):
+    """[commopt] ft_start_wait_s: a job's first step waits for every group, a bounded number of asks."""
+    from titan_commopt.titan.common.fault_tolerance import ReplicaGroupFT
+    from titan_commopt.titan.config.fault_tolerance import FtSettings
+
+    monkeypatch.delenv(KILL_ENV, raising=False)
+    manager = _Manager(sizes, step)
+    ft = ReplicaGroupFT(FtSettings(enable=True, replica_id=0, group_size=2), manager=manager, start_wait_s=wait)
+    ft.begin_step()
+    ft.begin_step()  # within the step: nothing more
+    assert (manager.asked, ft.quorum.size()) == (asked, size)
+
+
+# ---- bad input ----
+FT_ON = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", "0"]
+
+
+@pytest.mark.parametrize("cli, lighthouse, expected", [
+    (["--fault_tolerance.enable", "--fault_tolerance.group_size", "0"], "http://127.0.0.1:29510",
+     "[fault_tolerance] group_size = 0: with enable = true it is the number of replica groups"),
+    ([*FT_ON, "--fault_tolerance.replica_id", "2"], "http://127.0.0.1:29510",
+     "[fault_tolerance] replica_id = 2: must be in 0..1 (group_size = 2)"),
+    ([*FT_ON, "--parallelism.data_parallel_replicate_degree", "2"], "http://127.0.0.1:29510",
+     "[parallelism] data_parallel_replicate_degree = 2: with [fault_tolerance] enable = true the replicas are the "
+     "replica groups"),
+    (FT_ON, None, "TORCHFT_LIGHTHOUSE is not set: with [fault_tolerance] enable = true every replica group"),
+    (FT_ON, "127.0.0.1", "TORCHFT_LIGHTHOUSE = '127.0.0.1': not an address"),
+    ([*FT_ON, "--optimizer.name", "DeMo", "--commopt.demo.overlap"], "http://127.0.0.1:29510",
+     "[commopt.demo] overlap = true: under [fault_tolerance] no R collective may stay in flight across steps"),
+])
+def test_bad_fault_tolerance_setting_is_one_line(monkeypatch, cli, lighthouse, expected):
+    from titan_commopt.options import ConfigError
+    from titan_commopt.train import check_config
+
+    if lighthouse is None:
+        monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    else:
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", lighthouse)
+    with pytest.raises(ConfigError) as info:
+        check_config(["--job.config_file", str(CONFIG), *cli], world_size=2)
+    assert str(info.value).splitlines() == [line for line in str(info.value).splitlines() if line.strip()]
+    (line,) = str(info.value).splitlines()
+    assert line.startswith(expected), line
+
+
+def test_bad_lighthouse_wait_is_one_line(monkeypatch):
+    from titan_commopt.options import ConfigError
+    from titan_commopt.train import check_config
+
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510")
+    monkeypatch.setenv("TITAN_COMMOPT_LIGHTHOUSE_WAIT_S", "0")
+    with pytest.raises(ConfigError) as info:
+        check_config(["--job.config_file", str(CONFIG), *FT_ON], world_size=2)
+    (line,) = str(info.value).splitlines()
+    assert line.startswith("TITAN_COMMOPT_LIGHTHOUSE_WAIT_S = '0': the seconds a launch waits"), line
+
+
+def _launch(env: dict, *args: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    """One replica group's launch, ``TORCHFT_LIGHTHOUSE`` only as ``env`` says."""
+    full = {k: v for k, v in os.environ.items() if k not in ("TORCHFT_LIGHTHOUSE", "TITAN_COMMOPT_TRACEBACK")}
+    full.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env})
+    return subprocess.run(
+        [sys.executable, "-m", "titan_commopt.run", f"--nproc_per_node={nproc}", "--master_port", str(free_port()),
+         "-m", "titan_commopt.train", "--job.config_file", str(CONFIG), *TINY, *args],
+        cwd=ROOT, env=full, capture_output=True, text=True, timeout=START_S)
+
+
+def _our_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    """The lines titan_commopt printed, once the launch ended with status 2 and no traceback."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    return [line for line in proc.stderr.splitlines() if line.startswith("titan_commopt: ")]
+
+
+def test_launcher_refuses_bad_fault_tolerance_keys_before_any_worker():
+    proc = _launch({}, *FT_ON, "--fault_tolerance.replica_id", "2", "--parallelism.data_parallel_replicate_degree", "2",
+                   nproc=2)
+    lines = _our_lines(proc)
+    assert len(lines) == 3, lines
+    for line, start in zip(lines, ["[fault_tolerance] replica_id = 2: ",
+                                   "[parallelism] data_parallel_replicate_degree = 2: ",
+                                   "TORCHFT_LIGHTHOUSE is not set: "]):
+        assert line.startswith("titan_commopt: bad config: " + start), line
+    assert "Starting job" not in proc.stdout + proc.stderr  # no worker started
+
+
+def test_unreachable_lighthouse_is_one_line_after_a_bounded_wait(tmp_path):
+    """Nothing listens at TORCHFT_LIGHTHOUSE: the group waits (here 2 s, TITAN_COMMOPT_LIGHTHOUSE_WAIT_S;
+    30 s by default), says what it waited for, and stops with one line, exit status 2."""
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = _launch({"TORCHFT_LIGHTHOUSE": url, "TITAN_COMMOPT_LIGHTHOUSE_WAIT_S": "2"},
+                   *FT_ON, "--job.dump_folder", str(tmp_path))
+    (line,) = _our_lines(proc)
+    assert line.startswith(f"titan_commopt: fault tolerance: TORCHFT_LIGHTHOUSE = {url}: no torchft lighthouse "
+                           "answered there within 2 s"), line
+    assert f"waits up to 2 s for the torchft lighthouse at {url}" in proc.stdout + proc.stderr
