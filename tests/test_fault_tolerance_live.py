@@ -15,12 +15,13 @@
 - Bad input: one line each, exit status 2 (an unreachable lighthouse after a bounded wait)."""
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from tests.ft_utils import FtJob, GroupLog, KILL_ENV, RUN_S, START_S, free_port
+from tests.ft_utils import LIGHTHOUSE_BIN, FtJob, GroupLog, KILL_ENV, RUN_S, START_S, free_port
 from tests.titan_utils import CONFIG, EXTRA, LINE, LR, ROOT
 
 pytestmark = pytest.mark.skipif(LINE != "0.2", reason="the live fault-tolerance runs are torchtitan 0.2.2's")
@@ -312,3 +313,45 @@ def test_unreachable_lighthouse_is_one_line_after_a_bounded_wait(tmp_path):
     assert line.startswith(f"titan_commopt: fault tolerance: TORCHFT_LIGHTHOUSE = {url}: no torchft lighthouse "
                            "answered there within 2 s"), line
     assert f"waits up to 2 s for the torchft lighthouse at {url}" in proc.stdout + proc.stderr
+
+
+def test_a_stalled_group_leaves_and_the_other_goes_on(tmp_path):
+    """Group 1 hangs at step 4, alive and heartbeating (torchft's lighthouse would wait for it forever):
+    past [commopt] ft_stall_timeout_s it leaves with one line, exit status 1; group 0 undoes that step
+    and trains to the end alone."""
+    steps, stall_at = 10, 4
+    args = [*TINY, "--optimizer.name", "FlexDeMo", "--training.steps", str(steps), "--commopt.ft_stall_timeout_s", "4"]
+    with FtJob(tmp_path, args, nproc=1, launcher=False) as job:
+        survivor, stalled = job.start(env={1: {KILL_ENV: f"{stall_at}:stall"}})
+        assert stalled.wait(RUN_S) == 1, stalled.tail()
+        assert "replica group 1 stalled: a step ran past [commopt] ft_stall_timeout_s = 4 s" in stalled.text()
+        (log,) = job.finish([survivor])
+    assert log.not_committed[0] == [stall_at]
+    assert log.quorums[0][0] == (2, 0, 0) and log.quorums[0][-1] == (1, 0, stall_at - 1)
+    assert sorted(log.loss_by_step()) == list(range(1, steps + 1))
+
+
+def test_a_lighthouse_that_never_forms_a_quorum_is_one_line_after_the_quorum_timeout(tmp_path):
+    """A lighthouse that wants 3 groups, one group: it waits TORCHFT_QUORUM_TIMEOUT_SEC, then one line,
+    exit status 1, naming the lighthouse and the timeout."""
+    port = free_port()
+    lighthouse = subprocess.Popen([str(LIGHTHOUSE_BIN), "--min_replicas", "3", "--bind", f"127.0.0.1:{port}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        env = {**os.environ, "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}", "TORCHFT_QUORUM_TIMEOUT_SEC": "5",
+               "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        env.pop(KILL_ENV, None)
+        out = subprocess.run(
+            [sys.executable, "-m", "titan_commopt.train", "--job.config_file", str(CONFIG), *TINY,
+             "--optimizer.name", "FlexDeMo", "--training.steps", "2", "--job.dump_folder", str(tmp_path / "out"),
+             "--metrics.enable_tensorboard", "false", "--fault_tolerance.enable", "--fault_tolerance.replica_id", "0",
+             "--fault_tolerance.group_size", "2", "--commopt.ft_start_wait_s", "0"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=START_S)
+    finally:
+        lighthouse.kill()
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text[-3000:]
+    lines = [line for line in text.splitlines() if "got no quorum from the lighthouse" in line]
+    assert lines and re.search(rf"at http://127.0.0.1:{port} within 5 s", lines[0]), text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
