@@ -20,6 +20,8 @@ import sys
 
 import pytest
 
+from titan_commopt.titan.config.fault_tolerance import LIGHTHOUSE_ENV, LIGHTHOUSE_WAIT_ENV
+
 from tests.ft_utils import FtJob, GroupLog, KILL_ENV, RUN_S, START_S, free_port
 from tests.titan_utils import CONFIG, EXTRA, LINE, LR, ROOT
 
@@ -216,7 +218,7 @@ def test_first_quorum_waits_for_every_group(monkeypatch, sizes, step, wait, aske
     from titan_commopt.titan.common.fault_tolerance import ReplicaGroupFT
     from titan_commopt.titan.config.fault_tolerance import FtSettings
 
-    monkeypatch.setenv("TITAN_COMMOPT_LIGHTHOUSE_WAIT_S", wait)
+    monkeypatch.setenv(LIGHTHOUSE_WAIT_ENV, wait)
     monkeypatch.delenv(KILL_ENV, raising=False)
     manager = _Manager(sizes, step)
     ft = ReplicaGroupFT(FtSettings(enable=True, replica_id=0, group_size=2), manager=manager)
@@ -247,9 +249,9 @@ def test_bad_fault_tolerance_setting_is_one_line(monkeypatch, cli, lighthouse, e
     from titan_commopt.train import check_config
 
     if lighthouse is None:
-        monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+        monkeypatch.delenv(LIGHTHOUSE_ENV, raising=False)
     else:
-        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", lighthouse)
+        monkeypatch.setenv(LIGHTHOUSE_ENV, lighthouse)
     with pytest.raises(ConfigError) as info:
         check_config(["--job.config_file", str(CONFIG), *cli], world_size=2)
     assert str(info.value).splitlines() == [line for line in str(info.value).splitlines() if line.strip()]
@@ -261,8 +263,8 @@ def test_bad_lighthouse_wait_is_one_line(monkeypatch):
     from titan_commopt.options import ConfigError
     from titan_commopt.train import check_config
 
-    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510")
-    monkeypatch.setenv("TITAN_COMMOPT_LIGHTHOUSE_WAIT_S", "0")
+    monkeypatch.setenv(LIGHTHOUSE_ENV, "http://127.0.0.1:29510")
+    monkeypatch.setenv(LIGHTHOUSE_WAIT_ENV, "0")
     with pytest.raises(ConfigError) as info:
         check_config(["--job.config_file", str(CONFIG), *FT_ON], world_size=2)
     (line,) = str(info.value).splitlines()
@@ -271,7 +273,7 @@ def test_bad_lighthouse_wait_is_one_line(monkeypatch):
 
 def _launch(env: dict, *args: str, nproc: int = 1) -> subprocess.CompletedProcess:
     """One replica group's launch, ``TORCHFT_LIGHTHOUSE`` only as ``env`` says."""
-    full = {k: v for k, v in os.environ.items() if k not in ("TORCHFT_LIGHTHOUSE", "TITAN_COMMOPT_TRACEBACK")}
+    full = {k: v for k, v in os.environ.items() if k not in (LIGHTHOUSE_ENV, "TITAN_COMMOPT_TRACEBACK")}
     full.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env})
     return subprocess.run(
         [sys.executable, "-m", "titan_commopt.run", f"--nproc_per_node={nproc}", "--master_port", str(free_port()),
@@ -303,7 +305,7 @@ def test_unreachable_lighthouse_is_one_line_after_a_bounded_wait(tmp_path):
     """Nothing listens at TORCHFT_LIGHTHOUSE: the group waits (here 2 s, TITAN_COMMOPT_LIGHTHOUSE_WAIT_S;
     30 s by default), says what it waited for, and stops with one line, exit status 2."""
     url = f"http://127.0.0.1:{free_port()}"
-    proc = _launch({"TORCHFT_LIGHTHOUSE": url, "TITAN_COMMOPT_LIGHTHOUSE_WAIT_S": "2"},
+    proc = _launch({LIGHTHOUSE_ENV: url, LIGHTHOUSE_WAIT_ENV: "2"},
                    *FT_ON, "--job.dump_folder", str(tmp_path))
     (line,) = _our_lines(proc)
     assert line.startswith(f"titan_commopt: fault tolerance: TORCHFT_LIGHTHOUSE = {url}: no torchft lighthouse "
