@@ -20,6 +20,7 @@ barrier. Nothing of the survivor is changed but its pace."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -31,10 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NoReturn, Optional
 
+from titan_commopt.titan.common.fault_tolerance import KILL_ENV  # "<step>:quorum|collective"
+
 from tests.titan_utils import CONFIG, LOSS_LINE, ROOT
 
 LIGHTHOUSE_BIN = Path(sys.executable).with_name("torchft_lighthouse")
-KILL_ENV = "TITAN_COMMOPT_FT_KILL"  # titan/common/fault_tolerance.KILL_ENV: "<step>:quorum|collective"
 HEARTBEAT_TIMEOUT_MS = 5000  # torchft's default: how long a dead group stalls its peers' next quorum
 JOIN_TIMEOUT_MS = 5000  # how long a quorum waits for a heartbeating group that did not ask yet
 START_S = 300  # deadline of a launch's start-up (imports, process groups) on a loaded 2-core box
@@ -107,6 +109,16 @@ def _signal(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child of a fork only calls it
+_PR_SET_PDEATHSIG = 1
+
+
+def _dies_with_this_process() -> None:
+    """``preexec_fn`` of every process started here: SIGKILLed should the test process die without
+    cleaning up (a CI timeout's SIGKILL), so that no lighthouse or launcher outlives it (Linux)."""
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -207,7 +219,8 @@ class Group:
         full_env.update(env)
         with open(self.log_path, "w") as out:
             self.proc = subprocess.Popen(args, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=_dies_with_this_process)
 
     def text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -288,7 +301,7 @@ class FtJob:
                  "--join_timeout_ms", str(JOIN_TIMEOUT_MS), "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS),
                  "--bind", f"127.0.0.1:{port}"],
                 env={**os.environ, "RUST_LOG": "info"}, stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True)
+                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_dies_with_this_process)
         groups = [self.launch(k, env=(env or {}).get(k)) for k in range(self.groups)]
         self.until(lambda: _LISTENING.search(log.read_text(errors="replace")) is not None and accepts(port),
                    f"the lighthouse listening on 127.0.0.1:{port} ({log})", START_S, [])

@@ -21,6 +21,8 @@ import sys
 
 import pytest
 
+from titan_commopt.titan.config.fault_tolerance import LIGHTHOUSE_ENV, LIGHTHOUSE_WAIT_ENV
+
 from tests.ft_utils import LIGHTHOUSE_BIN, FtJob, GroupLog, KILL_ENV, RUN_S, START_S, free_port
 from tests.titan_utils import CONFIG, EXTRA, LINE, LR, ROOT
 
@@ -235,25 +237,26 @@ FT_ON = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--fau
 
 @pytest.mark.parametrize("cli, lighthouse, expected", [
     (["--fault_tolerance.enable", "--fault_tolerance.group_size", "0"], "http://127.0.0.1:29510",
-     "[fault_tolerance] group_size = 0: with enable = true it is the number of replica groups"),
+     "[fault_tolerance] group_size = 0: with [fault_tolerance] enable = true it is the number of replica groups"),
     ([*FT_ON, "--fault_tolerance.replica_id", "2"], "http://127.0.0.1:29510",
-     "[fault_tolerance] replica_id = 2: must be in 0..1 (group_size = 2)"),
+     "[fault_tolerance] replica_id = 2: must be in 0..1 ([fault_tolerance] group_size = 2)"),
     ([*FT_ON, "--parallelism.data_parallel_replicate_degree", "2"], "http://127.0.0.1:29510",
      "[parallelism] data_parallel_replicate_degree = 2: with [fault_tolerance] enable = true the replicas are the "
      "replica groups"),
-    (FT_ON, None, "TORCHFT_LIGHTHOUSE is not set: with [fault_tolerance] enable = true every replica group"),
-    (FT_ON, "127.0.0.1", "TORCHFT_LIGHTHOUSE = '127.0.0.1': not an address"),
+    (FT_ON, None, "[fault_tolerance] enable = true: TORCHFT_LIGHTHOUSE is not set: every replica group"),
+    (FT_ON, "127.0.0.1", "[fault_tolerance] enable = true: TORCHFT_LIGHTHOUSE = '127.0.0.1': not an address"),
     ([*FT_ON, "--optimizer.name", "DeMo", "--commopt.demo.overlap"], "http://127.0.0.1:29510",
-     "[commopt.demo] overlap = true: under [fault_tolerance] no R collective may stay in flight across steps"),
+     "[commopt.demo] overlap = true: under [fault_tolerance] enable = true no R collective may stay in flight across "
+     "steps"),
 ])
 def test_bad_fault_tolerance_setting_is_one_line(monkeypatch, cli, lighthouse, expected):
     from titan_commopt.options import ConfigError
     from titan_commopt.train import check_config
 
     if lighthouse is None:
-        monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+        monkeypatch.delenv(LIGHTHOUSE_ENV, raising=False)
     else:
-        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", lighthouse)
+        monkeypatch.setenv(LIGHTHOUSE_ENV, lighthouse)
     with pytest.raises(ConfigError) as info:
         check_config(["--job.config_file", str(CONFIG), *cli], world_size=2)
     assert str(info.value).splitlines() == [line for line in str(info.value).splitlines() if line.strip()]
@@ -265,8 +268,8 @@ def test_bad_lighthouse_wait_is_one_line(monkeypatch):
     from titan_commopt.options import ConfigError
     from titan_commopt.train import check_config
 
-    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510")
-    monkeypatch.setenv("TITAN_COMMOPT_LIGHTHOUSE_WAIT_S", "0")
+    monkeypatch.setenv(LIGHTHOUSE_ENV, "http://127.0.0.1:29510")
+    monkeypatch.setenv(LIGHTHOUSE_WAIT_ENV, "0")
     with pytest.raises(ConfigError) as info:
         check_config(["--job.config_file", str(CONFIG), *FT_ON], world_size=2)
     (line,) = str(info.value).splitlines()
@@ -275,7 +278,7 @@ def test_bad_lighthouse_wait_is_one_line(monkeypatch):
 
 def _launch(env: dict, *args: str, nproc: int = 1) -> subprocess.CompletedProcess:
     """One replica group's launch, ``TORCHFT_LIGHTHOUSE`` only as ``env`` says."""
-    full = {k: v for k, v in os.environ.items() if k not in ("TORCHFT_LIGHTHOUSE", "TITAN_COMMOPT_TRACEBACK")}
+    full = {k: v for k, v in os.environ.items() if k not in (LIGHTHOUSE_ENV, "TITAN_COMMOPT_TRACEBACK")}
     full.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env})
     return subprocess.run(
         [sys.executable, "-m", "titan_commopt.run", f"--nproc_per_node={nproc}", "--master_port", str(free_port()),
@@ -298,7 +301,7 @@ def test_launcher_refuses_bad_fault_tolerance_keys_before_any_worker():
     assert len(lines) == 3, lines
     for line, start in zip(lines, ["[fault_tolerance] replica_id = 2: ",
                                    "[parallelism] data_parallel_replicate_degree = 2: ",
-                                   "TORCHFT_LIGHTHOUSE is not set: "]):
+                                   "[fault_tolerance] enable = true: TORCHFT_LIGHTHOUSE is not set: "]):
         assert line.startswith("titan_commopt: bad config: " + start), line
     assert "Starting job" not in proc.stdout + proc.stderr  # no worker started
 
@@ -307,7 +310,7 @@ def test_unreachable_lighthouse_is_one_line_after_a_bounded_wait(tmp_path):
     """Nothing listens at TORCHFT_LIGHTHOUSE: the group waits (here 2 s, TITAN_COMMOPT_LIGHTHOUSE_WAIT_S;
     30 s by default), says what it waited for, and stops with one line, exit status 2."""
     url = f"http://127.0.0.1:{free_port()}"
-    proc = _launch({"TORCHFT_LIGHTHOUSE": url, "TITAN_COMMOPT_LIGHTHOUSE_WAIT_S": "2"},
+    proc = _launch({LIGHTHOUSE_ENV: url, LIGHTHOUSE_WAIT_ENV: "2"},
                    *FT_ON, "--job.dump_folder", str(tmp_path))
     (line,) = _our_lines(proc)
     assert line.startswith(f"titan_commopt: fault tolerance: TORCHFT_LIGHTHOUSE = {url}: no torchft lighthouse "
