@@ -66,7 +66,7 @@ def test_bundled_tokenizer_follows_the_dataset():
 # 0.3 (config module and our TOML alike) the HuggingFace BPE tokenizer and the corpus as a JSON dataset.
 BUILT_BY_SETUP = {
     "0.2": ("0.2.2", ["commopt_tiny_v1.txt", "spm_commopt_tiny_v1_1024.model"]),
-    "0.3": ("*", ["commopt_tiny_v1.txt", "hf_tokenizer_commopt_tiny_2000", "json_dataset_commopt_tiny"]),
+    "0.3": ("*", ["commopt_tiny_v1.txt", "hf_tokenizer_commopt_tiny_v1_2000", "json_dataset_commopt_tiny_v1"]),
 }
 
 
@@ -80,3 +80,56 @@ def test_setup_builds_what_the_installed_line_reads(tmp_path):
                           text=True, timeout=600, env={**os.environ, "TITAN_COMMOPT_CACHE": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".lock") == expected
+
+
+def _facts(docs):
+    """{person: (trade, home town)} as the documents state them."""
+    out = {}
+    for doc in docs:
+        for name, trade, town in re.findall(r"(\w+) is a (\w+) from (\w+)\.", doc):
+            out.setdefault(name, (trade, town))
+    return out
+
+
+def test_held_out_text_is_never_training_text_and_tells_the_same_world():
+    """Each training corpus has its held-out twin: no document of it occurs in the training corpus, and
+    the world's facts are the training corpus's (else the held-out loss would measure another world)."""
+    from titan_commopt.titan.common.data import corpus_path, read_lines
+
+    assert set(corpora.HELD_OUT) == {"commopt_tiny", "commopt_world"}
+    for corpus, heldout in corpora.HELD_OUT.items():
+        training, held = read_lines(corpus_path(corpus)), read_lines(corpus_path(heldout))
+        assert len(held) == len(set(held)) and not set(held) & set(training), heldout
+    world, held = _facts(read_lines(corpus_path("commopt_world"))), _facts(read_lines(corpus_path("commopt_world_heldout")))
+    assert len(held) > 100 and all(world[name] == fact for name, fact in held.items())
+
+
+def test_world_is_long_enough_that_the_study_reads_no_document_twice():
+    """cpu_tiny (237,888 parameters on 0.2.2) at 20 tokens per parameter, twice over (a time-to-loss
+    budget), fits in the corpus on any data-parallel degree that splits it into equal shards."""
+    from types import SimpleNamespace
+
+    from titan_commopt.titan.common.data import corpus_path, read_lines
+    from titan_commopt.titan.tt022 import tokenizer as sentencepiece
+
+    docs = read_lines(corpus_path("commopt_world"))
+    sp = sentencepiece.build_tokenizer(SimpleNamespace(model=SimpleNamespace(hf_assets_path="bundled"),
+                                                       training=SimpleNamespace(dataset="commopt_world")))
+    sample = docs[:: len(docs) // 400]
+    tokens = len(docs) * sum(len(sp.encode(d)) for d in sample) / len(sample)
+    assert tokens > 2 * 20 * 237_888 * 1.1, tokens
+
+
+def test_a_held_out_corpus_is_refused_as_training_data():
+    from types import SimpleNamespace
+
+    from titan_commopt.titan.common.data import register_datasets, text_dataset_problems
+
+    register_datasets()
+    job = SimpleNamespace(training=SimpleNamespace(dataset="commopt_world_heldout", dataset_path=None),
+                          validation=SimpleNamespace(enable=False))
+    assert text_dataset_problems(job, 4) == [
+        "[training] dataset = 'commopt_world_heldout': held-out text is never trained on; allowed is a training "
+        "corpus (commopt_tiny, commopt_world), with 'commopt_world_heldout' as [validation] dataset"]
+    job.training.dataset = "commopt_world"
+    assert text_dataset_problems(job, 4) == []

@@ -331,7 +331,7 @@ def test_presets_and_config_errors():
     assert (g["betas1"], g["beta2"], g["eps"], g["weight_decay"]) == ((0.85,), 0.97, 1e-7, 0.0)
     g = make("DES-LOC-ADOPT", model.named_parameters(), Topology.single(), hp).param_groups[0]
     assert (g["betas1"], g["beta2"], g["eps"], g["weight_decay"]) == ((0.95,), 0.9999, 1e-6, 0.0)
-    assert (opt.periods, opt.options.options.clip, opt.switch_at) == (local_sync.Periods(16, (48,), 96), "coordinate", 0)
+    assert (opt.periods, opt.options.options.clip, opt.switch_at) == (local_sync.Periods(32, (96,), 192), "coordinate", 0)
     g = make("DES-LOC", model.named_parameters(), Topology.single(), hp, beta2=0.97).param_groups[0]
     assert g["beta2"] == 0.97  # the user's value beats the preset's
     r = make("MT-DAO", model.named_parameters(), Topology.single(), hp, lr=0.5, weight_decay=0.0)

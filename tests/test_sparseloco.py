@@ -360,7 +360,7 @@ def test_resume_continues_identically(r2, case):
 
 
 def test_byte_formula_counts_codes_indices_and_levels():
-    resolved = resolve("SparseLoCo", {"H": 4, "chunk": 4, "topk": 3})
+    resolved = resolve("SparseLoCo", {"H": 4, "chunk": 4, "topk": 3, "topk_rule": "min", "clip": "none"})
     # an 8×12 matrix: 6 chunks of 4×4 (L = 16), 18 values: 5 bytes of 2-bit codes, 9 of 4-bit indices,
     # 16 of levels; a 6-vector: 2 chunks of 3 (k = 3 of 3: no indices), 6 values: 2 + 16; an empty
     # shard sends nothing. Per step: one sync's bytes / H.
@@ -369,16 +369,16 @@ def test_byte_formula_counts_codes_indices_and_levels():
     assert got.sent == ((5 + 9 + 16) + (2 + 16)) / 4
     assert got.recv == 2 * got.sent
     assert resolved.family.r_bytes(shards, resolved, 1).sent == 0
-    clipped = resolve("SparseLoCo", {"H": 4, "chunk": 4, "topk": 3, "clip": "median_norm"})
+    clipped = resolve("SparseLoCo", {"H": 4, "chunk": 4, "topk": 3, "topk_rule": "min", "clip": "median_norm"})
     assert clipped.family.r_bytes(shards, clipped, 3).sent == got.sent + 2 * 4 / 4  # + a float32 norm per shard
-    even = resolve("SparseLoCo", {"H": 4, "chunk": 4, "topk": 3, "topk_rule": "even"})
+    even = resolve("SparseLoCo", {"H": 4, "chunk": 4, "topk": 3, "topk_rule": "even", "clip": "none"})
     # Templar's k: the matrix keeps 2 of 16 per chunk (12 values: 3 + 6 + 16 bytes), the vector 2 of 3
     # (4 values: 1 + 1 + 16)
     assert even.family.r_bytes(shards, even, 3).sent == ((3 + 6 + 16) + (1 + 1 + 16)) / 4
 
 
 def test_byte_formulas_follow_the_chunk_grid_and_count_the_statistics():
-    resolved = resolve("SparseLoCo", {"H": 5, "topk": 64})  # chunk 64, top 64, 2 bits
+    resolved = resolve("SparseLoCo", {"H": 5, "topk": 64, "topk_rule": "min", "clip": "none"})  # chunk 64, top 64, 2 bits
     bytes_of = lambda shard: resolved.family.r_bytes([shard], resolved, 2).sent * 5  # noqa: E731  one sync
     # 128×128 over S = 2: rank 0's 64 rows are one row of the tensor's 64×64 chunks (2 chunks, 12-bit
     # indices); over S = 3 its 43 rows are chunked on their own: 43×64 chunks (12-bit indices too)
@@ -390,14 +390,14 @@ def test_byte_formulas_follow_the_chunk_grid_and_count_the_statistics():
     # a vector of 96 over S = 2 (rank 1: 48, the tensor's chunk 48): k = 48 of 48, every value, no indices
     assert bytes_of(ShardShape.fsdp("v", (96,), 2, rank=1)) == 48 * 2 / 8 + 16
     # ... and with top 16 of each 48: 6-bit indices
-    top16 = resolve("SparseLoCo", {"H": 5, "topk": 16})
+    top16 = resolve("SparseLoCo", {"H": 5, "topk": 16, "topk_rule": "min", "clip": "none"})
     assert top16.family.r_bytes([ShardShape.fsdp("v", (96,), 2, rank=1)], top16, 2).sent * 5 == 4 + 16 + 12
     # the statistics: 3 + 2·4 float64 per S-sharded tensor per sync, an empty shard's included
     shards = [ShardShape.fsdp("a", (128, 128), 3, rank=2), ShardShape.fsdp("z", (2, 4), 3, rank=2),
               ShardShape("plain", (5,), (5,))]
     assert shards[1].numel == 0
     assert sparseloco_s_bytes(shards, resolved).sent == 2 * 11 * 8 / 5
-    assert sparseloco_s_bytes(shards, resolve("SparseLoCo", {"quantization": "none"})).sent == 0
+    assert sparseloco_s_bytes(shards, resolve("SparseLoCo", {"quantization": "none", "clip": "none"})).sent == 0
     assert sparseloco_s_bytes(shards, resolve("SparseLoCo", {"quantization": "none", "clip": "median_norm",
                                                              "H": 5})).sent == 2 * 8 / 5
 
@@ -405,7 +405,7 @@ def test_byte_formulas_follow_the_chunk_grid_and_count_the_statistics():
 def test_preset_and_bad_values_are_one_line_config_errors():
     cfg = resolve("SparseLoCo").options
     assert (cfg.H, cfg.chunk, cfg.topk, cfg.transform, cfg.quantization, cfg.error_decay, cfg.outer_lr, cfg.aggregate,
-            cfg.clip, cfg.topk_rule) == (2, 64, 4096, "none", "2bit", 0.95, 1.0, "mean", "none", "min")
+            cfg.clip, cfg.topk_rule) == (30, 64, 64, "none", "2bit", 0.95, 1.0, "senders", "median_norm", "even")
     for given, message in [
         ({"topk": 20, "chunk": 4}, r"^\[commopt.sparseloco\] topk = 20: allowed is at most chunk\^2 = 16 \(chunk = 4\)$"),
         ({"sync_delay": 2, "H": 2}, r"^\[commopt.sparseloco\] sync_delay = 2: allowed is an integer >= 0 below H = 2"),

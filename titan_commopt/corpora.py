@@ -4,13 +4,22 @@
   apples. Leo gives her 2 more. Now Mia has 5 apples.") so that a tiny model has structure to learn
   beyond word frequencies. A 1M-parameter model learns it within ~150 steps and its loss then
   flattens: right for the quickstart and the tests, too easy to rank optimizers.
-- ``commopt_world`` (~6 MB): a generated world whose facts stay fixed across documents: 400 people,
+- ``commopt_world`` (80,000 documents, ~48 MB, ~11 M tokens with the 0.2.2 tokenizer): a generated world whose facts stay fixed across documents: 400 people,
   each with a home town, a trade, an animal, a colour and an age; 48 towns joined by roads of fixed
   lengths; markets with fixed prices. Documents state facts in varied wordings and tell events
   whose numbers follow from them (costs = count × the town's price, distances summed along a
   trip). People, towns and goods are drawn Zipf-like, so a few facts recur often and most are
   rare: the loss keeps falling as a model memorizes more of the long tail and more of the
   arithmetic, which makes it the corpus of the optimizer quality study (``scripts/convergence.py``).
+  Enough documents that the study's longest runs (cpu_tiny at 20 tokens per parameter, ~4.7 M
+  tokens; twice that for a time-to-loss budget) read none twice, on any data-parallel degree: past a
+  first epoch the training loss rewards memorizing text already seen.
+
+Each training corpus has a held-out twin, ``<name>_heldout`` (:data:`HELD_OUT`): documents of the
+same world (the same facts; for ``commopt_tiny`` the same story grammar) drawn from a random stream
+of their own, with any document that also occurs in the training corpus left out. It is the
+``[validation]`` dataset of the CPU configs and of the quality study, and never a ``[training]`` one
+(the config check refuses it).
 
 Every generator is a pure function of its seed: the same text on every machine and Python 3.11
 patch release (``random.Random`` with integer seeds is stable across them).
@@ -19,7 +28,7 @@ patch release (``random.Random`` with integer seeds is stable across them).
 import random
 from typing import Callable
 
-__all__ = ["GENERATORS", "VERSIONS", "generate"]
+__all__ = ["GENERATORS", "VERSIONS", "HELD_OUT", "generate"]
 
 # ---- commopt_tiny ------------------------------------------------------------------------------
 _NAMES = ["Mia", "Leo", "Ava", "Noah", "Ivy", "Omar", "Zoe", "Finn", "Lena", "Hugo", "Rosa", "Theo"]
@@ -61,6 +70,10 @@ def _story(rng: random.Random) -> str:
 def tiny(n_docs: int = 4500, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(_story(rng) for _ in range(rng.randint(1, 3))) for _ in range(n_docs)]
+
+
+def tiny_heldout(n_docs: int = 500) -> list[str]:
+    return _apart(tiny(n_docs * 2, seed=1_000_003), tiny(), n_docs)
 
 
 # ---- commopt_world -----------------------------------------------------------------------------
@@ -217,9 +230,12 @@ def _meeting(w: _World, rng: random.Random, p: str) -> str:
     )
 
 
-def world(n_docs: int = 10000, seed: int = 0) -> list[str]:
+def world(n_docs: int = 80000, seed: int = 0, doc_seed: int | None = None) -> list[str]:
+    """``n_docs`` documents of the world drawn from ``seed``; ``doc_seed`` (default ``seed + 1``) seeds
+    the stream of documents alone, so another one tells other stories of the same facts. The first
+    ``n`` documents do not depend on ``n_docs``."""
     w = _World(random.Random(seed))
-    rng = random.Random(seed + 1)
+    rng = random.Random(seed + 1 if doc_seed is None else doc_seed)
     makers: list[Callable[[_World, random.Random, str], str]] = [_fact, _fact, _question, _market, _trip, _meeting]
     docs = []
     for _ in range(n_docs):
@@ -231,8 +247,26 @@ def world(n_docs: int = 10000, seed: int = 0) -> list[str]:
     return docs
 
 
-GENERATORS: dict[str, Callable[[], list[str]]] = {"commopt_tiny": tiny, "commopt_world": world}
-VERSIONS = {"commopt_tiny": 1, "commopt_world": 1}  # bump when a generator's text changes (cache key)
+def world_heldout(n_docs: int = 2000) -> list[str]:
+    return _apart(world(n_docs * 2, doc_seed=1_000_003), world(), n_docs)
+
+
+def _apart(candidates: list[str], training: list[str], n_docs: int) -> list[str]:
+    """The first ``n_docs`` of ``candidates`` that are not documents of ``training``."""
+    seen = set(training)
+    out = [doc for doc in candidates if doc not in seen][:n_docs]
+    if len(out) < n_docs:  # a generator change that made the streams collide: never a short held-out set
+        raise RuntimeError(f"only {len(out)} of {n_docs} held-out documents are apart from the training corpus")
+    return out
+
+
+GENERATORS: dict[str, Callable[[], list[str]]] = {
+    "commopt_tiny": tiny, "commopt_world": world,
+    "commopt_tiny_heldout": tiny_heldout, "commopt_world_heldout": world_heldout,
+}
+# Bump when a generator's text changes (cache key); a held-out corpus changes with its training corpus.
+VERSIONS = {"commopt_tiny": 1, "commopt_world": 2, "commopt_tiny_heldout": 1, "commopt_world_heldout": 1}
+HELD_OUT = {"commopt_tiny": "commopt_tiny_heldout", "commopt_world": "commopt_world_heldout"}
 
 
 def generate(name: str) -> list[str]:

@@ -111,12 +111,11 @@ class Config:
     lr_scale: float = option(1.0, LR_SCALE_HELP, gt=0.0)
 
 
-# lr_scale: the quality study's best lr ÷ AdamW-HSDP's best (docs/benchmarks.md §4).
+# Presets are the authors' published settings; lr_scale (the study's best lr ÷ AdamW-HSDP's best,
+# docs/benchmarks.md §8) is the one value our study sets: the lr is always tuned.
 PRESETS: dict[str, dict[str, Any]] = {
-    # the Config defaults are DeMo's (s = 64, k = 32, beta = 0.999, sign after aggregation); the preset
-    # keeps 128 of each 64×64 chunk (1/32, as FlexDeMo's): at k = 32 our 500-step study ended 18–26 % above
-    # AdamW-HSDP's loss, at k = 128 within 1 % (docs/benchmarks.md §8)
-    "DeMo": {"topk": 128, "lr_scale": 0.577},
+    # The Config defaults are DeMo's: chunk 64, top-k 32 of each 64×64 chunk, β 0.999, sign of the aggregate.
+    "DeMo": {"chunk": 64, "topk": 32, "beta": 0.999, "sign_before_sync": False, "lr_scale": 0.577},
     # The FlexDeMo paper's experiments: chunk 32, sign before sync (ternary), fp32 transfer; k = 32 →
     # rate 1/32, its best rate for OLMo2 (ahead of 1/16). (DeToNATION 0.5.2's code defaults differ: chunk
     # 64, top-k 32, sign after aggregation — chunk = 64, sign_before_sync = false here.)
@@ -125,16 +124,16 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # Where each preset's values come from (docs/options.md prints it beside the preset).
 PRESET_SOURCES: dict[str, str] = {
-    "DeMo": "DeMo (Peng, Quesnelle, Kingma 2024), its experiments and reference code: chunk 64, β = 0.999, sign "
-    "of the aggregate; top-k 128, 4× the paper's default (32), by our study (docs/benchmarks.md §8, 500 steps, "
-    "3 seeds): +0.2 % of AdamW-HSDP's loss at 43× fewer R bytes (8B 2×8), where top-k 32 (158×) was +18 % to "
-    "+26 % (seed 42). Alternative: topk = 32 (the paper's and reference code's default)",
+    "DeMo": "DeMo (Peng, Quesnelle, Kingma 2024), §4 (one chunk size for every main experiment; the β ablation, "
+    "larger values best) and its reference code bloc97/DeMo demo.py @cab4606 (compression_chunk = 64, "
+    "compression_topk = 32, compression_decay = 0.999, sign-SGD on the decoded aggregate): top-k 32 of 4096 per chunk, 158× fewer R bytes than AdamW-HSDP at 8B 2×8. lr_scale: our "
+    "study's (docs/benchmarks.md §8). Alternative, from our small-model study (0.2 M parameters, 500 steps): "
+    "topk = 128 (43× fewer bytes) ended within 1 % of AdamW-HSDP's training loss where top-k 32 was +18 %",
     "FlexDeMo": "DeToNATION/FlexDeMo paper, Experiments, \"Overall Setup\" (ablations in its appendix B): "
     "chunk size 32, fp32 transfer, only the sign synced; top-k 32 = compression rate 1/32, its best for OLMo2 "
-    "1B (Figs. 3–4, ahead of 1/16; also its 64-node run). Our study (docs/benchmarks.md §8, 500 steps, 3 seeds): "
-    "+0.6 % of AdamW-HSDP's loss, where top-k 16 (1/64) was +10 %. Alternatives: topk = 16 (1.8× fewer R bytes); "
-    "the DeToNATION 0.5.2 code defaults, chunk 64, top-k 32, sign after aggregation (set chunk = 64, "
-    "sign_before_sync = false)",
+    "1B (Figs. 3–4, ahead of 1/16; also its 64-node run). lr_scale: our study's (docs/benchmarks.md §8). "
+    "Alternatives: topk = 16 (1.8× fewer R bytes); the DeToNATION 0.5.2 code defaults, chunk 64, top-k 32, "
+    "sign after aggregation (set chunk = 64, sign_before_sync = false)",
 }
 
 

@@ -142,19 +142,16 @@ class Config:
     )
 
 
-# lr_scale: the quality study's best lr ÷ AdamW-HSDP's best (docs/benchmarks.md §4); 1 where they
-# coincide (LocalAdam, DiLoCo, MT-DAO and MT-DAO-halflife: the default).
+# Presets are the authors' published settings; lr_scale (the study's best lr ÷ AdamW-HSDP's best,
+# docs/benchmarks.md §8; 1 where they coincide) is the one value our study sets: the lr is always tuned.
 PRESETS: dict[str, dict[str, Any]] = {
-    # DES-LOC-Adam: parameters synced most often, states at multiples of Kx (Ku = 3Kx, Kv = 6Kx: 2×
-    # less than Local Adam's 3/K per step at the same Kx), the paper's coordinate clip, no weight decay.
-    # Adam's β are [optimizer]'s (torchtitan's 0.9, 0.95: SmolLM2's, which DES-LOC's billion-scale runs
-    # adopt). Their half-lives (6.6 and 13.5 steps) are about half of MT-DAO Table 3's β (0.95, 0.99)
-    # for which Kx = 32 was chosen, so by the paper's rule (periods in proportion to half-lives) the
-    # periods are halved: Kx = 16, 9/96 of a model per step, Local Adam's K = 32 budget. Kx = 16 with
-    # lr_scale 0.7 is the periods study's choice (docs/benchmarks.md §4; PRESET_SOURCES has its numbers).
+    # DES-LOC-Adam: parameters synced most often, states at multiples of Kx, the paper's periods (Kx = 32,
+    # Ku = 3Kx, Kv = 6Kx: 2× less than Local Adam's 3/K per step at the same Kx), its coordinate clip, no
+    # weight decay. Adam's β are [optimizer]'s (torchtitan's 0.9, 0.95: SmolLM2's, which DES-LOC's
+    # billion-scale runs adopt).
     "DES-LOC": {
         "base": "adam", "weight_decay": 0.0,
-        "Kx": 16, "Ku": [48], "Kv": 96, "clip": "coordinate", "lr_scale": 0.7,
+        "Kx": 32, "Ku": [96], "Kv": 192, "clip": "coordinate", "lr_scale": 0.7,
     },
     # DES-LOC-ADOPT, the DES-LOC paper's main setting: ADOPT with its defaults β2 = 0.9999, ε = 1e-6, the
     # same β1 = 0.95 and no weight decay; the paper's periods Kx = 32, Ku = 3Kx, Kv = 6Kx (its β's
@@ -178,27 +175,23 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # Local Adam: everything synced together.
     "LocalAdam": {"base": "adam", "Kx": 32, "Ku": [32], "Kv": 32},
-    # DiLoCo-style: states never synced (persistent local state), Nesterov outer step every Kx. Outer
-    # momentum 0.5, not the paper's 0.9: a short run has few outer steps (15 in 500 at Kx = 32), and the
-    # momentum's amplification of the pseudo-gradient (up to 0.7/(1 − 0.9) = 7× with 0.9) cost most of
-    # DiLoCo's gap in our study (docs/benchmarks.md §8).
-    "DiLoCo": {"base": "adam", "Kx": 32, "Ku": [0], "Kv": 0, "outer": "nesterov", "outer_momentum": 0.5},
+    # DiLoCo: states never synced (persistent local state), Nesterov outer step every Kx with the paper's
+    # outer lr 0.7 and momentum 0.9 (the Config defaults).
+    "DiLoCo": {"base": "adam", "Kx": 32, "Ku": [0], "Kv": 0, "outer": "nesterov", "outer_lr": 0.7,
+               "outer_momentum": 0.9},
 }
 
 
 # Where each preset's values come from (docs/options.md prints it beside the preset).
 PRESET_SOURCES: dict[str, str] = {
     "DES-LOC": "DES-LOC (Iacob et al.): appendix B.2 (no weight decay), Algorithm 1 (coordinate clip), §5.3 / "
-    "Fig. 5 (Ku = 3Kx, Kv = 6Kx: the 2× reduction over Local Adam at Kx = 32; our reading, the extracted "
+    "Fig. 5 (Ku = 3Kx, Kv = 6Kx at Kx = 32: the 2× reduction over Local Adam; our reading, the extracted "
     "figure lost the numbers); Adam's β1, β2 from [optimizer] (torchtitan's 0.9, 0.95 are SmolLM2's, whose "
-    "hyper-parameters DES-LOC §4.1 adopts for its billion-scale model and B.2.1 finds β2 to agree with), "
-    "chosen over MT-DAO appendix E.2 Table 3's DES-LOC-ADAM β1 = 0.95, β2 = 0.99 by our quality study "
-    "(docs/benchmarks.md §4: 9–10 % lower loss at 500 steps); Kx = 16 by the paper's rule of periods in "
-    "proportion to the states' half-lives (§2, §5.2: those β have about half Table 3's half-lives) and "
-    "lr_scale 0.7, both the best of our periods study (docs/benchmarks.md §4, 3 seeds: +1.7 % of "
-    "AdamW-HSDP's loss at 300 steps and +6.0 % at 500, where Kx = 32 at lr_scale 1 was +3.9 % and "
-    "+12.6 %). Alternatives: Kx = 32, Ku = [96], Kv = 192 with lr_scale = 1.0; the Table 3 β, "
-    "beta1 = [0.95], beta2 = 0.99",
+    "hyper-parameters DES-LOC §4.1 adopts for its billion-scale model and B.2.1 finds β2 to agree with). "
+    "lr_scale: our study's (docs/benchmarks.md §8). Alternatives, from our small-model studies (0.2 M "
+    "parameters, 300–500 steps, docs/benchmarks.md §4): Kx = 16, Ku = [48], Kv = 96 with lr_scale = 0.7 "
+    "(+6.0 % of AdamW-HSDP's training loss at 500 steps where Kx = 32 was +12.6 %); MT-DAO appendix E.2 "
+    "Table 3's DES-LOC-ADAM β, beta1 = [0.95], beta2 = 0.99",
     "DES-LOC-ADOPT": "DES-LOC §4.1 (ADOPT with its default β2 = 0.9999 is the main optimizer), B.2.1 (β1 = 0.95 "
     "for all experiments; also MT-DAO appendix E.2 Table 3, DES-LOC-ADOPT), B.2 (no weight decay), §5.3 / "
     "Fig. 5 periods Kx = 32, Ku = 3Kx, Kv = 6Kx; ε = 1e-6 is ADOPT's default (Taniguchi et al. 2024). "
@@ -210,10 +203,12 @@ PRESET_SOURCES: dict[str, str] = {
     "β2 = 0.9999, Kx = 32, Ku = 693, Kv = 6931 (the half-lives of β1 and β2)",
     "LocalAdam": "Local Adam baseline of DES-LOC §4.1 and MT-DAO §4.1: every state synced together, K = 32 "
     "(MT-DAO appendix E.2 Table 3, \"Unified\")",
-    "DiLoCo": "DiLoCo (Douillard et al. 2023): Nesterov outer step, outer lr 0.7; states never synced (FedAvg "
-    "with persistent local states, DES-LOC §4.1 baseline (iii)); outer momentum 0.5 instead of its 0.9 by our "
-    "study (docs/benchmarks.md §8, 500 steps, 3 seeds): +13 % of AdamW-HSDP's loss, where 0.9 was +33 % (0.7: "
-    "+18 %, 0 with outer lr 1: +17 %, seed 42). Alternative: outer_momentum = 0.9 (the paper's)",
+    "DiLoCo": "DiLoCo (Douillard et al. 2023), its experimental setup: Nesterov outer step, outer lr 0.7, outer "
+    "momentum 0.9; states never synced (persistent local states, DES-LOC §4.1 baseline (iii)); Kx = 32, the "
+    "Local Adam period of DES-LOC §4.1 and MT-DAO appendix E.2 Table 3 (the DiLoCo paper's own H = 500 is "
+    "longer than our CPU runs). lr_scale: our study's (docs/benchmarks.md §8). Alternative, from our "
+    "small-model study (0.2 M parameters, 500 steps, docs/benchmarks.md §8.1): outer_momentum = 0.5 (+13 % of "
+    "AdamW-HSDP's training loss where 0.9 was +33 %)",
 }
 
 

@@ -15,12 +15,13 @@ from typing import Any, Iterator, Optional
 from titan_commopt import corpora
 
 __all__ = [
-    "CORPUS_NAME", "BUNDLED", "TEXTFILE_NAME", "BUNDLED_TOKENIZER", "cache_dir", "locked", "corpus_path", "read_lines",
+    "CORPUS_NAME", "BUNDLED", "HELD_OUT", "TEXTFILE_NAME", "BUNDLED_TOKENIZER", "cache_dir", "locked", "corpus_path", "read_lines",
     "is_bundled_tokenizer", "tokenizer_corpus", "register_datasets", "text_dataset_problems", "dataset_problems",
 ]
 
 CORPUS_NAME = "commopt_tiny"  # the default bundled corpus
-BUNDLED = tuple(corpora.GENERATORS)  # every bundled corpus: commopt_tiny, commopt_world
+BUNDLED = tuple(corpora.GENERATORS)  # every bundled corpus: commopt_tiny, commopt_world and their held-out twins
+HELD_OUT = dict(corpora.HELD_OUT)  # training corpus -> its held-out twin, the [validation] dataset
 TEXTFILE_NAME = "textfile"  # the dataset that reads [training] dataset_path, one document per line
 BUNDLED_TOKENIZER = "bundled"  # [model] hf_assets_path naming the tokenizer trained on a bundled corpus
 
@@ -67,8 +68,11 @@ def is_bundled_tokenizer(hf_assets_path: Optional[str]) -> bool:
 
 
 def tokenizer_corpus(dataset: str) -> str:
-    """The bundled corpus the bundled tokenizer is trained on: the run's, else the default one."""
-    return dataset.lower() if dataset.lower() in BUNDLED else CORPUS_NAME
+    """The bundled corpus the bundled tokenizer is trained on: the run's (a held-out twin's training
+    corpus: held-out text is read with the tokenizer its model was trained with), else the default one."""
+    name = dataset.lower()
+    training = {heldout: corpus for corpus, heldout in HELD_OUT.items()}
+    return training.get(name, name if name in BUNDLED else CORPUS_NAME)
 
 
 # ---- torchtitan's dataset registry ---------------------------------------------------------------
@@ -114,6 +118,9 @@ def text_dataset_problems(job_config: Any, lines_needed: int) -> list[str]:
     """``[training]``'s dataset, and ``[validation]``'s when enabled (both torchtitan lines)."""
     training = job_config.training
     out = dataset_problems("training", training.dataset, training.dataset_path, lines_needed)
+    if training.dataset.lower() in HELD_OUT.values():
+        out.append(f"[training] dataset = {training.dataset!r}: held-out text is never trained on; allowed is a "
+                   f"training corpus ({', '.join(HELD_OUT)}), with {training.dataset!r} as [validation] dataset")
     if job_config.validation.enable:
         validation = job_config.validation
         out += dataset_problems("validation", validation.dataset, validation.dataset_path, lines_needed)

@@ -13,7 +13,10 @@ COMMOPT_SPEC = "llama3_commopt"  # torchtitan's llama3 + our optimizers (any [op
 REFERENCE_SPEC = "llama3_reference"  # torchtitan's stock llama3, with only what a CPU run needs: the baseline
 
 FLAVOR_SHAPES: dict[str, dict[str, Any]] = {
-    # ~0.2M parameters: unit/integration tests.
+    # ~63k parameters (0.2.2), ~3.8x fewer than cpu_tiny: the quality study's smaller model, at the same
+    # tokens per parameter, so that a gap can be read against the model size.
+    "cpu_micro": dict(dim=24, n_layers=2, n_heads=4, vocab_size=None, multiple_of=32),
+    # ~0.2M parameters: unit/integration tests and the quality study.
     "cpu_tiny": dict(dim=64, n_layers=2, n_heads=4, vocab_size=None, multiple_of=64),
     # ~1.2M parameters: the quickstart and CPU benchmarks.
     "cpu_small": dict(dim=128, n_layers=4, n_heads=4, vocab_size=None, multiple_of=64),

@@ -10,7 +10,7 @@ torchtitan log lines (its root logger; the message must match from its start). O
 - ``HF assets path bundled does not exist!`` (also for an empty path): ``bundled`` is our offline
   tokenizer (``tt022/tokenizer.py``), not a directory;
 - ``model.safetensors.index.json not found at hf_assets_path: bundled/...`` (on torchtitan 0.3:
-  ``.../hf_tokenizer_<corpus>_<vocab>/...``, the bundled tokenizer's folder in the cache): same
+  ``.../hf_tokenizer_<corpus>_v<version>_<vocab>/...``, the bundled tokenizer's folder in the cache): same
   reason, and only HF-format checkpoint export reads that file;
 - ``initial_load_model_only=True has no effect without an initial_load_path.`` (torchtitan 0.3,
   from its checkpoint config each time one is made): ``true`` is 0.2.2's default, which a TOML run

@@ -14,6 +14,8 @@ import os
 import shutil
 from pathlib import Path
 
+from titan_commopt import corpora
+
 from ..common.data import CORPUS_NAME, cache_dir, corpus_path, locked, read_lines
 
 __all__ = ["VOCAB_SIZE", "tokenizer_dir", "dataset_dir"]
@@ -51,7 +53,7 @@ def tokenizer_dir(corpus: str = CORPUS_NAME) -> Path:
         tokenizer.save(str(out / "tokenizer.json"))
         (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": _BOS, "eos_token": _EOS}))
 
-    return _build_once(cache_dir() / f"hf_tokenizer_{corpus}_{VOCAB_SIZE}", build)
+    return _build_once(cache_dir() / f"hf_tokenizer_{_versioned(corpus)}_{VOCAB_SIZE}", build)
 
 
 def dataset_dir(corpus: str = CORPUS_NAME) -> Path:
@@ -62,7 +64,13 @@ def dataset_dir(corpus: str = CORPUS_NAME) -> Path:
             for line in read_lines(corpus_path(corpus)):
                 handle.write(json.dumps({"text": line}) + "\n")
 
-    return _build_once(cache_dir() / f"json_dataset_{corpus}", build)
+    return _build_once(cache_dir() / f"json_dataset_{_versioned(corpus)}", build)
+
+
+def _versioned(corpus: str) -> str:
+    """The cache name of what is built from ``corpus``: its generator's version in it, so that a
+    changed corpus is never read through a stale build."""
+    return f"{corpus}_v{corpora.VERSIONS[corpus]}" if corpus in corpora.VERSIONS else corpus
 
 
 if __name__ == "__main__":
