@@ -40,7 +40,9 @@ RECORDED_ON = ("2.13.0+cpu", "AVX512")
 RECORDED = {
     "DeMo": "d2131a300088abcb4ff71b3e3658c3499978e66002ec02e230ffa53c17921b53",
     "FlexDeMo": "54d9944b05d3a430b79f36af5af5357468eef8fb4ec1b456d5108d79682d6f63",
-    "FlexDeMo_adamw": "5456717551613a3ab5adcad72ea290dd37728b3f02c3a37099d74ffde75a58aa",
+    # the two roundings seen on CPUs labelled AVX512 (this box; the box of the recording and CI before)
+    "FlexDeMo_adamw": ("5456717551613a3ab5adcad72ea290dd37728b3f02c3a37099d74ffde75a58aa",
+                       "8b5ba370aa99fa363c4b631c85ac0951912d3fa29584568112a4c2059c1b9ee9"),
     "FlexDeMo_random": "d706c7ba16b5713627a27c0c8f1b9a46deda09288c14b2d09c5e46da5fd5dc26",
     "DeMo_triton": "d2131a300088abcb4ff71b3e3658c3499978e66002ec02e230ffa53c17921b53",
 }
@@ -52,7 +54,8 @@ RECORDED = {
 # against torch.optim.AdamW in tests/test_demo_adamw_reference.py instead, on any CPU. Its digest is the
 # most fragile here: the first AdamW direction is g/(|g|+ε) ≈ ±1, whose DCT coefficients tie to within
 # an ulp or two, so AdamW's arithmetic rounded another way (1-ulp changes of the direction) gives other
-# digests (8b5ba370..., 4f4ffba8..., 2ebc79db...).
+# digests (8b5ba370..., 4f4ffba8..., 2ebc79db...): two of them were met on machines of this label, and
+# either is accepted.
 
 
 def init_optim_state(optim: torch.optim.Optimizer) -> None:
@@ -223,7 +226,8 @@ def test_training_from_eager_state_equals_the_lazy_state_bit_for_bit(results, na
     if (torch.__version__, torch.backends.cpu.get_cpu_capability()) != RECORDED_ON:
         pytest.skip(f"parameters recorded with torch {RECORDED_ON[0]} on {RECORDED_ON[1]} only")
     assert results[0][name]["digest"] == results[1][name]["digest"]  # replicas agree
-    assert results[0][name]["digest"] == RECORDED[name]
+    recorded = RECORDED[name]
+    assert results[0][name]["digest"] in ((recorded,) if isinstance(recorded, str) else recorded)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
