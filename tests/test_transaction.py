@@ -10,14 +10,17 @@ DeMo's momenta and would hide a difference). The steps after a restore equal an 
 
 One process: a quorum of one (``Topology.quorum``, as under fault tolerance) gives every family its
 R path, whose collectives send nothing; one 2-process gloo run repeats the check with two real
-replicas (each family's state then depends on the other's).
+replicas (each family's state then depends on the other's), each sharded by FSDP2 as in torchtitan
+(parameters and states are DTensors).
 """
 
 import functools
 
 import pytest
 import torch
-import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from titan_commopt import comm
 from titan_commopt.optim import (
@@ -105,11 +108,14 @@ def options_of(name) -> dict:
     return short_periods(name)
 
 
-def build(name, topology, seed=0):
-    """Optimizer ``name`` on a :class:`Toy`: torchtitan's own AdamW/Adam as it builds them (fused), or
-    ours with :func:`options_of`."""
-    torch.manual_seed(seed)
+def build(name, topology, fsdp_mesh=None):
+    """Optimizer ``name`` on a :class:`Toy` (sharded by FSDP2 over ``fsdp_mesh``, if given: parameters
+    and states are then DTensors): torchtitan's own AdamW/Adam as it builds them (fused), or ours with
+    :func:`options_of`."""
+    torch.manual_seed(0)
     model = Toy()
+    if fsdp_mesh is not None:
+        fully_shard(model, mesh=fsdp_mesh)
     if name in NATIVE_NAMES:
         cls = torch.optim.AdamW if name == "AdamW" else torch.optim.Adam
         return model, cls(model.parameters(), lr=HP.lr, betas=(HP.beta1, HP.beta2), eps=HP.eps,
@@ -124,7 +130,7 @@ def quorum_of_one() -> Topology:
 
 def step(model, optimizer, t, replica=0):
     for p, g in zip(model.parameters(), grads(model, 1000 * replica + t)):
-        p.grad = g
+        p.grad = DTensor.from_local(g, p.device_mesh, p.placements) if isinstance(p, DTensor) else g  # one shard
     optimizer.step()
 
 
@@ -145,9 +151,9 @@ def put_back(model, optimizer, taken):
         snapshot.restore(optimizer)
 
 
-def undo_a_step(name, topology, replica=0):
+def undo_a_step(name, topology, replica=0, fsdp_mesh=None):
     """``(what the undone step changed, what its restore left changed, the optimizer, its model)``."""
-    model, optimizer = build(name, topology)
+    model, optimizer = build(name, topology, fsdp_mesh)
     for t in range(1, WARMUP + 1):
         step(model, optimizer, t, replica)
     before = everything(model, optimizer)
@@ -180,9 +186,9 @@ def same_outcome(a, b) -> bool:
         u.dtype == v.dtype and u.shape == v.shape and torch.equal(u, v) for u, v in zip(x, y))
 
 
-def retried_equals_twin(name, topology, model, optimizer, replica=0) -> bool:
+def retried_equals_twin(name, topology, model, optimizer, replica=0, fsdp_mesh=None) -> bool:
     """After the restore: the undone step retried, and one more, equal an untouched twin's."""
-    twin_model, twin = build(name, topology)
+    twin_model, twin = build(name, topology, fsdp_mesh)
     for t in range(1, WARMUP + 1):
         step(twin_model, twin, t, replica)
     for t in (UNDONE, UNDONE + 1):
@@ -272,14 +278,16 @@ def test_a_step_that_does_not_commit_is_undone_bit_for_bit_in_the_raw_state(name
     assert unchanged_state(changes(before, everything(model, optimizer)), model, optimizer) == []
 
 
-# ---- two real replicas ---------------------------------------------------------------------------------
+# ---- two real replicas, FSDP2 DTensors -------------------------------------------------------------------
 def _undo_on_two_replicas(rank, world_size):
-    topology = Topology(replicate=dist.group.WORLD)
+    """Each replica an FSDP2 mesh of one rank, as in torchtitan: parameters and states are DTensors."""
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp_replicate", "fsdp"))
+    topology, fsdp_mesh = Topology.from_mesh(mesh), mesh["fsdp"]
     out = {}
     for name in available_names():
-        changed, left, model, optimizer = undo_a_step(name, topology, replica=rank)
+        changed, left, model, optimizer = undo_a_step(name, topology, rank, fsdp_mesh)
         out[name] = (unchanged_state(changed, model, optimizer), left,
-                     retried_equals_twin(name, topology, model, optimizer, replica=rank))
+                     retried_equals_twin(name, topology, model, optimizer, rank, fsdp_mesh))
     return out
 
 
