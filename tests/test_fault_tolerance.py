@@ -5,101 +5,13 @@ The multi-process runs with torchft's lighthouse are in tests/test_fault_toleran
 
 import pytest
 import torch
-from torch import nn
 
-from titan_commopt import comm
-from titan_commopt.optim import FAMILIES, build_optimizer, resolve
-from titan_commopt.topology import Topology
-from titan_commopt.titan.common.container import CommOptimizersContainer
-from titan_commopt.titan.common.fault_tolerance import ReplayBatches, ReplicaGroupFT
+from titan_commopt.optim import FAMILIES, resolve
+from titan_commopt.titan.common.fault_tolerance import ReplayBatches
 from titan_commopt.titan.config.fault_tolerance import FtSettings, in_flight_problems, problems
+from tests.ft_standins import SETTINGS, StandInManager, fault_tolerant_container, train_step
 
 NAMES = sorted(name for family in FAMILIES.values() for name in family.presets)
-SETTINGS = FtSettings(enable=True, replica_id=0, group_size=2)
-
-
-class StandInManager:
-    """What ReplicaGroupFT asks of torchft's Manager; ``commits`` scripts should_commit's answers."""
-
-    def __init__(self, commits=()):
-        self.commits = list(commits)
-        self.step = 0
-        self.fns = {}
-
-    def register_state_dict_fn(self, key, load, save):
-        self.fns[key] = (load, save)
-
-    def start_quorum(self):
-        pass
-
-    def should_commit(self):
-        ok = self.commits.pop(0) if self.commits else True
-        self.step += ok
-        return ok
-
-    def num_participants(self):
-        return 1
-
-    def participating_rank(self):
-        return 0
-
-    def errored(self):
-        return None
-
-    def current_step(self):
-        return self.step
-
-    def batches_committed(self):
-        return self.step
-
-    def load_state_dict(self, state):
-        self.step = state["step"]
-
-
-class Toy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(16, 8)
-        self.w1 = nn.Linear(8, 12, bias=False)
-        self.w2 = nn.Linear(12, 8, bias=False)
-        self.output = nn.Linear(8, 16, bias=False)
-
-
-def _short_periods(name):
-    """The local-step families sync every few steps here (their presets sync every 16-6931)."""
-    if resolve(name).family.key != "local":
-        return {}
-    options = resolve(name).options
-    return {"Kx": 2, "Ku": [3 if k else 0 for k in options.Ku], "Kv": 4 if options.Kv else 0}
-
-
-def _container(name, manager, seed=0):
-    torch.manual_seed(seed)
-    model = Toy()
-    ft = ReplicaGroupFT(SETTINGS, manager=manager, replicate=None)
-    topology = Topology(quorum=ft.quorum)
-    ledger = comm.CommLedger()
-    resolved = resolve(name, _short_periods(name))
-    optimizer = build_optimizer(list(model.named_parameters()), topology, resolved, ledger=ledger)
-    container = CommOptimizersContainer(
-        [model], [optimizer], name=name, resolved=resolved, topology=topology, ledger=ledger, fsdp_traffic=None,
-        adamw_reference_r_bytes=0,
-    )
-    container.attach_fault_tolerance(ft)
-    return model, container
-
-
-def _grads(model, step):
-    generator = torch.Generator().manual_seed(1000 + step)
-    return [torch.randn(p.shape, generator=generator) for p in model.parameters()]
-
-
-def _train_step(model, container, step):
-    container.zero_grad()
-    for p, g in zip(model.parameters(), _grads(model, step)):
-        p.grad = g.clone()
-    container.step()
-    return container.committed
 
 
 def _state(model, container):
@@ -116,17 +28,17 @@ def _equal(a, b):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_a_step_that_does_not_commit_changes_nothing_and_its_retry_equals_a_committed_step(name):
-    steps = 7  # past a local-step family's first syncs (_short_periods; SparseLoCo's preset H is 2)
-    ref_model, ref = _container(name, StandInManager())
+    steps = 7  # past a local-step family's first syncs (short_periods; SparseLoCo's preset H is 2)
+    ref_model, ref = fault_tolerant_container(name, StandInManager())
     for t in range(1, steps + 1):
-        assert _train_step(ref_model, ref, t)
+        assert train_step(ref_model, ref, t)
 
-    model, container = _container(name, StandInManager(commits=[True, True, False, True, False, True]))
+    model, container = fault_tolerant_container(name, StandInManager(commits=[True, True, False, True, False, True]))
     t = 1
     while t <= steps:
         before = _state(model, container)
         taken = container.steps_taken
-        if _train_step(model, container, t):
+        if train_step(model, container, t):
             t += 1
         else:
             assert _equal(_state(model, container), before), f"{name}: an uncommitted step {t} changed the state"
@@ -137,29 +49,29 @@ def test_a_step_that_does_not_commit_changes_nothing_and_its_retry_equals_a_comm
 
 @pytest.mark.parametrize("name", ["FlexDeMo", "DiLoCo", "Dion", "SparseLoCo", "MT-DAO"])
 def test_a_healed_group_is_an_exact_copy_of_its_peer_and_stays_one(name):
-    peer_model, peer = _container(name, StandInManager())
+    peer_model, peer = fault_tolerant_container(name, StandInManager())
     for t in range(1, 4):
-        _train_step(peer_model, peer, t)
-    healed_model, healed = _container(name, StandInManager(), seed=1)  # a group relaunched from scratch
+        train_step(peer_model, peer, t)
+    healed_model, healed = fault_tolerant_container(name, StandInManager(), seed=1)  # a group relaunched from scratch
     load, _ = healed.ft.manager.fns["commopt_optimizer"]
     _, save = peer.ft.manager.fns["commopt_optimizer"]
     load(save())
     assert _equal(_state(healed_model, healed), _state(peer_model, peer))
     assert healed.steps_taken == peer.steps_taken and healed.ledger.totals == peer.ledger.totals
     for t in range(4, 7):  # the same batches from here on: still equal (no state outside the heal)
-        _train_step(peer_model, peer, t)
-        _train_step(healed_model, healed, t)
+        train_step(peer_model, peer, t)
+        train_step(healed_model, healed, t)
     assert _equal(_state(healed_model, healed), _state(peer_model, peer))
 
 
 def test_a_heal_copies_not_references():
     """The peer trains on while the healing group reads what it sent (torchft serves it over HTTP)."""
-    model, container = _container("FlexDeMo", StandInManager())
-    _train_step(model, container, 1)
+    model, container = fault_tolerant_container("FlexDeMo", StandInManager())
+    train_step(model, container, 1)
     _, save = container.ft.manager.fns["commopt_optimizer"]
     sent = save()
     frozen = [v.clone() for v in sent["params"].values()]
-    _train_step(model, container, 2)
+    train_step(model, container, 2)
     assert all(torch.equal(a, b) for a, b in zip(sent["params"].values(), frozen))
 
 

@@ -141,6 +141,14 @@ def test_step_overhead_runs():
     assert "| cpu_tiny (0.2M) | DeMo |" in out
 
 
+def test_bench_transaction_runs():
+    out = subprocess.run(
+        [sys.executable, "scripts/bench_transaction.py", "--flavors", "cpu_tiny", "--names", "FlexDeMo", "--repeats", "1"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout
+    assert "| cpu_tiny | FlexDeMo |" in out
+
+
 def test_train_each_runs_every_name_and_reports_a_failure(tmp_path):
     proc = subprocess.run(
         [sys.executable, "scripts/train_each.py", "--nproc", "2", "--steps", "2", "--optimizers", "DeMo", "Nope",

@@ -16,6 +16,13 @@ let the parameters themselves differ between syncs. The adapter needs two answer
   own ``state_dict``). Default: complete every task parked on ``self.runtime``.
 - ``metrics()``: the optimizer's own scalars for the log (``{name: value}``, names without a
   prefix: the container adds ``commopt/``). Default: none.
+- ``snapshot()`` / ``restore(snapshot)``: undo a step, bit for bit (live fault tolerance undoes every
+  step that does not commit). A :class:`Snapshot` is the raw state as ``step()`` finds it, in the
+  family's own domain (DeMo's DCT coefficients stay coefficients): every tensor of ``self.state``
+  copied, the param groups, and the attributes the family names in ``step_attributes`` (its step
+  counters, flags, DeMo's plan). No conversion, no re-plan; memory is one copy of the state. The
+  parameters are not in it: they are the model's (the container copies them). ``state_dict()`` stays
+  what crosses processes and disks (checkpoints, a heal from a peer).
 
 Every optimizer is constructed one way: ``Optimizer(named_params, topology, options, *, ledger=None)``
 with ``options`` the run's :class:`~titan_commopt.optim.family.Resolved` value (the family's
@@ -28,6 +35,7 @@ Parameters are passed as torch's named parameters (``(fqn, param)`` pairs, also 
 dicts), so every family finds a parameter's name in ``group["param_names"]`` the same way.
 """
 
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
@@ -36,11 +44,99 @@ from titan_commopt import comm
 from titan_commopt.overlap import Runtime
 from titan_commopt.topology import Topology
 
-__all__ = ["CommOptimizer", "named_params"]
+from .common import local
+
+__all__ = ["CommOptimizer", "Snapshot", "named_params"]
+
+
+@dataclass(frozen=True)
+class _InPlace:
+    """A tensor, dict or list as ``step()`` finds it (``kept``) and its contents before the step:
+    restored into the same object, so a view stays a view (Dion's stacked momenta, DeMo's plan rows)
+    and whatever holds a reference to it (a plan holds each parameter's state dict) sees it restored."""
+
+    kept: Any
+    contents: Any
+
+
+def _copy(value: Any, memo: dict[int, Any]) -> Any:
+    """``value`` as a snapshot keeps it: tensors cloned (their local shard: a DTensor's is a view),
+    dicts and lists entry by entry, tuples item by item; anything else (numbers, strings, an object
+    ``step()`` replaces but never changes, such as DeMo's plan) is kept as it is. ``memo``: what was
+    copied already, by ``id`` (a tensor shared by several entries, as the local families' one step
+    tensor, is copied once); the parameters are entered in it as themselves, never copied."""
+    key = id(value)
+    if key in memo:
+        return memo[key]
+    if isinstance(value, torch.Tensor):
+        out: Any = _InPlace(value, local(value).detach().clone())
+    elif isinstance(value, (dict, list)):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        out = _InPlace(value, {k: _copy(v, memo) for k, v in items})
+    elif type(value) is tuple:
+        items = tuple(_copy(v, memo) for v in value)
+        out = value if all(a is b for a, b in zip(items, value)) else items  # (lr, betas): nothing to copy
+    else:
+        return value
+    memo[key] = out
+    return out
+
+
+def _put_back(saved: Any, memo: dict[int, Any]) -> Any:
+    """Inverse of :func:`_copy`: the object ``step()`` found, with its contents of then."""
+    key = id(saved)
+    if key in memo:
+        return memo[key]
+    if isinstance(saved, _InPlace):
+        kept = saved.kept
+        memo[key] = kept
+        if isinstance(kept, torch.Tensor):
+            local(kept).copy_(saved.contents)
+        else:
+            contents = {k: _put_back(v, memo) for k, v in saved.contents.items()}
+            if isinstance(kept, dict):  # entries step() added go, entries it replaced come back
+                kept.clear()
+                kept.update(contents)
+            else:
+                kept[:] = contents.values()
+        return kept
+    if type(saved) is tuple:
+        items = tuple(_put_back(v, memo) for v in saved)
+        memo[key] = out = saved if all(a is b for a, b in zip(items, saved)) else items
+        return out
+    return saved
+
+
+class Snapshot:
+    """What ``step()`` may change of one optimizer, copied raw (:meth:`take`), and put back in place
+    (:meth:`restore`): the attributes ``names`` of ``optimizer``, by default torch's ``state`` (every
+    parameter's state dict and its tensors, in whatever domain and dtype the optimizer keeps them) and
+    ``param_groups`` (their hyper-parameters; the parameters' values are not copied). Any
+    ``torch.optim.Optimizer`` (torchtitan's own AdamW/Adam too); a :class:`CommOptimizer` adds its
+    ``step_attributes``. A restore puts back the objects the snapshot found, with their contents of
+    then: what the step added goes, what it replaced comes back, tensors are written in place."""
+
+    def __init__(self, attributes: dict[str, Any]) -> None:
+        self._attributes = attributes
+
+    @classmethod
+    @torch.no_grad()
+    def take(cls, optimizer: torch.optim.Optimizer, names: tuple[str, ...] = ("state", "param_groups")) -> "Snapshot":
+        memo: dict[int, Any] = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+        return cls({name: _copy(getattr(optimizer, name), memo) for name in names})
+
+    @torch.no_grad()
+    def restore(self, optimizer: torch.optim.Optimizer) -> None:
+        memo: dict[int, Any] = {}
+        for name, saved in self._attributes.items():
+            setattr(optimizer, name, _put_back(saved, memo))
 
 
 class CommOptimizer(torch.optim.Optimizer):
     params_replica_local: bool  # required of every subclass (class attribute or property)
+    # What step() changes outside self.state and the param groups: kept by snapshot() (the rules of
+    # Snapshot: a tensor, dict or list is restored in place, anything else is kept as the object it is).
+    step_attributes: tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -75,6 +171,24 @@ class CommOptimizer(torch.optim.Optimizer):
     def metrics(self) -> dict[str, float]:
         """This optimizer's own scalars for the log (names without a prefix)."""
         return {}
+
+    def snapshot(self) -> Snapshot:
+        """The raw state before a step, for :meth:`restore` (the module docstring). A sync parked on
+        :attr:`runtime` across steps (DeMo's ``overlap``, the streaming ``sync_delay``) is a suspended
+        generator that cannot be copied, so there is none: a ``RuntimeError`` (live fault tolerance,
+        the one caller, refuses those options before anything is built)."""
+        if self.runtime.in_flight:
+            raise RuntimeError(
+                f"{type(self).__name__}.snapshot(): {self.runtime.in_flight} R sync(s) in flight across steps "
+                "cannot be copied (overlap / sync_delay)"
+            )
+        return Snapshot.take(self, ("state", "param_groups", *self.step_attributes))
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Put the state of :meth:`snapshot` back, bit for bit; a sync the undone step parked on
+        :attr:`runtime` is dropped with it."""
+        self.runtime.abandon()
+        snapshot.restore(self)
 
 
 def named_params(param_groups: list[dict]) -> Iterator[tuple[dict, str, torch.Tensor]]:

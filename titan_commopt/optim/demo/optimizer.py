@@ -243,7 +243,8 @@ class DeMo(CommOptimizer):
     eq. 8's subtraction is ``m_dct[sel] −= λ·m_dct[sel]``: one forward transform of the gradient and
     one inverse of the aggregate per step, batched over each shape group. :meth:`state_dict` writes it
     in the parameter domain, under the same key (torch's DCP rebuilds a flattened optimizer state
-    from the keys of the live state: they must be the checkpoint's).
+    from the keys of the live state: they must be the checkpoint's). An undone step (live fault
+    tolerance) is put back from :meth:`snapshot`, coefficients as they are: no conversion.
 
     The state is made whole at construction (and after a load), as the first step would make it:
     DCP's ``_init_optim_state`` and torchtitan 0.3's ``init_optim_state`` step an optimizer with an
@@ -251,6 +252,9 @@ class DeMo(CommOptimizer):
     would be a real exchange over R and one step more on every count."""
 
     params_replica_local = False  # every replica applies the same aggregated Q: parameters agree
+    # the step counts and the plan (a step with another set of gradients replaces it; its rows are
+    # the coefficient domain's momenta, restored in place with the state)
+    step_attributes = ("_steps", "_clock", "_plan")
 
     def __init__(self, named_params: Any, topology: Topology, options: Resolved, *,
                  ledger: Optional[comm.CommLedger] = None):

@@ -283,6 +283,7 @@ class Dion(CommOptimizer):
     """
 
     params_replica_local = False  # every replica applies the same averaged P and R: parameters agree
+    step_attributes = ("_fallbacks", "_stepped")  # CommOptimizer.snapshot: what step() counts and flags
 
     def __init__(self, named_params: Any, topology: Topology, options: Resolved, *,
                  ledger: Optional[comm.CommLedger] = None) -> None:

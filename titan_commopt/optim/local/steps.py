@@ -76,6 +76,8 @@ class LocalSteps:
       ``self._step_t``, the CPU scalar tensor every ``state["step"]`` is, so checkpoints carry it;
     - :meth:`begin_local_step`, the start of every ``step()``;
     - ``metrics()``: the syncs in flight on ``runtime`` and the steps to the next sync;
+    - ``step_attributes``: the counter and its tensor, kept by ``CommOptimizer.snapshot()`` (the
+      tensor is every state's ``step``, but a replica with no trainable shard has no state);
     - ``state_dict()`` lands every sync in flight first (waiting for its collective): a checkpoint
       holds no half-done sync, and the run that saved continues from the same state as a run resumed
       from it (a streaming sync then lands up to ``sync_delay`` − 1 steps early, at the checkpoint's
@@ -85,6 +87,7 @@ class LocalSteps:
 
     _n: int
     _step_t: torch.Tensor
+    step_attributes = ("_n", "_step_t")
 
     def start_step_counter(self) -> None:
         """No update yet: the counter at 0, and the tensor every ``state["step"]`` will be."""

@@ -193,32 +193,46 @@ class CommOptimizersContainer(OptimizersContainer):
 
     def _transaction_state(self) -> dict[str, Any]:
         """Copies of everything ``step()`` may change (the ledger aside: the bytes of a step that does
-        not commit were sent all the same)."""
+        not commit were sent all the same), each optimizer's raw (``CommOptimizer.snapshot``: no
+        conversion, so an undone step is undone bit for bit, at the price of one copy)."""
+        return {**self._params_and_counters(), "optimizers": [o.snapshot() for o in self.optimizers]}
+
+    @torch.no_grad()
+    def _restore(self, state: dict[str, Any]) -> None:
+        self._load_params_and_counters(state)
+        for optimizer, saved in zip(self.optimizers, state["optimizers"]):
+            optimizer.restore(saved)
+
+    def _heal_state(self) -> dict[str, Any]:
+        """What a healing group loads from this one: it crosses processes (torchft sends it over
+        HTTP), so each optimizer's is its ``state_dict()``, the checkpoint's form."""
+        return {**self._params_and_counters(), "optimizers": clone_tree([o.state_dict() for o in self.optimizers]),
+                "ledger": self.ledger.state_dict()}
+
+    @torch.no_grad()
+    def _load_heal_state(self, state: dict[str, Any]) -> None:
+        self._load_params_and_counters(state)
+        for optimizer, saved in zip(self.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(saved)
+        self.ledger.load_state_dict(state["ledger"])
+        self._logged = (dict(self.ledger.totals), self.ledger.steps)
+
+    def _params_and_counters(self) -> dict[str, Any]:
+        """Copies of the parameters (this rank's shards) and the container's counters: what a step
+        and a heal change besides the optimizers."""
         return clone_tree({
             "params": {n: local(p.data) for n, p in self._named_params()},
-            "optimizers": [o.state_dict() for o in self.optimizers],
             "counters": {"steps_taken": self.steps_taken, "skipped_steps": self.guard.skipped_steps,
                          "consecutive_skips": self.guard.consecutive_skips},
         })
 
-    @torch.no_grad()
-    def _restore(self, state: dict[str, Any]) -> None:
+    def _load_params_and_counters(self, state: dict[str, Any]) -> None:
         for name, p in self._named_params():
             local(p.data).copy_(state["params"][name])
-        for optimizer, saved in zip(self.optimizers, state["optimizers"]):
-            optimizer.load_state_dict(saved)
         counters = state["counters"]
         self.steps_taken = counters["steps_taken"]
         self.guard.skipped_steps = counters["skipped_steps"]
         self.guard.consecutive_skips = counters["consecutive_skips"]
-
-    def _heal_state(self) -> dict[str, Any]:
-        return {**self._transaction_state(), "ledger": self.ledger.state_dict()}
-
-    def _load_heal_state(self, state: dict[str, Any]) -> None:
-        self._restore(state)
-        self.ledger.load_state_dict(state["ledger"])
-        self._logged = (dict(self.ledger.totals), self.ledger.steps)
 
     def steps_to_next_sync(self) -> Optional[int]:
         """Optimizer steps until the next R sync of a periodic optimizer (1 = the next step);
