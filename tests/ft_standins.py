@@ -63,7 +63,9 @@ class Toy(nn.Module):
 
 
 def short_periods(name):
-    """The local-step families sync every few steps here (their presets sync every 16-6931)."""
+    """The local-step families sync every few steps here (their presets sync every 30-6931)."""
+    if resolve(name).family.key == "sparseloco":
+        return {"H": 2}
     if resolve(name).family.key != "local":
         return {}
     options = resolve(name).options

@@ -101,8 +101,8 @@ def changes(before: dict, after: dict) -> list[str]:
 # ---- the optimizers, their steps, their snapshots ---------------------------------------------------
 def options_of(name) -> dict:
     """Options under which the undone step changes the whole state on a :class:`Toy`: the local-step
-    families sync within a few steps; DeMo keeps a part of each chunk (its preset's top-128 is every
-    coefficient of the toy's chunks, which empties the momentum every step)."""
+    families sync within a few steps; DeMo keeps a part of each chunk (a top-k of every coefficient of
+    the toy's chunks would empty the momentum every step)."""
     if resolve(name).family.key == "demo":
         return {"topk": 16}
     return short_periods(name)
