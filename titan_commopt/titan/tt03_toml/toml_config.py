@@ -276,6 +276,18 @@ def _optimizer(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
     )
 
 
+def _same_batches_as_training(validation: Any, training: Any) -> None:
+    """``[validation] local_batch_size`` and ``seq_len``: torchtitan 0.3's validator reads batches of
+    ``[training]``'s shape, so a TOML may name them only at those values (left out, they are 0.2.2's
+    defaults, 8 and 2048). ConfigError otherwise, one line each."""
+    lines = [f"[validation] {key} = {getattr(validation, key)!r}: torchtitan 0.3's validator reads batches of "
+             f"[training] {key} = {getattr(training, key)!r}; allowed is {getattr(training, key)!r} (or [validation] "
+             "enable = false)"
+             for key in ("local_batch_size", "seq_len") if getattr(validation, key) != getattr(training, key)]
+    if lines:
+        raise ConfigError("\n".join(lines))
+
+
 def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
     """0.3's ``Trainer.Config`` for a parsed TOML (``job_config``: 0.2.2's keys, as parsed;
     ``user_keys``: the ``[commopt.<family>]`` keys set). Raises ConfigError for a value with no 0.3
@@ -307,6 +319,8 @@ def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
     cfg.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(cfg.model_spec)))
     validation = job_config.validation
     cfg.dataloader.dataset, cfg.dataloader.dataset_path = training.dataset.lower(), training.dataset_path
+    if validation.enable:
+        _same_batches_as_training(validation, training)
     cfg.validator.dataloader.dataset, cfg.validator.dataloader.dataset_path = validation.dataset.lower(), validation.dataset_path
     cfg.activation_checkpoint = _activation_checkpoint(job_config.activation_checkpoint)
     cfg.optimizer = _optimizer(job_config, user_keys)
