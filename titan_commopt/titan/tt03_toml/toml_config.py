@@ -21,6 +21,9 @@ What is mapped by hand (:func:`trainer_config`):
   (``tt03/configs.py: commopt_optimizer``; AdamW/Adam too, as on 0.2.2), the ``[commopt.<family>]``
   keys the user set passed as set on purpose; for ``llama3``/``llama3_reference``, torchtitan's
   container with one param group (lr, betas, eps, weight_decay);
+- ``[validation]``: 0.3's validator, evaluating the global model as on 0.2.2 (``tt03/validate.py``);
+  ``local_batch_size`` and ``seq_len`` only at ``[training]``'s values (0.3's validator reads batches of
+  that shape);
 - ``[activation_checkpoint] mode``: ``none`` → no AC, ``full`` → ``FullAC``, ``selective`` with
   ``selective_ac_option = "op"`` → ``SelectiveAC``, ``memory_budget`` → ``MemoryBudgetAC``; 0.3 has
   no layer-wise selective AC (an integer ``selective_ac_option``).
@@ -298,6 +301,7 @@ def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
 
     from ..tt03 import assets
     from ..tt03.fault_tolerance import with_fault_tolerance
+    from ..tt03.validate import with_global_model_validation
     from .toml_schema import all_keys
 
     cfg = with_fault_tolerance(llama3_debugmodel())  # [fault_tolerance]: torchtitan's torchft keys
@@ -322,6 +326,7 @@ def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
     if validation.enable:
         _same_batches_as_training(validation, training)
     cfg.validator.dataloader.dataset, cfg.validator.dataloader.dataset_path = validation.dataset.lower(), validation.dataset_path
+    with_global_model_validation(cfg)  # as on 0.2.2: the global model, for every [model] name
     cfg.activation_checkpoint = _activation_checkpoint(job_config.activation_checkpoint)
     cfg.optimizer = _optimizer(job_config, user_keys)
     if job_config.model.name == COMMOPT_SPEC:
