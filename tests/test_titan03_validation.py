@@ -129,3 +129,14 @@ def test_fault_tolerance_refuses_validation_that_needs_the_mean_over_replicas(mo
                          "per-step one")
     assert fault_tolerance_problems(parse("--optimizer.name", "DES-LOC", "--validator.no-enable")) == []
     assert fault_tolerance_problems(parse("--optimizer.name", "DiLoCo")) == []
+
+
+def test_a_validator_on_the_training_data_is_one_warning():
+    from titan_commopt.titan.tt03 import configs
+    from titan_commopt.titan.tt03.validate import validating_on_training_text
+
+    cfg = configs.cpu_debugmodel()
+    assert validating_on_training_text(cfg) == []  # the held-out twin
+    cfg.validator.dataloader.dataset_path = cfg.dataloader.dataset_path
+    (line,) = validating_on_training_text(cfg)
+    assert line.startswith("--validator.dataloader.dataset c4_test is the training dataset (dataset_path ")
