@@ -44,6 +44,7 @@ __all__ = [
     "Pending",
     "get_ledger",
     "scalars",
+    "eval_scalars",
     "all_reduce",
     "all_reduce_fused",
     "all_gather",
@@ -203,6 +204,18 @@ def scalars(ledger: CommLedger, since: dict[str, float], steps: int, adamw_r_sen
     if adamw_r_sent > 0 and ledger.steps > 0:
         out["comm/R_ratio_vs_adamw_hsdp"] = r_sent_total / (adamw_r_sent * ledger.steps)
     return out
+
+
+def eval_scalars(ledger: CommLedger) -> dict[str, float]:
+    """The ``comm/eval_*`` scalars of an evaluation ledger (the bytes evaluations sent, apart from
+    training's ``comm/*``: the mean over R a local-step family's global model takes, and the check that
+    the replicas hold one model): cumulative, since the run's process started (not checkpointed)."""
+    totals = ledger.totals
+    return {
+        "comm/eval_R_sent_bytes_total": totals.get("R_sent", 0.0),
+        "comm/eval_R_recv_bytes_total": totals.get("R_recv", 0.0),
+        "comm/eval_world_bytes_total": totals.get("world_sent", 0.0),
+    }
 
 
 _LEDGER = CommLedger()

@@ -23,6 +23,14 @@ let the parameters themselves differ between syncs. The adapter needs two answer
   counters, flags, DeMo's plan). No conversion, no re-plan; memory is one copy of the state. The
   parameters are not in it: they are the model's (the container copies them). ``state_dict()`` stays
   what crosses processes and disks (checkpoints, a heal from a peer).
+- ``global_params(ledger=...)``: a context manager inside which every parameter's local shard holds
+  the *global model*, the model a user keeps (what an evaluation on held-out text measures), and on
+  exit each replica's own values are back bit for bit (copies of what was overwritten, not a
+  recomputation), so evaluating changes no step after it. Default: nothing to swap, for a family
+  whose replicas hold equal parameters after every step. A local-step family swaps in its anchor
+  (x after the last outer step that landed) or, having none, the mean over R of the parameters:
+  what a sync now would make, one all-reduce recorded on ``ledger`` (an evaluation's bytes, kept
+  apart from training's). The shared swap is ``optim/local/global_model.py``.
 
 Every optimizer is constructed one way: ``Optimizer(named_params, topology, options, *, ledger=None)``
 with ``options`` the run's :class:`~titan_commopt.optim.family.Resolved` value (the family's
@@ -35,6 +43,7 @@ Parameters are passed as torch's named parameters (``(fqn, param)`` pairs, also 
 dicts), so every family finds a parameter's name in ``group["param_names"]`` the same way.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -189,6 +198,12 @@ class CommOptimizer(torch.optim.Optimizer):
         :attr:`runtime` is dropped with it."""
         self.runtime.abandon()
         snapshot.restore(self)
+    @contextmanager
+    def global_params(self, *, ledger: "Optional[comm.CommLedger]" = None) -> Iterator[None]:
+        """Inside: the global model in every parameter's local shard; after: each replica's own
+        parameters, bit for bit. ``ledger`` records what the swap sends (default: ``self.ledger``).
+        Here: nothing to swap (the replicas' parameters are equal after every step)."""
+        yield
 
 
 def named_params(param_groups: list[dict]) -> Iterator[tuple[dict, str, torch.Tensor]]:

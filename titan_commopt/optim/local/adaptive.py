@@ -48,9 +48,10 @@ is the one value derived from the table (``"auto"`` periods made numbers).
 
 import dataclasses
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
@@ -64,6 +65,7 @@ from .. import updates
 from ..base import CommOptimizer
 from ..common import LR_SCALE_HELP, BaseHParams, local
 from ..family import Bytes, Family, PeriodicSyncs, Resolved, ShardShape
+from .global_model import anchors_swapped_in, replica_mean_swapped_in
 from .steps import LocalSteps, column_chunks, chunk_limit, trainable
 from .update import fused_local_update, gradient_clip, local_update
 from .sync import DueStates, Periods, SyncSchedule, sync_in_place, sync_streaming
@@ -415,6 +417,24 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
         """Steps until the next R sync of any state (x, u_j or v); ``None`` when one period is 1
         (a sync every step) or all are 0 (never), or with one replica."""
         return None if not self.topology.replicated else self.schedule.steps_to_next(self._n)
+
+    @contextmanager
+    def global_params(self, *, ledger: Optional["comm.CommLedger"] = None) -> Iterator[None]:
+        """The global model (``CommOptimizer.global_params``): with the Nesterov outer step, the
+        anchor (x after the last outer step that landed); else the parameters themselves where the
+        replicas hold the same ones (one replica, or right after a sync of every fragment's x), and
+        mean_R(x) anywhere else: what a sync now would make, in ``transfer_dtype``, one all-reduce
+        recorded on ``ledger`` (default: ``self.ledger``)."""
+        params = [p for _, p in self._params]
+        if self._outer is not None and self.periods.Kx > 0:
+            with anchors_swapped_in(params, [self.state[p]["outer_anchor"] for p in params]):
+                yield
+        elif self._replicate is None or self.replicas_in_sync():
+            yield
+        else:
+            with replica_mean_swapped_in(params, self._replicate, wire_dtype=self._wire_dtype,
+                                         ledger=ledger if ledger is not None else self.ledger):
+                yield
 
     # ---- state -----------------------------------------------------------------------------------
     def _init_state(self, p: torch.Tensor, n_moments: int) -> dict:

@@ -74,8 +74,9 @@ synchronizations: none per step.
 import dataclasses
 import logging
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Iterator, Literal, Optional, Sequence
 
 import torch
 
@@ -92,6 +93,7 @@ from ..base import named_params as params_by_name
 from ..common import LR_SCALE_HELP, BaseHParams, local
 from ..family import Bytes, Family, PeriodicSyncs, Resolved, ShardShape
 from ..shard_groups import Groups, sharding_groups, sum_over
+from .global_model import anchors_swapped_in
 from .steps import LocalSteps, chunk_limit, column_chunks, trainable
 
 __all__ = ["Config", "PRESETS", "PRESET_SOURCES", "SparseLoCo", "FAMILY", "check", "sparseloco_r_bytes",
@@ -428,6 +430,14 @@ class SparseLoCo(LocalSteps, CommOptimizer):
         if not self.topology.replicated or self.H == 1:
             return None
         return self.H - self._n % self.H
+
+    @contextmanager
+    def global_params(self, *, ledger: Optional["comm.CommLedger"] = None) -> Iterator[None]:
+        """The global model (``CommOptimizer.global_params``): the anchor, x after the last outer
+        step that landed (with a sync in flight, the one before it). Sends nothing."""
+        params = [pc.p for pc in self._pieces]
+        with anchors_swapped_in(params, [self.state[p]["outer_anchor"] for p in params]):
+            yield
 
     # ---- step -------------------------------------------------------------------------------------
     @torch.no_grad()

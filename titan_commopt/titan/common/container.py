@@ -6,15 +6,19 @@ optimizers step (under fault tolerance as a transaction around the Manager's com
 after the replicas' drift check (its bytes belong to the step). For optimizers that own R the
 container also takes over torchtitan's gradient clipping (``clipping.py``) and saves its state per
 replica (``replica_checkpoint.py``). :meth:`CommOptimizersContainer.metrics` gives the scalars the
-metrics processor logs (``metrics.py``).
+metrics processor logs (``metrics.py``). An evaluation runs inside
+:meth:`CommOptimizersContainer.global_model` (``validation.py``): the model a user keeps, its bytes on
+a ledger of their own.
 """
 
 import math
-from typing import Any, Iterable, Optional
+from contextlib import ExitStack, contextmanager
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torchtitan.components.optimizer import OptimizersContainer
 
 from titan_commopt import comm
@@ -25,7 +29,7 @@ from titan_commopt.topology import R, Topology
 
 from . import replica_checkpoint, replica_state
 from .fault_tolerance import ReplicaGroupFT, clone_tree
-from .safeguards import Safeguards, StepGuard
+from .safeguards import Safeguards, StepGuard, stop_if_replicas_differ
 
 __all__ = ["CommOptimizersContainer", "Safeguards"]
 
@@ -72,6 +76,7 @@ class CommOptimizersContainer(OptimizersContainer):
         self._logged = (dict(ledger.totals), ledger.steps)  # the ledger at the previous metrics()
         self._param_ids = {id(p) for _, p in self._named_params()}
         self.ft: Optional[ReplicaGroupFT] = None  # live fault tolerance: attach_fault_tolerance
+        self.eval_ledger = comm.CommLedger()  # what evaluations send (global_model): not training's bytes
         self.committed = True  # whether the last step() stands (always, without fault tolerance)
         if hasattr(OptimizersContainer, "_validate_length"):  # torchtitan 0.2.2's check (0.3 has none)
             self._validate_length(len(model_parts))
@@ -268,6 +273,34 @@ class CommOptimizersContainer(OptimizersContainer):
                 out.update({f"commopt/{k}": float(v) for k, v in optimizer.metrics().items()})
         return out
 
+    # ---- evaluation: the global model ----
+    @contextmanager
+    def global_model(self) -> Iterator[None]:
+        """Inside: every parameter holds the global model, the model a user keeps (for our
+        optimizers their ``global_params``: the anchor, the mean over R or the parameters themselves;
+        for torchtitan's AdamW/Adam, whose R sync keeps the replicas equal, the parameters), checked
+        equal on every replica by fingerprint (a difference stops the run with one line, as the drift
+        check does); after: each replica's own parameters, bit for bit. Its collectives are recorded on
+        :attr:`eval_ledger`. Under live fault tolerance it issues no R collective (none may follow a
+        step's commit: ``fault_tolerance.py``): the check is left to the drift check inside the steps,
+        and a family that would need the mean over R is refused with validation on
+        (``config/fault_tolerance.py``)."""
+        with ExitStack() as stack:
+            _reshard(self.model_parts)  # a module still unsharded would not all-gather the swapped shards
+            stack.callback(_reshard, self.model_parts)  # runs after every optimizer's restore
+            if self.owns_replicate_sync:
+                for optimizer in self.optimizers:
+                    stack.enter_context(optimizer.global_params(ledger=self.eval_ledger))
+            if self.ft is None:
+                stop_if_replicas_differ(self._named_params(), self.topology, self.eval_ledger,
+                                        f"before evaluating the global model after optimizer step {self.steps_taken}")
+            self.eval_ledger.end_step()
+            yield
+
+    def eval_metrics(self) -> dict[str, float]:
+        """The bytes evaluations sent so far (``comm.eval_scalars``): logged with each evaluation."""
+        return comm.eval_scalars(self.eval_ledger)
+
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
         if self._pending_params:
             self._pending_params.restore(self._named_params())
@@ -323,3 +356,13 @@ class CommOptimizersContainer(OptimizersContainer):
     @staticmethod
     def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS}
+
+
+def _reshard(model_parts: list[nn.Module]) -> None:
+    """Every FSDP2 module of ``model_parts`` back to its shards. A module FSDP2 keeps unsharded
+    after a forward (torchtitan's last layers) would otherwise carry the values of the evaluation's
+    swap into the next training forward: FSDP2 all-gathers only what is sharded."""
+    for model in model_parts:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()

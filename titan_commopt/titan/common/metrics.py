@@ -23,6 +23,11 @@ step that follows a skip, so a run the skips then stop keeps them); ``commopt/<n
 optimizer's own scalars (``CommOptimizer.metrics``). The run's resolved optimizer options are
 written once as the text entry ``commopt/resolved_options``.
 
+An evaluation (``[validation]``, ``validation.py``) adds to torchtitan's ``validation_metrics/*`` the
+bytes evaluations have sent since the run's process started, kept out of the training totals:
+``comm/eval_R_sent_bytes_total``, ``comm/eval_R_recv_bytes_total`` (a local-step family's mean over R,
+the replica check's fingerprints) and ``comm/eval_world_bytes_total`` (the check's flag).
+
 The last step of a run (``[training] steps``) is always a log step, whatever ``[metrics] log_freq``:
 a run shorter than ``log_freq`` still shows its final loss and totals.
 
@@ -98,6 +103,14 @@ class CommMetrics:
         super().log(step, global_avg_loss, global_max_loss, grad_norm, {**(extra_metrics or {}), **scalars})  # type: ignore[misc]
         self._write_extras(step, container, scalars)
         logger.info(step_line(step, global_avg_loss, scalars, container.steps_to_next_sync()))
+
+    def log_validation(self, loss: float, step: int, extra_metrics: Optional[dict[str, Any]] = None) -> None:
+        """torchtitan's ``validation_metrics/*`` and its ``validate step:`` console line, with the
+        bytes evaluations sent so far (``comm/eval_*``, apart from training's ``comm/*``)."""
+        container = getattr(self, "optimizers", None)
+        if isinstance(container, CommOptimizersContainer):
+            extra_metrics = {**(extra_metrics or {}), **container.eval_metrics()}
+        super().log_validation(loss, step, extra_metrics)  # type: ignore[misc]
 
     def _write_extras(self, step: int, container: CommOptimizersContainer, scalars: dict[str, float]) -> None:
         writers = _tensorboard_writers(self.logger)  # type: ignore[attr-defined]

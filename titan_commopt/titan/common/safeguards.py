@@ -3,7 +3,8 @@
 - A NaN/Inf gradient on any rank: every rank skips the step together (``on_nonfinite = "skip"``), or
   the run stops (``"stop"``); ``max_consecutive_skips`` skipped steps in a row stop it too.
 - Every ``check_replicas_every`` optimizer steps the replicas' parameters are compared by fingerprint
-  (only at steps where the optimizer keeps replicas equal); a difference stops the run.
+  (only at steps where the optimizer keeps replicas equal); a difference stops the run. The same
+  check runs before every evaluation of the global model (:func:`stop_if_replicas_differ`).
 
 Every decision is agreed over all ranks (control collectives over the world, on the run's ledger),
 so that every rank stops alike, rank 0 printing one line (``titan/platform/stop.py``, exit status 1).
@@ -21,7 +22,7 @@ from titan_commopt.topology import Topology
 
 from ..platform.stop import TRAINING_STOPPED, stop_run
 
-__all__ = ["Safeguards", "StepGuard"]
+__all__ = ["Safeguards", "StepGuard", "stop_if_replicas_differ"]
 
 
 @dataclass(frozen=True)
@@ -91,14 +92,21 @@ class StepGuard:
         every rank stops alike, rank 0 printing the first rank's finding (one line, exit status 1).
         ``valid()``: whether the gathered fingerprints can be trusted (under fault tolerance not when
         a peer failed during the gather: that step is undone anyway)."""
-        try:
-            replica_state.check_replicas(named_params, topology, ledger=self.ledger)
-            found = None
-        except replica_state.ReplicaDriftError as error:
-            found = str(error) if valid is None or valid() else None
-        if replica_state.any_rank(found is not None, ledger=self.ledger):
-            findings = comm.all_gather_object(found, "world", dist.group.WORLD)  # the run stops here
-            first = next(text for text in findings if text)
-            stop_run(f"{first}; stopped at optimizer step {steps_taken}: resume from the last "
-                     "checkpoint (each replica's own state), and look for what writes parameters outside "
-                     "the optimizer", TRAINING_STOPPED)
+        stop_if_replicas_differ(named_params, topology, self.ledger, f"at optimizer step {steps_taken}", valid)
+
+
+def stop_if_replicas_differ(named_params: list[tuple[str, Any]], topology: Topology, ledger: comm.CommLedger,
+                            when: str, valid: Optional[Callable[[], bool]] = None) -> None:
+    """The drift check (:meth:`StepGuard.check_replicas`; also the evaluation's, before the global
+    model is evaluated): ``when`` says where the run stopped (``"at optimizer step 8"``); the bytes go
+    on ``ledger``."""
+    try:
+        replica_state.check_replicas(named_params, topology, ledger=ledger)
+        found = None
+    except replica_state.ReplicaDriftError as error:
+        found = str(error) if valid is None or valid() else None
+    if replica_state.any_rank(found is not None, ledger=ledger):
+        findings = comm.all_gather_object(found, "world", dist.group.WORLD)  # the run stops here
+        first = next(text for text in findings if text)
+        stop_run(f"{first}; stopped {when}: resume from the last checkpoint (each replica's own state), and "
+                 "look for what writes parameters outside the optimizer", TRAINING_STOPPED)

@@ -17,7 +17,8 @@ from urllib.parse import urlparse
 from .checkpoint import TOML, Spelling
 
 __all__ = [
-    "FtSettings", "LIGHTHOUSE_ENV", "LIGHTHOUSE_WAIT_ENV", "problems", "in_flight_problems", "lighthouse_address",
+    "FtSettings", "LIGHTHOUSE_ENV", "LIGHTHOUSE_WAIT_ENV", "problems", "in_flight_problems", "evaluation_problems",
+    "lighthouse_address",
     "lighthouse_wait_seconds", "wait_for_lighthouse",
 ]
 
@@ -108,6 +109,23 @@ def in_flight_problems(ft: FtSettings, resolved: Any, spelling: Spelling = TOML)
     if getattr(options, "sync_delay", 0):
         return [f"{spelling.setting(section, 'sync_delay', options.sync_delay)}: {why}; set it to 0"]
     return []
+
+
+def evaluation_problems(ft: FtSettings, resolved: Any, validating: bool, spelling: Spelling = TOML) -> list[str]:
+    """Validation of a family whose global model between syncs is the mean over R (parameters averaged
+    every Kx > 1 steps, no anchor), refused under fault tolerance: an evaluation follows a step's
+    commit, and no R collective may (a replica group that did not commit would not issue it)."""
+    if not ft.enable or not validating or resolved is None:
+        return []
+    options = resolved.options
+    if getattr(options, "outer", None) != "average" or getattr(options, "Kx", 1) == 1:
+        return []
+    validation = "validator" if spelling.cli else "validation"
+    return [f"{spelling.setting(validation, 'enable', True)} with {spelling.setting('optimizer', 'name', resolved.name)} "
+            f"under {spelling.setting('fault_tolerance', 'enable', True)}: its global model between syncs is the mean "
+            "of the replica groups' parameters, an R collective after the step's commit, which fault tolerance does "
+            f"not allow; set {spelling.setting(validation, 'enable', False)}, or train a family with an anchor "
+            "(DiLoCo, SparseLoCo) or a per-step one"]
 
 
 def lighthouse_address(url: str) -> Optional[tuple[str, int]]:

@@ -82,7 +82,9 @@ _VALIDATION_RULES = (
     ("validation", "local_batch_size", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("validation", "seq_len", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("validation", "freq", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
-    ("validation", "steps", lambda v: _integer(v) and (v == -1 or v >= 1), "-1 (the whole set) or an integer >= 1"),
+    ("validation", "steps", lambda v: _integer(v) and v >= 1,
+     "an integer >= 1 (batches per evaluation; -1, the whole held-out set, is refused: the ranks' shards of it end "
+     "at different batches, which torchtitan warns may hang the evaluation)"),
 )
 
 

@@ -14,26 +14,27 @@ optimizers refuse. :class:`CheckedJob` is its result with the keys the user set 
 nothing touches a process group, so ``titan_commopt.train`` makes it before torchtitan starts.
 
 :func:`run_warnings` names what a valid config does that the user probably did not mean, one line
-each: a ``[commopt.<family>]`` table the chosen optimizer does not read, and MT-DAO's switch at the
-end of a warm-up in a run too short for it.
+each: a ``[commopt.<family>]`` table the chosen optimizer does not read, MT-DAO's switch at the
+end of a warm-up in a run too short for it, and a ``[validation]`` that reads the training text.
 """
 
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
+from titan_commopt.corpora import HELD_OUT
 from titan_commopt.optim import FAMILIES, BaseHParams, Family, Resolved, family_of, owns_replicate_sync, resolve
 from titan_commopt.options import ConfigError, problems as option_problems
 
 from .parse import ParsedJob
 from .section import commopt_of
 from .sources import given_options, user_set_keys
-from .fault_tolerance import LIGHTHOUSE_ENV, FtSettings, in_flight_problems, problems as ft_problems
+from .fault_tolerance import LIGHTHOUSE_ENV, FtSettings, evaluation_problems, in_flight_problems, problems as ft_problems
 from .torchtitan_keys import SpecProblems, torchtitan_problems, world_size_from_env
 
 __all__ = [
     "resolve_options", "resolve_job", "hparams_of", "CheckedJob", "run_warnings", "unread_tables", "short_run_switch",
-    "SWITCH_MIN_STEPS",
+    "validating_on_training_text", "SWITCH_MIN_STEPS",
 ]
 
 # MT-DAO's switch at the end of warm-up (``[commopt.local] switch_at = "warmup"``) is recommended only
@@ -133,7 +134,8 @@ def resolve_job(
         found=torchtitan_problems(job_config, world_size, spec_problems) + ft_lines,
         refused_with_ours=_unsupported(job_config, name),
     )
-    in_flight = in_flight_problems(ft, resolved)  # needs the resolved options: checked once they are valid
+    # need the resolved options: checked once they are valid
+    in_flight = in_flight_problems(ft, resolved) + evaluation_problems(ft, resolved, job_config.validation.enable)
     if in_flight:
         raise ConfigError("\n".join(in_flight))
     return resolved
@@ -195,7 +197,20 @@ def short_run_switch(job_config: Any, resolved: Optional[Resolved]) -> list[str]
     ]
 
 
+def validating_on_training_text(job_config: Any) -> list[str]:
+    """One line when ``[validation]`` reads the training corpus itself: its loss is not a held-out loss."""
+    training, validation = job_config.training, job_config.validation
+    if not validation.enable or (validation.dataset.lower(), validation.dataset_path) != (
+            training.dataset.lower(), training.dataset_path):
+        return []
+    heldout = HELD_OUT.get(training.dataset.lower())
+    instead = f"; its held-out twin is {heldout!r}" if heldout else ""
+    return [f"[validation] dataset = {validation.dataset!r} is the [training] dataset: the validation loss is then "
+            f"measured on text the model trains on, not held-out text{instead}"]
+
+
 def run_warnings(job_config: Any, user_keys: dict[str, set[str]], resolved: Optional[Resolved]) -> list[str]:
     """What a valid config does that is probably not meant, one line each (:func:`resolve_job` has
     passed, so ``[optimizer] name`` is known)."""
-    return unread_tables(job_config.optimizer.name, user_keys) + short_run_switch(job_config, resolved)
+    return (unread_tables(job_config.optimizer.name, user_keys) + short_run_switch(job_config, resolved)
+            + validating_on_training_text(job_config))

@@ -2,9 +2,11 @@
 
 - ``llama3_commopt``: torchtitan's llama3 with our ``build_optimizers_fn`` (``[optimizer] name`` picks
   AdamW or any registered titan_commopt optimizer), our parallelize wrapper (R left to optimizers
-  that sync it themselves), the ``comm/*`` metrics, and the offline tokenizer.
+  that sync it themselves), the ``comm/*`` metrics, the offline tokenizer, and ``[validation]`` on the
+  global model (``validate.py``).
 - ``llama3_reference``: torchtitan's stock llama3 spec, changed only where a CPU run or the offline
-  data needs it (tokenizer, extra flavors, SUM reduction on gloo): the baseline to compare against.
+  data needs it (tokenizer, extra flavors, SUM reduction on gloo), and a validator that reads the same
+  held-out batches at every evaluation as ours does (so that the two compare): the baseline.
 
 Both know llama3's flavors plus small ones for CPU, two mid sizes for comm reports and a 1B-class
 one for a single GPU.
@@ -27,6 +29,7 @@ from .build import build_optimizers
 from .metrics import build_metrics_processor
 from .parallelize import wrap_parallelize
 from .run_context import CommoptRun
+from .validate import GlobalModelValidator
 
 EXTRA_FLAVORS = {
     name: TransformerModelArgs(**{**shape, "vocab_size": shape["vocab_size"] or tokenizer.VOCAB_SIZE})
@@ -80,6 +83,7 @@ def register() -> None:
             build_optimizers_fn=build_optimizers,
             build_tokenizer_fn=tokenizer.build_tokenizer,
             build_metrics_processor_fn=build_metrics_processor,
+            build_validator_fn=GlobalModelValidator,
         ),
     )
     register_train_spec(
@@ -89,5 +93,6 @@ def register() -> None:
             model_args=flavors,
             parallelize_fn=_reference_parallelize(stock.parallelize_fn),
             build_tokenizer_fn=tokenizer.build_tokenizer,
+            build_validator_fn=GlobalModelValidator,
         ),
     )

@@ -8,7 +8,9 @@ stays a command-line flag, the optimizer's options included: ``--optimizer.name 
 - ``cpu_debugmodel``: llama3 ``debugmodel`` for a CPU box, FlexDeMo, the bundled corpus and a
   tokenizer trained on it (built at first use into the cache, no internet: ``assets.py``), every
   CPU fix applied (``cpu.py``), 2 replicas (× the rest of the processes as FSDP shards),
-  seq 256 × batch 4, 4 steps, ``comm/*`` in the metrics, TensorBoard on (``<dump_folder>/tb``)::
+  seq 256 × batch 4, 4 steps, ``comm/*`` in the metrics, TensorBoard on (``<dump_folder>/tb``), the
+  global model's held-out loss after step 1 and every 20 steps (4 batches per rank, the bundled
+  corpus's held-out twin: ``validate.py``)::
 
       python -m titan_commopt.run --standalone --nproc_per_node=2 -m torchtitan.train \\
           --module titan_commopt.titan.tt03.configs --config cpu_debugmodel
@@ -18,7 +20,8 @@ stays a command-line flag, the optimizer's options included: ``--optimizer.name 
 - ``llama3_8b_flexdemo``, ``llama3_8b_diloco``, ``llama3_8b_dion``, ``llama3_8b_des_loc``,
   ``llama3_8b_mt_dao``: llama3 8B on GPUs, as ``train_configs/llama3_8b_*.toml``
   (2 replicas × 8-way FSDP, seq 8192, bf16 parameters, fp32 reduce, ``hf_assets_path =
-  ./assets/hf/Llama-3.1-8B``, dataset c4).
+  ./assets/hf/Llama-3.1-8B``, dataset c4; ``--validator.enable`` evaluates the global model on
+  c4's validation split).
 
 - any config function of torchtitan's models by its name (``--config llama3_debugmodel``):
   :func:`stock`, the CPU fixes and, where the stock asset paths are missing, the bundled tokenizer
@@ -37,11 +40,13 @@ import functools
 import sys
 from typing import Any, Optional
 
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models.llama3 import config_registry as _llama3  # not as names: --config <name> looks names up here
 from torchtitan.trainer import Trainer
 
 from titan_commopt.options import ConfigError
 
+from ..common.data import CORPUS_NAME, HELD_OUT
 from ..config.section import CommOpt
 from ..platform.console import quiet_known_noise
 from .assets import dataset_dir, tokenizer_dir
@@ -50,6 +55,7 @@ from .container import CommOptimizers, refuse, show_preset
 from .cpu import apply_cpu_fixes
 from .metrics import CommMetricsProcessor
 from .preflight import CommOptTrainer, ours, switch_problems
+from .validate import GlobalModelValidator, with_global_model_validation
 
 quiet_known_noise()  # torchtitan's CPU and offline-tokenizer warnings (``platform/console.py``)
 
@@ -93,7 +99,10 @@ def _cpu(name: Optional[str]) -> Trainer.Config:
     cfg.training.steps = 4
     if name is not None:
         cfg.optimizer = show_preset(commopt_optimizer(name, warmup_steps=cfg.lr_scheduler.warmup_steps))
-    cfg.validator.enable = False
+    # the global model's loss on the bundled corpus's held-out twin (never trained on), as the CPU TOMLs
+    cfg.validator = GlobalModelValidator.Config(
+        enable=True, freq=20, steps=4,
+        dataloader=HuggingFaceTextDataLoader.Config(dataset_path=str(dataset_dir(HELD_OUT[CORPUS_NAME]))))
     cfg.metrics.enable_tensorboard = True  # under <dump_folder>/tb (torchtitan logs the folder at start)
     cfg.parallelism.data_parallel_replicate_degree = 2  # R = 2: the optimizer syncs it (2 procs: DDP-like, 4: HSDP 2x2)
     return _checked(apply_cpu_fixes(with_comm_metrics(cfg)))
@@ -120,7 +129,7 @@ def _llama3_8b(name: str, commopt: Optional[Any] = None, lr: float = 1e-4) -> Tr
     cfg.debug.seed = 42
     cfg.dump_folder = f"./outputs/llama3_8b_{name}"
     cfg.optimizer = show_preset(commopt_optimizer(name, commopt, lr=lr, warmup_steps=200, implementation="foreach"))
-    return _checked(with_comm_metrics(cfg))
+    return _checked(with_global_model_validation(with_comm_metrics(cfg)))  # --validator.enable: the global model
 
 
 def _checked(cfg: Trainer.Config) -> CommOptTrainer.Config:

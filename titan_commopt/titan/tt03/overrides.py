@@ -13,7 +13,9 @@ options go in the JSON, not in ``--optimizer.*`` flags.
 
 :func:`comm_metrics` swaps the metrics processor for ours, which adds ``comm/*`` and ``commopt/*``
 to TensorBoard: ``--override.imports titan_commopt.titan.tt03.overrides.commopt
-titan_commopt.titan.tt03.overrides.comm_metrics``.
+titan_commopt.titan.tt03.overrides.comm_metrics``. :func:`global_model_validation` swaps the
+validator for ours (``validate.py``), which evaluates the global model of our optimizers (a
+local-step family's replicas hold other parameters between syncs) with the run's validator settings.
 
 On a CPU box torchtitan's stock configs also need the CPU fixes before the Trainer exists (an
 override runs too late for them): name the stock config through our config module there
@@ -27,6 +29,7 @@ from typing import Any
 
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.validate import Validator
 from torchtitan.config.override import derive, override
 
 from titan_commopt.optim import family_of, owns_replicate_sync
@@ -37,8 +40,9 @@ from ..platform.console import quiet_known_noise
 from ..config.torchtitan_keys import optimizer_value_problems
 from .container import CommOptimizers, refuse
 from .metrics import CommMetricsProcessor
+from .validate import GlobalModelValidator
 
-__all__ = ["commopt", "comm_metrics"]
+__all__ = ["commopt", "comm_metrics", "global_model_validation"]
 
 quiet_known_noise()  # torchtitan's CPU and offline-tokenizer warnings (``platform/console.py``)
 
@@ -89,3 +93,8 @@ def commopt(cfg: Any, name: str = "FlexDeMo", **options: Any) -> CommOptimizers.
 @override(target=MetricsProcessor.Config, description="comm/* and commopt/* scalars next to the loss")
 def comm_metrics(cfg: Any) -> CommMetricsProcessor.Config:
     return derive(cfg, CommMetricsProcessor.Config)
+
+
+@override(target=Validator.Config, description="the validator evaluates the global model")
+def global_model_validation(cfg: Any) -> GlobalModelValidator.Config:
+    return derive(cfg, GlobalModelValidator.Config)

@@ -14,7 +14,9 @@ missing tokenizer is a ``FileNotFoundError``, a misspelled override target a ``V
 - the mesh against ``WORLD_SIZE``, ``parallelism.spmd_backend``, the tokenizer directory and the
   datasets, worded as on the TOML routes (``config/torchtitan_keys.py``, ``common/data.py``);
 - ``--fault_tolerance.*`` (``fault_tolerance.py``): the checks of ``config/fault_tolerance.py`` in the
-  command line's spelling, and an optimizer config our container cannot commit with the quorum.
+  command line's spelling, and an optimizer config our container cannot commit with the quorum;
+- ``--validator.*`` (``validate.py``): ``freq`` and ``steps`` below 1; a validator that reads the
+  training dataset is one warning line.
 
 Every problem is one line, exit status 2 (``stop_run``: once, by rank 0 or by
 ``python -m titan_commopt.run``). A stock config run with ``--module llama3`` builds torchtitan's own
@@ -22,6 +24,7 @@ Trainer: there our override's checks run when torchtitan applies it, after the p
 """
 
 import os
+import sys
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -31,11 +34,13 @@ from titan_commopt.options import ConfigError
 
 from ..common.data import dataset_problems
 from ..config.checkpoint import CLI
-from ..config.fault_tolerance import LIGHTHOUSE_ENV, FtSettings, in_flight_problems, problems as ft_problems
+from ..config.fault_tolerance import (LIGHTHOUSE_ENV, FtSettings, evaluation_problems, in_flight_problems,
+                                      problems as ft_problems)
 from ..config.torchtitan_keys import data_parallel_degree, mesh_problems, spmd_backend_problems, world_size_from_env
 from .building import overridden
 from .container import refuse, resolve_config
 from .fault_tolerance import ReplicaGroupTrainer, committing_optimizer, uncommitting_optimizer
+from .validate import validating_on_training_text, validator_problems
 
 __all__ = [
     "CommOptTrainer", "ours", "preflight", "config_problems", "override_problems",
@@ -70,6 +75,9 @@ def preflight(config: Any) -> None:
     problems += config_problems(config, world_size_from_env()) + fault_tolerance_problems(as_run)
     if problems:
         refuse(ConfigError("\n".join(problems)))
+    if os.environ.get("RANK", "0") == "0":  # once per run
+        for line in validating_on_training_text(config):
+            print(f"titan_commopt: warning: {line}", file=sys.stderr, flush=True)
 
 
 def override_problems(config: Any) -> list[str]:
@@ -94,7 +102,9 @@ def fault_tolerance_problems(config: Any) -> list[str]:
         resolved = resolve_config(optimizer)
     except ConfigError:  # bad options: refused where the optimizer config is made
         return out
-    return out + in_flight_problems(settings, resolved, spelling=CLI)
+    validating = getattr(config.validator, "enable", False)
+    return out + in_flight_problems(settings, resolved, spelling=CLI) + evaluation_problems(
+        settings, resolved, validating, spelling=CLI)
 
 
 def config_problems(config: Any, world_size: Any) -> list[str]:
@@ -105,7 +115,7 @@ def config_problems(config: Any, world_size: Any) -> list[str]:
     dp = data_parallel_degree(config.parallelism, world_size) or 1
     out += _data_problems("dataloader", config.dataloader, dp)
     if getattr(config.validator, "enable", False):
-        out += _data_problems("validator.dataloader", config.validator.dataloader, dp)
+        out += validator_problems(config.validator) + _data_problems("validator.dataloader", config.validator.dataloader, dp)
     return out
 
 

@@ -21,6 +21,9 @@ What is mapped by hand (:func:`trainer_config`):
   (``tt03/configs.py: commopt_optimizer``; AdamW/Adam too, as on 0.2.2), the ``[commopt.<family>]``
   keys the user set passed as set on purpose; for ``llama3``/``llama3_reference``, torchtitan's
   container with one param group (lr, betas, eps, weight_decay);
+- ``[validation]``: 0.3's validator, evaluating the global model as on 0.2.2 (``tt03/validate.py``);
+  ``local_batch_size`` and ``seq_len`` only at ``[training]``'s values (0.3's validator reads batches of
+  that shape);
 - ``[activation_checkpoint] mode``: ``none`` → no AC, ``full`` → ``FullAC``, ``selective`` with
   ``selective_ac_option = "op"`` → ``SelectiveAC``, ``memory_budget`` → ``MemoryBudgetAC``; 0.3 has
   no layer-wise selective AC (an integer ``selective_ac_option``).
@@ -276,6 +279,18 @@ def _optimizer(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
     )
 
 
+def _same_batches_as_training(validation: Any, training: Any) -> None:
+    """``[validation] local_batch_size`` and ``seq_len``: torchtitan 0.3's validator reads batches of
+    ``[training]``'s shape, so a TOML may name them only at those values (left out, they are 0.2.2's
+    defaults, 8 and 2048). ConfigError otherwise, one line each."""
+    lines = [f"[validation] {key} = {getattr(validation, key)!r}: torchtitan 0.3's validator reads batches of "
+             f"[training] {key} = {getattr(training, key)!r}; allowed is {getattr(training, key)!r} (or [validation] "
+             "enable = false)"
+             for key in ("local_batch_size", "seq_len") if getattr(validation, key) != getattr(training, key)]
+    if lines:
+        raise ConfigError("\n".join(lines))
+
+
 def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
     """0.3's ``Trainer.Config`` for a parsed TOML (``job_config``: 0.2.2's keys, as parsed;
     ``user_keys``: the ``[commopt.<family>]`` keys set). Raises ConfigError for a value with no 0.3
@@ -286,6 +301,7 @@ def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
 
     from ..tt03 import assets
     from ..tt03.fault_tolerance import with_fault_tolerance
+    from ..tt03.validate import with_global_model_validation
     from .toml_schema import all_keys
 
     cfg = with_fault_tolerance(llama3_debugmodel())  # [fault_tolerance]: torchtitan's torchft keys
@@ -307,7 +323,10 @@ def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
     cfg.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(cfg.model_spec)))
     validation = job_config.validation
     cfg.dataloader.dataset, cfg.dataloader.dataset_path = training.dataset.lower(), training.dataset_path
+    if validation.enable:
+        _same_batches_as_training(validation, training)
     cfg.validator.dataloader.dataset, cfg.validator.dataloader.dataset_path = validation.dataset.lower(), validation.dataset_path
+    with_global_model_validation(cfg)  # as on 0.2.2: the global model, for every [model] name
     cfg.activation_checkpoint = _activation_checkpoint(job_config.activation_checkpoint)
     cfg.optimizer = _optimizer(job_config, user_keys)
     if job_config.model.name == COMMOPT_SPEC:

@@ -216,8 +216,9 @@ SCHEMA: dict[str, tuple[Key, ...]] = {
         Key("enable", bool, False, "validator.enable"),
         Key("dataset", str, "c4_validation", BY_HAND),
         Key("dataset_path", Optional[str], None, BY_HAND),
-        Key("local_batch_size", int, 8, Gone("torchtitan 0.3's validator uses [training] local_batch_size")),
-        Key("seq_len", int, 2048, Gone("torchtitan 0.3's validator uses [training] seq_len")),
+        # torchtitan 0.3's validator reads batches of [training]'s shape: the same values only (toml_config.py)
+        Key("local_batch_size", int, 8, BY_HAND),
+        Key("seq_len", int, 2048, BY_HAND),
         Key("freq", int, 10, "validator.freq"),
         Key("steps", int, -1, "validator.steps"),
     ),
