@@ -1,6 +1,7 @@
-"""The yardstick of issue 39: ``scripts/convergence.py`` (held-out loss of the global model, the iso-loss
-step, runs at several M, flavors and lengths in one results file, the gap against N) and the console
-timeline that parts training time from evaluation time.
+"""The yardstick of issue 39 and its tools: ``scripts/convergence.py`` (held-out loss of the global model,
+the iso-loss step, runs at several M, flavors and lengths in one results file, the gap against N), the
+console timeline that parts training time from evaluation time, and
+``scripts/project_time_to_loss.py --steps-ratio-from``.
 
 The arithmetic runs on synthetic curves and console lines; one real 4-step study at M = 2 checks that
 the pieces meet torchtitan's output.
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from scripts import convergence
+from scripts import project_time_to_loss as project
 from scripts._bench_common import ROOT, Timeline, parameter_count
 
 Setting = convergence.Setting
@@ -251,6 +253,45 @@ def test_the_timeline_leaves_the_evaluations_out_of_the_training_time():
     assert timeline.training_seconds(4) == pytest.approx(0.8)
     assert timeline.training_seconds(2) == pytest.approx(0.2)
     assert timeline.training_seconds(1) == 0.0
+
+
+# ---- the link rate of the 8B cluster --------------------------------------------------------------------
+def test_the_8b_ratio_is_the_projection_s():
+    times = project.step_times("8B", 2, 8, ["AdamW"], {}, 1e10)["AdamW"]
+    assert project.adamw_link_to_compute("10gbit") == pytest.approx(times["r_s"] / times["compute_s"])
+    assert 15 < project.adamw_link_to_compute("10gbit") < 21  # issue 39: ~18
+    assert project.adamw_link_to_compute("1gbit") == pytest.approx(10 * project.adamw_link_to_compute("10gbit"))
+
+
+# ---- a study's numbers carried into the time-to-loss tools ----------------------------------------------
+def study(tmp_path) -> Path:
+    where = setting(2, "cpu_micro", 40)
+    results = results_of(run("AdamW", 42, where, [6.0, 4.0, 3.0, 2.0, 2.0]),
+                         run("AdamW", 42, where, [6.0, 4.0, 3.0, 2.5, 2.5], lr=0.09),
+                         run("DeMo", 42, where, [6.0, 5.0, 3.0, 2.5, 1.9], lr=0.01),
+                         run("DiLoCo", 42, where, [6.0, 5.0, 4.0, 3.0, 2.5]))
+    (tmp_path / "convergence.json").write_text(json.dumps(results))
+    return tmp_path
+
+
+def test_project_time_to_loss_reads_the_study_s_iso_loss_ratios(tmp_path, capsys):
+    folder = study(tmp_path)
+    assert project.main(["--steps-ratio-from", str(folder), "--study-flavor", "cpu_micro", "--links", "10gbit"]) == 0
+    out = capsys.readouterr().out
+    # DeMo reaches AdamW-HSDP's 2.0 at step 38.3 (between 30: 2.5 and 40: 1.9), AdamW-HSDP its own at 30
+    assert "AdamW 1, DeMo 1.28" in out and "never reached AdamW-HSDP's loss there: DiLoCo" in out
+    assert "| DeMo | 1.28 |" in out and "| DiLoCo |" not in out
+    assert project.main(["--steps-ratio-from", str(folder), "--study-flavor", "cpu_micro", "--links", "10gbit",
+                         "--steps-ratio", "DiLoCo=2", "DeMo=1.1"]) == 0
+    out = capsys.readouterr().out
+    assert "DeMo 1.1 (given), DiLoCo 2 (given)" in out and "| DiLoCo | 2 |" in out
+    assert project.main(["--steps-ratio-from", str(folder), "--study-flavor", "cpu_micro",
+                         "--optimizers", "AdamW", "DiLoCo"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "DiLoCo never reached AdamW-HSDP's loss in" in err[0]
+    assert project.main(["--steps-ratio-from", str(folder), "--study-replicas", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "0 groups at M=8 cpu_tiny (the study has: M=2 cpu_micro 40 steps)" in err[0]
 
 
 # ---- real runs ---------------------------------------------------------------------------------------------
