@@ -100,13 +100,13 @@ def test_comm_report_burst_of_every_step_optimizers_is_the_mean():
 def test_comm_report_shows_the_resolved_settings_behind_each_row(capsys):
     rows = {r["optimizer"]: r["settings"] for r in comm_report.report(
         "cpu_tiny", 2, 2, ["AdamW", "DES-LOC", "FlexDeMo", "Dion"], {"local": {"Ku": ["auto"]}})}
-    assert rows["DES-LOC"] == {"Kx": 16, "Ku": [8], "Kv": 96, "transfer_dtype": "fp32"}  # auto: β1 0.9's half-life
+    assert rows["DES-LOC"] == {"Kx": 32, "Ku": [8], "Kv": 192, "transfer_dtype": "fp32"}  # Ku auto: β1 0.9's half-life
     assert rows["FlexDeMo"] == {"replicator": "demo", "chunk": 32, "topk": 32, "sign_before_sync": True, "pack": True,
                                  "wire": "compact"}
     assert rows["Dion"] == {"rank_fraction": 0.25, "compress": "auto", "scalar_sync": "dense"}
     assert rows["AdamW"] == {"gradient_all_reduce": "float32"}
     assert comm_report.main(["--flavor", "cpu_tiny", "--optimizers", "DES-LOC", "--set", "local.Ku=['auto']"]) == 0
-    assert "| DES-LOC | Kx=16 Ku=[8] Kv=96 transfer_dtype=fp32 |" in capsys.readouterr().out
+    assert "| DES-LOC | Kx=32 Ku=[8] Kv=192 transfer_dtype=fp32 |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("text, bps", [("10mbit", 1e7), ("100mbit", 1e8), ("1gbit", 1e9), ("100gbit", 1e11),
