@@ -169,7 +169,7 @@ def test_bench_netns_runs_or_skips(tmp_path):
     assert (tmp_path / "steps.png").stat().st_size > 1000
     # What crossed the link in the measured window carries at least the ledger's payload, and not
     # much more (TCP/IP headers, the loss all-reduce of logging).
-    for name, r in json.loads((tmp_path / "r.json").read_text()).items():
+    for name, r in json.loads((tmp_path / "r.json").read_text())["runs"].items():
         for link in r["link_bytes_per_step"]:
             assert 0.95 * r["ledger_r_node_per_step"] <= link <= 1.5 * r["ledger_r_node_per_step"] + 16384, (name, r)
     leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -1,20 +1,21 @@
 """The yardstick of issue 39 and its tools: ``scripts/convergence.py`` (held-out loss of the global model,
-the iso-loss step, runs at several M, flavors and lengths in one results file, the gap against N), the
-console timeline that parts training time from evaluation time, and
-``scripts/project_time_to_loss.py --steps-ratio-from``.
+the iso-loss step, runs at several M, flavors and lengths in one results file, the gap against N),
+``scripts/bench_netns.py --to-loss`` / ``--match-8b-ratio`` (training time apart from evaluation
+time, the link-rate calibration), ``scripts/project_time_to_loss.py --steps-ratio-from``.
 
-The arithmetic runs on synthetic curves and console lines; one real 4-step study at M = 2 checks that
-the pieces meet torchtitan's output.
+The arithmetic runs on synthetic curves and console lines; one real 4-step study at M = 2 and one real
+time-to-loss run of AdamW-HSDP (root only) check that the pieces meet torchtitan's output.
 """
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from scripts import convergence
+from scripts import bench_netns, convergence
 from scripts import project_time_to_loss as project
 from scripts._bench_common import ROOT, Timeline, parameter_count
 
@@ -255,7 +256,66 @@ def test_the_timeline_leaves_the_evaluations_out_of_the_training_time():
     assert timeline.training_seconds(1) == 0.0
 
 
+def test_time_to_loss_is_interpolated_in_training_seconds():
+    sampler = bench_netns.ConsoleSampler(Path("/nonexistent"), set())
+    for line in CONSOLE.splitlines():
+        sampler.timeline.add(line)
+    sampler.samples = {1: [0, 0], 4: [3000, 300]}
+    auto = bench_netns.time_to_loss("AdamW", sampler, None, None, 4)  # the run sets its own target
+    assert auto["target"] == 7.3096 and auto["reached_at_step"] == 4 and auto["iso_loss_step"] == 4.0
+    assert auto["time_to_loss_s"] == pytest.approx(0.8) and auto["train_s"] == pytest.approx(0.8)
+    assert auto["link_bytes_per_step"] == [1000.0, 100.0] and auto["eval_s"] == pytest.approx(3.5)
+    # 7.33 lies 0.6 of the way from step 2's 7.3436 to step 4's 7.3096: 0.2 + 0.6 × (0.8 − 0.2) training s
+    between = bench_netns.time_to_loss("DeMo", sampler, 7.3232, "reached", 4)
+    assert between["reached_at_step"] == 4 and between["iso_loss_step"] == pytest.approx(3.2)
+    assert between["time_to_loss_s"] == pytest.approx(0.56)
+    never = bench_netns.time_to_loss("DiLoCo", sampler, 7.0, None, 4)
+    assert never["reached_at_step"] is None and never["time_to_loss_s"] is None and never["best_heldout"] == 7.3096
+    # AdamW-HSDP missing a study's target by its last digits (its whole schedule run) sets the round's own
+    assert bench_netns.missed_study_target(never)
+    assert not bench_netns.missed_study_target({**never, "curve": never["curve"][:2]})  # stopped before the end
+    assert not bench_netns.missed_study_target(auto)
+    own = bench_netns.crossing(never["curve"], never["curve"][-1][1])
+    assert own == {"target": 7.3096, "reached_at_step": 4, "iso_loss_step": 4.0, "time_to_loss_s": pytest.approx(0.8)}
+
+
 # ---- the link rate of the 8B cluster --------------------------------------------------------------------
+def link_model(compute: float, latency: float, nbytes: float, noise=None):
+    """AdamW-HSDP on a synthetic link: step = compute + latency + bytes / rate (None: unshaped)."""
+    calls = []
+
+    def measure(rate):
+        calls.append(rate)
+        link = 0.0 if rate is None else latency + 8 * nbytes / rate
+        if noise:
+            link = noise(len(calls), link)
+        return {"step_s": compute + link, "link_bytes_per_step": [nbytes, nbytes * 0.9]}
+
+    return measure, calls
+
+
+def test_the_calibration_solves_the_rate_and_confirms_it():
+    measure, calls = link_model(compute=0.2, latency=0.3, nbytes=1e6)
+    found = bench_netns.solve_rate(measure, 18.0, tries=3)
+    first = 8e6 / (18.0 * 0.2)  # the measured bytes in 18 × compute
+    assert calls[0] is None and calls[1] == pytest.approx(first)
+    # the latency makes the first trial 0.3 s slow (ratio 19.5): the solved rate corrects it, and confirms
+    assert found["trials"][0]["ratio"] == pytest.approx(19.5)
+    assert len(found["trials"]) == 2 and found["within_tolerance"]
+    assert found["achieved_ratio"] == pytest.approx(found["trials"][-1]["ratio"]) == pytest.approx(18.0, rel=0.15)
+    assert found["rate_bps"] == calls[-1] and found["compute_s"] == 0.2
+
+
+def test_the_calibration_keeps_the_trial_nearest_the_target_and_slows_a_link_that_measured_no_cost():
+    # a noisy box: the first shaped step was no slower than the compute
+    measure, calls = link_model(0.2, 0.0, 1e6, noise=lambda call, link: -0.01 if call == 2 else link * 2.0)
+    found = bench_netns.solve_rate(measure, 18.0, tries=3, tolerance=0.01)
+    assert calls[2] == pytest.approx(calls[1] / 4) and len(found["trials"]) == 3
+    assert not found["within_tolerance"] or abs(found["achieved_ratio"] / 18 - 1) <= 0.01
+    best = min(found["trials"][1:], key=lambda t: abs(math.log(t["ratio"] / 18)))
+    assert found["rate_bps"] == best["rate_bps"]
+
+
 def test_the_8b_ratio_is_the_projection_s():
     times = project.step_times("8B", 2, 8, ["AdamW"], {}, 1e10)["AdamW"]
     assert project.adamw_link_to_compute("10gbit") == pytest.approx(times["r_s"] / times["compute_s"])
@@ -272,6 +332,45 @@ def study(tmp_path) -> Path:
                          run("DiLoCo", 42, where, [6.0, 5.0, 4.0, 3.0, 2.5]))
     (tmp_path / "convergence.json").write_text(json.dumps(results))
     return tmp_path
+
+
+def test_the_time_to_loss_target_and_lrs_come_from_the_study(tmp_path):
+    results = convergence.load_results(study(tmp_path) / "convergence.json")
+    target, lrs, adamw = bench_netns.study_target(results, "cpu_micro", 40, 2048, 42)
+    assert target == 2.0 and adamw["lr"] == 0.027 and lrs == {"AdamW": 0.027, "DeMo": 0.01, "DiLoCo": 0.027}
+    with pytest.raises(ValueError, match="no AdamW-HSDP run .* M=2 cpu_micro 40 steps 2048 tokens/step seed 43 "
+                                         r"\(the study has: M=2 cpu_micro 40 steps 2048 tokens/step\)"):
+        bench_netns.study_target(results, "cpu_micro", 40, 2048, 43)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--to-loss", "study"], "--targets-from: allowed together with --to-loss study"),
+    (["--to-loss", "auto", "--eval-every", "3"], "--eval-every 3 does not divide AdamW's schedule (40 steps)"),
+    (["--to-loss", "auto", "--dataset", "commopt_world_heldout"], "--to-loss scores held-out text"),
+    (["--to-loss", "soon"], "--to-loss 'soon': allowed is 'auto', 'study' or a loss"),
+    (["--match-8b-ratio", "--rates", "1gbit"], "--match-8b-ratio: the rate is found, not given"),
+    (["--match-8b-ratio", "fast"], "--match-8b-ratio: --link 'fast': allowed is a rate > 0"),
+])
+def test_bench_netns_refuses_a_to_loss_run_it_cannot_do_in_one_line(capsys, args, expected):
+    with pytest.raises(SystemExit) as stop:
+        bench_netns.main(["--optimizers", "AdamW", "DeMo", "--steps", "40", "--flavor", "cpu_micro",
+                          "--nproc-per-node", "2", *args])
+    assert expected in str(stop.value.code) and "\n" not in str(stop.value.code), stop.value.code
+
+
+def test_bench_netns_takes_the_study_s_target_lrs_and_warm_up(tmp_path, capsys):
+    a = bench_netns.argparse.Namespace(
+        dataset="commopt_world", seed=None, budget_x=None, to_loss="study", targets_from=str(study(tmp_path)),
+        schedule={}, steps=40, batch=4, seq_len=128, nproc_per_node=2, eval_every=None, eval_steps=None,
+        flavor="cpu_micro", lrs={}, lr=None, lr_warmup=None, lr_warmup_frac=None)
+    assert bench_netns.prepare_to_loss(a, ["AdamW", "DeMo", "SparseLoCo"]) == 2.0
+    assert a.lrs == {"AdamW": 0.027, "DeMo": 0.01} and a.seed == 42 and a.lr_warmup_frac == 0.05
+    assert a.lr == convergence.STUDY_ADAMW_LR  # SparseLoCo, which the study lacks: the study's default lr
+    assert (a.eval_every, a.eval_steps) == (1, 32)  # 40 steps / 40 evaluations; 64k tokens at 2048 a step
+    args = bench_netns.train_args("DeMo", a, {})
+    assert args[args.index("--optimizer.lr") + 1] == "0.01" and args[args.index("--lr_scheduler.warmup_steps") + 1] == "2"
+    assert args[args.index("--validation.dataset") + 1] == "commopt_world_heldout"
+    assert "target 2.0000: AdamW-HSDP's final held-out loss" in capsys.readouterr().err
 
 
 def test_project_time_to_loss_reads_the_study_s_iso_loss_ratios(tmp_path, capsys):
@@ -316,3 +415,21 @@ def test_convergence_runs_with_held_out_evaluation(tmp_path):
     assert (tmp_path / "heldout_vs_r_bytes_M2_cpu_micro_4steps.png").exists() and (tmp_path / "gap_vs_n.png").exists()
 
 
+def test_bench_netns_times_adamw_to_its_own_held_out_loss(tmp_path):
+    """AdamW-HSDP over a shaped link (2 nodes × 1 process, cpu_micro, 4 steps, evaluated at 1, 2, 4):
+    it reaches its own final held-out loss at an evaluation, in training seconds."""
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_netns.py", "--rates", "1gbit", "--optimizers", "AdamW", "--flavor", "cpu_micro",
+         "--nproc-per-node", "1", "--dataset", "commopt_world", "--to-loss", "auto", "--steps", "4", "--eval-every", "2",
+         "--eval-steps", "1", "--timeout", "300", "--out", str(tmp_path), "--json", str(tmp_path / "r.json"),
+         "--plot-loss", str(tmp_path / "loss.png")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    if proc.stdout.startswith("SKIP:"):
+        pytest.skip(proc.stdout.strip())
+    (r,), = json.loads((tmp_path / "r.json").read_text())["runs"].values()
+    assert [k for _, _, k in r["curve"]] == [1, 2, 4] and r["target"] == r["curve"][-1][1]
+    assert r["reached_at_step"] in (1, 2, 4) and 0 <= r["time_to_loss_s"] <= r["train_s"]
+    assert r["eval_s"] > 0 and len(r["load_average"]) == 2 and r["link_bytes_per_step"][0] > 0
+    assert "| AdamW | the config's | 4 |" in proc.stdout and (tmp_path / "loss.png").stat().st_size > 10_000
