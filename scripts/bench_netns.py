@@ -399,6 +399,7 @@ def missed_study_target(adamw: dict) -> bool:
 
 
 # ---- the link rate at which AdamW-HSDP's link time ÷ compute time is the 8B cluster's -------------------
+CONSOLE_DECIMALS = 4  # of the held-out loss in torchtitan 0.2.2's "validate step: N  loss: X.XXXX" line
 CALIBRATION_TOLERANCE = 0.15  # a measured ratio this close to the target confirms the rate
 
 
@@ -622,6 +623,9 @@ def prepare_to_loss(a, names: list[str]) -> float | None:
             raise SystemExit(str(error)) from None
         if adamw["dataset"] != a.dataset:
             raise SystemExit(f"--dataset {a.dataset}: the study's AdamW-HSDP trained on {adamw['dataset']}")
+        # the console prints held-out losses to 4 decimals (torchtitan's "validate step:" line), the study
+        # kept TensorBoard's float: compared with the printed ones, the target is rounded the same way
+        target = round(target, CONSOLE_DECIMALS)
         a.lrs = {**{n: lr for n, lr in lrs.items() if n in names}, **a.lrs}
         a.lr = STUDY_ADAMW_LR if a.lr is None else a.lr  # an optimizer the study lacks: the study's default lr
         if a.lr_warmup is None and a.lr_warmup_frac is None:
@@ -697,8 +701,8 @@ def main(argv=None) -> int:
     if a.match_8b_ratio:
         try:
             parse_link(a.match_8b_ratio)
-        except ValueError as error:
-            raise SystemExit(f"--match-8b-ratio: {error}") from None
+        except ValueError as error:  # comm_report's words name its own flag
+            raise SystemExit(str(error).replace("--link", "--match-8b-ratio", 1)) from None
         if a.calibrate_steps <= a.warmup:
             raise SystemExit(f"--calibrate-steps {a.calibrate_steps}: allowed is more than --warmup ({a.warmup})")
     rates = a.rates or ["100mbit", "1gbit"]
