@@ -569,19 +569,24 @@ def plot_gap_vs_n(order: list[tuple], gaps: dict, path: Path) -> Path | None:
             continue
         replicas, flavor, steps, tokens = group
         parameters = parameter_count(flavor)
-        lines.setdefault((name, replicas, round(steps * tokens / parameters)), []).append((parameters, 100 * gap, 100 * half))
+        density = float(f"{steps * tokens / parameters:.2g}")  # 2320 and 615 steps both read 20 tokens/parameter
+        lines.setdefault((name, replicas, density), []).append((parameters, 100 * gap, 100 * half))
     if not lines:
         return None
     densities = {k[2] for k in lines}
     names = list(dict.fromkeys(k[0] for k in lines))
-    styles = {m: s for m, s in zip(sorted({k[1] for k in lines}), ["-", "--", ":", "-."] * 4)}
+    # M by line and marker (a point that no other flavor joins is told apart by its marker alone)
+    styles = {m: s for m, s in zip(sorted({k[1] for k in lines}), [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")] * 4)}
     fig, ax = plt.subplots(figsize=(7, 5))
     for (name, replicas, density), points in lines.items():
         points.sort()
         xs, ys, errs = zip(*points)
-        label = f"{name}, M = {replicas}" + (f", {density} tok/param" if len(densities) > 1 else "")
-        ax.errorbar(xs, ys, yerr=errs, color=f"C{names.index(name)}", ls=styles[replicas], marker="o", ms=4,
-                    capsize=3, label=label)
+        label = f"{name}, M = {replicas}" + (f", {density:g} tok/param" if len(densities) > 1 else "")
+        line, marker = styles[replicas]
+        ax.errorbar(xs, ys, yerr=errs, color=f"C{names.index(name)}", ls=line, marker=marker, ms=5, capsize=3,
+                    label=label)
+    sizes = [x for points in lines.values() for x, _, _ in points]
+    ax.set_xlim(min(sizes) / 1.5, max(sizes) * 1.5)
     ax.axhline(0, color="k", lw=0.7)
     ax.set_xscale("log")
     ax.set_xlabel("parameters (log)")
