@@ -25,7 +25,9 @@ only: the flavor, the steps, ``--training.dataset`` (default ``commopt_world``),
 batch, ``--optimizer.name`` / ``lr``, the warm-up (5 % of the steps), the seed, the validation flags
 and family options (``--set``). **The global batch is fixed** (``--global-batch``, default 16
 sequences × 128 tokens = 2048 tokens per step): each process reads ``global ÷ (M·S)`` sequences, so
-every M trains on the same tokens per step and AdamW-HSDP at M = 2 and M = 8 is one algorithm.
+every M trains on as many tokens per step and AdamW-HSDP at M = 2 and M = 8 is one algorithm (on other
+documents per step: torchtitan splits the corpus by data-parallel rank; at 200 steps of cpu_tiny its
+held-out losses were 1.4444 at 2 × 2 and 1.4477 at 8 × 1).
 ``--tokens-per-param T`` sets the steps to T × parameters ÷ tokens per step (the flavor's parameters
 on the installed torchtitan line), rounded to a multiple of the evaluation period.
 
