@@ -1,8 +1,13 @@
 """Shared helpers of the benchmark scripts: model shapes on the meta device, optimizer configs,
-launching ``titan_commopt.train`` under torchrun and reading its TensorBoard scalars."""
+launching ``titan_commopt.train`` under torchrun, the held-out evaluation's flags, and reading a run
+back (its TensorBoard scalars; its console lines' times, to part training time from evaluation time)."""
 
+import datetime
+import functools
 import glob
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +70,11 @@ def param_shapes(flavor: str) -> list[tuple[str, tuple[int, ...]]]:
     with torch.device("meta"):
         model = build_model(flavor)
     return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+
+@functools.cache  # a meta-device model per call: the study's tables ask for each flavor's size many times
+def parameter_count(flavor: str) -> int:
+    return sum(math.prod(shape) for _, shape in param_shapes(flavor))
 
 
 def parse_overrides(items: list[str]) -> dict[str, dict]:
@@ -151,6 +161,80 @@ def run_train(dump: Path, nproc: int, *overrides: str, timeout: int = 3600) -> s
     if proc.returncode != 0:
         raise RuntimeError(f"training failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
+
+
+# Held-out tokens each evaluation reads (issue 39's study: 32 steps of its 2048-token global batch).
+EVAL_TOKENS = 65536
+
+
+def eval_steps_for(tokens_per_eval_step: int) -> int:
+    """``[validation] steps`` that read about :data:`EVAL_TOKENS` held-out tokens per evaluation."""
+    return max(1, round(EVAL_TOKENS / tokens_per_eval_step))
+
+
+def validation_flags(dataset: str, every: int, steps: int, local_batch: int, seq_len: int) -> list[str]:
+    """torchtitan's ``[validation]`` on the held-out twin of the training corpus ``dataset``
+    (``titan_commopt.corpora.HELD_OUT``), every ``every`` steps (torchtitan also evaluates step 1),
+    ``steps`` batches of the training's local batch each time. An unknown corpus: ``KeyError``."""
+    from titan_commopt.corpora import HELD_OUT
+
+    return ["--validation.enable", "--validation.dataset", HELD_OUT[dataset], "--validation.freq", str(every),
+            "--validation.steps", str(steps), "--validation.local_batch_size", str(local_batch),
+            "--validation.seq_len", str(seq_len)]
+
+
+class Timeline:
+    """When each training step and each evaluation ended, from torchtitan's console lines
+    (``step: N  loss: X`` after step N, ``validate step: N  loss: X`` after the evaluation that
+    follows it; the first line of each step counts: every rank prints, and our metrics add a second
+    ``step:`` line per step).
+
+    A line's time is its ``[titan] YYYY-MM-DD HH:MM:SS,mmm`` stamp (``time.time()``'s clock), else
+    the ``arrival`` given. torchtitan evaluates between a step's console line and the next step, so
+    an evaluation took ``evals[k] - steps[k]``; :meth:`training_seconds` leaves those out."""
+
+    LINE = re.compile(r"(?:\[titan\] (?P<when>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?)?"
+                      r"(?P<validate>validate )?step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>[-+0-9.eE]+|nan|inf)")
+
+    def __init__(self) -> None:
+        self.steps: dict[int, float] = {}
+        self.losses: dict[int, float] = {}
+        self.evals: dict[int, float] = {}
+        self.eval_losses: dict[int, float] = {}
+
+    @classmethod
+    def of(cls, text: str) -> "Timeline":
+        timeline = cls()
+        for line in text.splitlines():
+            timeline.add(line)
+        return timeline
+
+    def add(self, line: str, arrival: float | None = None) -> tuple[str, int] | None:
+        """Reads one console line; returns ``("step" | "validate", N)`` the first time it sees that
+        step's line of that kind, else None."""
+        m = self.LINE.search(line)
+        if not m:
+            return None
+        when = arrival
+        if m["when"]:
+            when = datetime.datetime.strptime(m["when"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        times, losses, kind = ((self.evals, self.eval_losses, "validate") if m["validate"]
+                               else (self.steps, self.losses, "step"))
+        step = int(m["step"])
+        if step in times or when is None:
+            return None
+        times[step], losses[step] = when, float(m["loss"])
+        return kind, step
+
+    def eval_seconds(self, before: int | None = None) -> float:
+        """Seconds spent evaluating after the steps before ``before`` (all evaluations: None)."""
+        return sum(t - self.steps[k] for k, t in self.evals.items() if k in self.steps and (before is None or k < before))
+
+    def training_seconds(self, upto: int) -> float:
+        """Wall clock from the first step's line to step ``upto``'s, less the evaluations in between:
+        the first step (start-up, first compilations) is left out, alike for every run."""
+        first = min(self.steps)
+        return self.steps[upto] - self.steps[first] - self.eval_seconds(before=upto) + self.eval_seconds(before=first)
 
 
 def read_scalars(dump: Path) -> dict[str, list[tuple[int, float]]]:

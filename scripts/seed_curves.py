@@ -5,14 +5,14 @@ the seeds part, and when each one crosses given loss levels.
         "FlexDeMo k32=/tmp/study/flex_k32:FlexDeMo" --levels 1.6 1.4 1.2 --png docs/img/seeds.png
 
 Each ``LABEL=DIR:NAME`` is the optimizer NAME of the study in DIR (its ``convergence.json``) at its best
-lr there, every seed. Prints, per run and seed: the final loss (mean of the last 10 % of steps), the
+lr there, every seed; where a study holds runs at several M, flavors or lengths, ``--replicas``,
+``--flavor`` and ``--steps`` pick one. Prints, per run and seed: the final loss (mean of the last 10 % of steps), the
 first step at which the trailing mean of ``--window`` losses reaches each level, and the mean
 ``grad_norm`` of the last 20 % of steps (from the run's TensorBoard log, where it is still there).
 Draws the trailing mean against the step, one colour per label, one line per seed.
 """
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts._bench_common import read_scalars, table  # noqa: E402
-from scripts.convergence import best_runs, final_loss  # noqa: E402
+from scripts.convergence import best_runs, final_loss, groups, load_results, select  # noqa: E402
 
 
 def trailing(xs: list[float], window: int) -> list[float]:
@@ -34,7 +34,7 @@ def trailing(xs: list[float], window: int) -> list[float]:
 
 
 def late_grad_norm(study: Path, run: dict) -> str:
-    dump = study / "runs" / f"{run['name']}_lr{run['lr']:.6g}_seed{run['seed']}"
+    dump = study / "runs" / run["folder"]
     try:
         norms = [v for _, v in read_scalars(dump)["grad_norm"]]
     except (KeyError, FileNotFoundError, OSError):
@@ -48,6 +48,9 @@ def main(argv=None) -> int:
     p.add_argument("--levels", nargs="*", type=float, default=[1.6, 1.4, 1.2])
     p.add_argument("--window", type=int, default=25, help="steps in the trailing mean")
     p.add_argument("--png")
+    p.add_argument("--replicas", type=int, help="the runs at this M")
+    p.add_argument("--flavor", help="the runs of this flavor")
+    p.add_argument("--steps", type=int, help="the runs of this many training steps")
     a = p.parse_args(argv)
     series = []
     for item in a.runs:
@@ -56,9 +59,14 @@ def main(argv=None) -> int:
         if not eq or not colon:
             p.error(f"{item!r}: allowed is LABEL=DIR:NAME")
         study = Path(folder)
-        runs = best_runs(json.loads((study / "convergence.json").read_text())).get(name)
-        if not runs:
-            p.error(f"{item!r}: no {name} runs in {study / 'convergence.json'}")
+        chosen = select(load_results(study / "convergence.json"), a.replicas and [a.replicas], a.flavor and [a.flavor],
+                        a.steps and [a.steps], [name])
+        found = groups(chosen)
+        if len(found) != 1:
+            where = "; ".join(f"M={m} {f} {s} steps" for m, f, s, _ in found)
+            p.error(f"{item!r}: {len(found)} groups of {name} runs in {study / 'convergence.json'}"
+                    + (f" ({where}): pick one with --replicas/--flavor/--steps" if found else ""))
+        runs = best_runs(next(iter(found.values())))[name]
         series.append((label, study, sorted(runs, key=lambda r: r["seed"])))
     rows = []
     for label, study, runs in series:
