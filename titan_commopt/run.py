@@ -150,7 +150,7 @@ def _launch(args, logs: Optional[RankLogs] = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
-    os.environ[LAUNCHER_ENV] = "1"  # the workers leave printing our lines to us
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers leave printing our lines to us, and know their launcher
     try:
         run(args)
     except ChildFailedError as error:

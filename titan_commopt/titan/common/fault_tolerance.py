@@ -407,8 +407,10 @@ def start(settings: FtSettings, commopt: Any) -> ReplicaGroupFT:
     for the lighthouse, then makes the Manager and R. A lighthouse that does not answer is one line,
     exit status 2, on every rank. ``commopt``: the ``[commopt]`` section (its ``ft_*`` keys)."""
     from ..config.fault_tolerance import wait_for_lighthouse
+    from ..platform.launcher_death import die_with_launcher
     from ..platform.stop import RESUME_REFUSED, stop_run
 
+    die_with_launcher()  # before the Manager heartbeats: orphans would hold the job (platform/launcher_death.py)
     url = os.environ.get(LIGHTHOUSE_ENV, "")
     problem = wait_for_lighthouse(url, waiting=lambda seconds: logger.info(
         "fault tolerance: replica group %d waits up to %.0f s for the torchft lighthouse at %s",
