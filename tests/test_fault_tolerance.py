@@ -11,8 +11,9 @@ from titan_commopt import comm
 from titan_commopt.optim import FAMILIES, build_optimizer, resolve
 from titan_commopt.topology import Topology
 from titan_commopt.titan.common.container import CommOptimizersContainer
-from titan_commopt.titan.common.fault_tolerance import ReplayBatches, ReplicaGroupFT
-from titan_commopt.titan.config.fault_tolerance import FtSettings, in_flight_problems, problems
+from titan_commopt.titan.common.replica_group import ReplicaGroupFT
+from titan_commopt.titan.common.replica_group_training import ReplayBatches
+from titan_commopt.titan.config.fault_tolerance_keys import FtSettings, in_flight_problems, problems
 
 NAMES = sorted(name for family in FAMILIES.values() for name in family.presets)
 SETTINGS = FtSettings(enable=True, replica_id=0, group_size=2)
@@ -173,6 +174,72 @@ def test_replayed_batches_come_again_in_order_and_a_heal_skips_to_the_quorums_st
     batches.rewind()
     batches.skip_to(10)  # healed to a step whose first batch is the shard's 10th
     assert [next(batches), next(batches)] == [10, 11]
+
+
+class _Schedulers:
+    def __init__(self):
+        self.steps = 0
+
+    def step(self):
+        self.steps += 1
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.steps = state["steps"]
+
+
+@pytest.mark.parametrize("counted", ["as read", "at the forward, after CP"])
+def test_a_retried_step_counts_its_tokens_once_as_torchtitan_counts_them(monkeypatch, counted):
+    """Each attempt of a step passes its batches through torchtitan's own counting (0.2.2 counts a
+    batch as it is read, 0.3 at the forward, after context-parallel sharding: half the labels here, as
+    CP 2 would); a step that does not commit leaves the count as its quorum left it, which a heal
+    sets; the LR schedule moves once per committed step, and the retry trains the same batch."""
+    from titan_commopt.titan.common.replica_group import KILL_ENV
+    from titan_commopt.titan.common.replica_group_training import ReplicaGroupSteps, ReplicaGroupTraining
+
+    monkeypatch.delenv(KILL_ENV, raising=False)
+    manager = StandInManager()
+    commits = iter([False, True, False, True])
+    heal_at_attempt = 3
+    seen = []
+
+    class Torchtitan:  # torchtitan's Trainer as ReplicaGroupSteps uses it
+        def batch_generator(self, data):
+            for batch in data:
+                if counted == "as read":
+                    self.ntokens_seen += batch.numel()
+                yield batch
+
+        def train_step(self, batches):
+            if len(seen) + 1 == heal_at_attempt:  # this quorum heals: torchft calls the registered load
+                load, _ = manager.fns["commopt_trainer"]
+                load({"step": 7, "ntokens_seen": 500, "lr_schedulers": {"steps": 6}})
+            labels = next(batches)
+            seen.append(int(labels[0]) // 16)  # the batch's index in the shard
+            if counted != "as read":
+                self.ntokens_seen += labels.numel() // 2
+            self.optimizers.committed = next(commits)
+            self.lr_schedulers.step()
+
+    class Trainer(ReplicaGroupSteps, Torchtitan):
+        pass
+
+    trainer = Trainer()
+    trainer.fault_tolerance = ReplicaGroupTraining(SETTINGS, commopt=None)
+    group = trainer.fault_tolerance.group = ReplicaGroupFT(SETTINGS, manager=manager, replicate=None)
+    trainer.optimizers = type("Container", (), {"ft": group, "owns_replicate_sync": True, "committed": True})()
+    trainer.lr_schedulers, trainer.model_parts, trainer.gradient_accumulation_steps = _Schedulers(), [], 1
+    trainer.step, trainer.ntokens_seen = 1, 100
+    per_batch = 16 if counted == "as read" else 8
+    batches = trainer.batch_generator(torch.arange(160).view(10, 16))
+    trainer.train_step(batches)  # not committed, then committed
+    assert (trainer.ntokens_seen, trainer.lr_schedulers.steps, seen) == (100 + per_batch, 1, [0, 0])
+    trainer.step = 2
+    trainer.train_step(batches)  # healed to step 7 in its first quorum (not committed), then committed
+    # after the heal the group reads its shard from step 7's batch on: the 7th (index 6)
+    assert (trainer.ntokens_seen, trainer.lr_schedulers.steps, seen) == (500 + per_batch, 7, [0, 0, 6, 6])
 
 
 def _lines(**changes):

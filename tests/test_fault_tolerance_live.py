@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from titan_commopt.titan.config.fault_tolerance import LIGHTHOUSE_ENV, LIGHTHOUSE_WAIT_ENV
+from titan_commopt.titan.config.fault_tolerance_keys import LIGHTHOUSE_ENV, LIGHTHOUSE_WAIT_ENV
 
 from tests.ft_utils import LIGHTHOUSE_BIN, FtJob, GroupLog, KILL_ENV, RUN_S, START_S, free_port
 from tests.titan_utils import CONFIG, EXTRA, LINE, LR, ROOT
@@ -220,8 +220,8 @@ class _Manager:
 ])
 def test_first_quorum_waits_for_every_group(monkeypatch, sizes, step, wait, asked, size):
     """[commopt] ft_start_wait_s: a job's first step waits for every group, a bounded number of asks."""
-    from titan_commopt.titan.common.fault_tolerance import ReplicaGroupFT
-    from titan_commopt.titan.config.fault_tolerance import FtSettings
+    from titan_commopt.titan.common.replica_group import ReplicaGroupFT
+    from titan_commopt.titan.config.fault_tolerance_keys import FtSettings
 
     monkeypatch.delenv(KILL_ENV, raising=False)
     manager = _Manager(sizes, step)

@@ -2,7 +2,7 @@
 
 Per ``step()``: the safeguards decide whether every rank skips it (``safeguards.py``); the
 optimizers step (under fault tolerance as a transaction around the Manager's commit:
-``fault_tolerance.py``); FSDP2's estimated traffic is recorded and the run's comm ledger's step closed,
+``replica_group.py``); FSDP2's estimated traffic is recorded and the run's comm ledger's step closed,
 after the replicas' drift check (its bytes belong to the step). For optimizers that own R the
 container also takes over torchtitan's gradient clipping (``clipping.py``) and saves its state per
 replica (``replica_checkpoint.py``). :meth:`CommOptimizersContainer.metrics` gives the scalars the
@@ -24,7 +24,7 @@ from titan_commopt.optim.traffic import FsdpTraffic
 from titan_commopt.topology import R, Topology
 
 from . import replica_checkpoint, replica_state
-from .fault_tolerance import ReplicaGroupFT, clone_tree
+from .replica_group import ReplicaGroupFT, clone_tree
 from .safeguards import Safeguards, StepGuard
 
 __all__ = ["CommOptimizersContainer", "Safeguards"]

@@ -28,7 +28,7 @@ from titan_commopt.options import ConfigError, problems as option_problems
 from .parse import ParsedJob
 from .section import commopt_of
 from .sources import given_options, user_set_keys
-from .fault_tolerance import LIGHTHOUSE_ENV, FtSettings, in_flight_problems, problems as ft_problems
+from .fault_tolerance_keys import LIGHTHOUSE_ENV, FtSettings, in_flight_problems, problems as ft_problems
 from .torchtitan_keys import SpecProblems, torchtitan_problems, world_size_from_env
 
 __all__ = [
@@ -117,14 +117,15 @@ def _unsupported(job_config: Any, name: str) -> list[str]:
 
 def resolve_job(
     job_config: Any, user_keys: dict[str, set[str]], world_size: Optional[int], spec_problems: SpecProblems,
+    ft: FtSettings,
 ) -> Optional[Resolved]:
     """The run's resolved optimizer (``None`` for torchtitan's own), or ``ConfigError`` listing
     every problem. ``user_keys``: the ``[commopt]`` keys the user set (``sources.user_set_keys``);
     ``world_size`` (None: torchrun's ``WORLD_SIZE``, when set) is checked against the mesh;
-    ``spec_problems``: the installed line's checks of the model, tokenizer and data."""
+    ``spec_problems``: the installed line's checks of the model, tokenizer and data; ``ft``: the
+    job's ``[fault_tolerance]`` section."""
     world_size = world_size_from_env() if world_size is None else world_size
     name = job_config.optimizer.name
-    ft = FtSettings.of(getattr(job_config, "fault_tolerance", None))
     ft_lines = ft_problems(ft, dp_replicate=job_config.parallelism.data_parallel_replicate_degree,
                            lighthouse=os.environ.get(LIGHTHOUSE_ENV))
     resolved = resolve_options(
@@ -142,21 +143,24 @@ def resolve_job(
 @dataclass
 class CheckedJob:
     """A command line and its TOML, parsed once and checked (:meth:`of`): the job config, the
-    ``[commopt.<family>]`` keys the user set, the resolved optimizer (None: torchtitan's AdamW/Adam)
-    and the warnings (one line each: valid, but probably not meant). Each torchtitan line's run adds
-    what it builds from it."""
+    ``[commopt.<family>]`` keys the user set, the resolved optimizer (None: torchtitan's AdamW/Adam),
+    the warnings (one line each: valid, but probably not meant) and the ``[fault_tolerance]`` settings
+    (read here once: the checks and 0.2.2's Trainer use them). Each torchtitan line's run adds what it
+    builds from it."""
 
     job_config: Any
     user_keys: dict[str, set[str]]
     resolved: Optional[Resolved]
     warnings: list[str]
+    ft_settings: FtSettings
 
     @classmethod
     def of(cls, parsed: ParsedJob, world_size: Optional[int], spec_problems: SpecProblems) -> Any:
         """``ConfigError`` lists every problem; see :func:`resolve_job`."""
         user_keys = user_set_keys(parsed.args, parsed.toml)
-        resolved = resolve_job(parsed.job_config, user_keys, world_size, spec_problems)
-        return cls(parsed.job_config, user_keys, resolved, run_warnings(parsed.job_config, user_keys, resolved))
+        ft = FtSettings.of(getattr(parsed.job_config, "fault_tolerance", None))
+        resolved = resolve_job(parsed.job_config, user_keys, world_size, spec_problems, ft)
+        return cls(parsed.job_config, user_keys, resolved, run_warnings(parsed.job_config, user_keys, resolved), ft)
 
 
 def unread_tables(name: str, user_keys: dict[str, set[str]]) -> list[str]:

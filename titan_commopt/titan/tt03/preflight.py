@@ -13,7 +13,7 @@ missing tokenizer is a ``FileNotFoundError``, a misspelled override target a ``V
   override that refuses its options (ours: one line each), stops here;
 - the mesh against ``WORLD_SIZE``, ``parallelism.spmd_backend``, the tokenizer directory and the
   datasets, worded as on the TOML routes (``config/torchtitan_keys.py``, ``common/data.py``);
-- ``--fault_tolerance.*`` (``fault_tolerance.py``): the checks of ``config/fault_tolerance.py`` in the
+- ``--fault_tolerance.*`` (``replica_group_trainer.py``): the checks of ``config/fault_tolerance_keys.py`` in the
   command line's spelling, and an optimizer config our container cannot commit with the quorum.
 
 Every problem is one line, exit status 2 (``stop_run``: once, by rank 0 or by
@@ -31,11 +31,11 @@ from titan_commopt.options import ConfigError
 
 from ..common.data import dataset_problems
 from ..config.checkpoint import CLI
-from ..config.fault_tolerance import LIGHTHOUSE_ENV, FtSettings, in_flight_problems, problems as ft_problems
+from ..config.fault_tolerance_keys import LIGHTHOUSE_ENV, FtSettings, in_flight_problems, problems as ft_problems
 from ..config.torchtitan_keys import data_parallel_degree, mesh_problems, spmd_backend_problems, world_size_from_env
 from .building import overridden
 from .container import refuse, resolve_config
-from .fault_tolerance import ReplicaGroupTrainer, committing_optimizer, uncommitting_optimizer
+from .replica_group_trainer import ReplicaGroupTrainer, committing_optimizer, uncommitting_optimizer
 
 __all__ = [
     "CommOptTrainer", "ours", "preflight", "config_problems", "override_problems",
@@ -45,7 +45,7 @@ __all__ = [
 
 class CommOptTrainer(ReplicaGroupTrainer):
     """torchtitan 0.3's Trainer, with :func:`preflight` before it starts the process group (and live
-    fault tolerance under ``--fault_tolerance.enable``: ``fault_tolerance.py``)."""
+    fault tolerance under ``--fault_tolerance.enable``: ``replica_group_trainer.py``)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(ReplicaGroupTrainer.Config):

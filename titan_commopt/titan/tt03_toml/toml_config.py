@@ -285,7 +285,7 @@ def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     from ..tt03 import assets
-    from ..tt03.fault_tolerance import with_fault_tolerance
+    from ..tt03.replica_group_trainer import with_fault_tolerance
     from .toml_schema import all_keys
 
     cfg = with_fault_tolerance(llama3_debugmodel())  # [fault_tolerance]: torchtitan's torchft keys

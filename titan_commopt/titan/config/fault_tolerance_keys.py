@@ -1,5 +1,5 @@
 """torchtitan's ``[fault_tolerance]`` keys as titan_commopt reads them, and their checks (made before
-any process group exists; the runtime is ``common/fault_tolerance.py``).
+any process group exists; the runtime is ``common/replica_group_training.py`` and ``common/replica_group.py``).
 
 Each launch waits for the lighthouse to accept a connection, at most :data:`LIGHTHOUSE_WAIT_S` seconds
 (``TITAN_COMMOPT_LIGHTHOUSE_WAIT_S`` changes it, e.g. where a scheduler starts the lighthouse together
