@@ -345,7 +345,7 @@ def test_bench_ft_reads_the_survivor_s_stall_and_the_heal_from_the_console_lines
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--runs", "kill"], "--runs 'kill': allowed are plain, ft, kill-quorum, kill-collective, stall"),
+    (["--runs", "kill"], "--runs 'kill': allowed are plain, ft, kill-quorum, kill-collective, kill-launcher, stall"),
     (["--warmup", "60"], "--warmup 60: allowed is 0 .. --steps - 1 (59)"),
     (["--kill-step", "2"], "--kill-step 2: allowed is an integer >= 3"),
     (["--heartbeat-ms", "0"], "--heartbeat-ms 0: allowed are integers >= 1"),
