@@ -72,6 +72,7 @@ from scripts._bench_common import ROOT, table, train_env  # noqa: E402
 RUNS = ("plain", "ft", "kill-quorum", "kill-collective", "kill-launcher", "stall")
 KILL_ENV = "TITAN_COMMOPT_FT_KILL"
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
+LIGHTHOUSE_START_S = 120  # it imports torch before it listens: tens of seconds on a loaded box
 
 _STAMP = r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - "
 STEP_LINE = re.compile(_STAMP + r".* - INFO - step:\s*(\d+)\s+loss:")
@@ -203,7 +204,7 @@ class Lighthouse:
             [str(LIGHTHOUSE), "--min_replicas", str(min_replicas), "--quorum_tick_ms", "100",
              "--join_timeout_ms", str(join_ms), "--heartbeat_timeout_ms", str(heartbeat_ms),
              "--bind", f"127.0.0.1:{port}"], stdout=self._out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + LIGHTHOUSE_START_S
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=1):
@@ -211,7 +212,8 @@ class Lighthouse:
             except OSError:
                 time.sleep(0.1)
         self.close()
-        raise RuntimeError(f"torchft_lighthouse did not listen on 127.0.0.1:{port} within 20 s (see {log})")
+        raise RuntimeError(f"torchft_lighthouse did not listen on 127.0.0.1:{port} within {LIGHTHOUSE_START_S} s "
+                           f"(see {log})")
 
     def close(self) -> None:
         if self.proc.poll() is None:
