@@ -453,3 +453,30 @@ def test_warnings_are_printed_once_by_rank_0_or_by_the_launcher(monkeypatch, cap
     monkeypatch.setenv("RANK", "0")
     _main_without_training(monkeypatch, argv)  # the worker inherits the launcher's environment
     assert WARNING_PREFIX not in capsys.readouterr().err
+
+
+# ---- [checkpoint] load_step: the checkpoint it names, before any process group ----
+@pytest.mark.both_lines
+def test_a_load_step_naming_no_checkpoint_is_one_line_before_any_process_group(tmp_path, monkeypatch):
+    """``--checkpoint.load_step`` (0 too: torchtitan's own FileNotFoundError) naming no complete
+    checkpoint, or given with checkpointing off (torchtitan would ignore it): the resume check's line,
+    from the config check (in the launcher, before any worker); under fault tolerance the group's own
+    folder's."""
+    (tmp_path / "checkpoint" / "step-2").mkdir(parents=True)  # a save that did not finish: no .metadata
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510")
+    folder = tmp_path / "checkpoint"
+    on = ["--checkpoint.enable", "true"]
+    for args, expected in [
+        ([*on, "--checkpoint.load_step", "0"], f"[checkpoint] load_step = 0: {folder} has no step-0; complete "
+                                               "checkpoints: none (load_step = -1: the newest)"),
+        ([*on, "--checkpoint.load_step", "2"], f"[checkpoint] load_step = 2: {folder}/step-2 has no .metadata"),
+        (["--checkpoint.load_step", "7"], "[checkpoint] load_step = 7 with [checkpoint] enable = false: nothing is "
+                                          "loaded; allowed is [checkpoint] enable = true to resume from it"),
+        ([*on, "--checkpoint.load_step", "2", "--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
+          "--fault_tolerance.replica_id", "1"], f"[checkpoint] load_step = 2: {folder}/replica_1 does not exist"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            check_config(["--job.config_file", str(CONFIG), "--job.dump_folder", str(tmp_path), *args], world_size=2)
+        (line,) = str(info.value).splitlines()
+        assert line.startswith(expected), line
+    check_config(["--job.config_file", str(CONFIG), "--job.dump_folder", str(tmp_path), *on], world_size=2)  # the newest

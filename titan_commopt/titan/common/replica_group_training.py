@@ -102,9 +102,8 @@ class ReplicaGroupTraining:
 
     # ---- before torchtitan's Trainer builds anything: what the line wires into its config ----
     def checkpoint_folder(self, folder: str) -> str:
-        """The group's own checkpoint folder under the run's ``folder``: the quorum's replica index
-        changes with membership, the folder does not."""
-        return os.path.join(folder, f"replica_{self.replica_id}")
+        """The group's own checkpoint folder under the run's ``folder`` (``FtSettings.checkpoint_folder``)."""
+        return self.settings.checkpoint_folder(folder)
 
     def data_shard(self, dp_world_size: int, dp_rank: int) -> tuple[int, int]:
         """The data shard of a rank of this group, given its data-parallel degree and rank within the

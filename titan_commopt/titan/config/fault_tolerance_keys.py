@@ -44,6 +44,11 @@ class FtSettings:
             return cls()
         return cls(**{k: getattr(section, k) for k in cls.__dataclass_fields__ if hasattr(section, k)})
 
+    def checkpoint_folder(self, folder: str) -> str:
+        """The checkpoint folder of this replica group under the run's ``folder`` (itself with fault
+        tolerance off): the quorum's replica index changes with membership, the folder does not."""
+        return os.path.join(folder, f"replica_{self.replica_id}") if self.enable else folder
+
 
 def problems(ft: FtSettings, *, dp_replicate: int, lighthouse: Optional[str], spelling: Spelling = TOML) -> list[str]:
     """What makes a fault-tolerant run impossible, one line each (none when FT is off).

@@ -23,7 +23,7 @@ Trainer: there our override's checks run when torchtitan applies it, after the p
 
 import os
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Optional
 
 from torchtitan.trainer import Trainer
 
@@ -33,8 +33,9 @@ from ..common.data import dataset_problems
 from ..config.checkpoint import CLI
 from ..config.fault_tolerance_keys import LIGHTHOUSE_ENV, FtSettings, in_flight_problems, problems as ft_problems
 from ..config.torchtitan_keys import data_parallel_degree, mesh_problems, spmd_backend_problems, world_size_from_env
+from ..config.validate import load_step_problems
 from .building import overridden
-from .container import refuse, resolve_config
+from .container import checkpoint_settings, refuse, resolve_config
 from .replica_group_trainer import ReplicaGroupTrainer, committing_optimizer, uncommitting_optimizer
 
 __all__ = [
@@ -67,7 +68,8 @@ def ours(cfg: Trainer.Config) -> CommOptTrainer.Config:
 def preflight(config: Any) -> None:
     """Every problem of ``config`` found without a process group: one line each, exit status 2."""
     as_run, problems = overridden(config)
-    problems += config_problems(config, world_size_from_env()) + fault_tolerance_problems(as_run)
+    settings = FtSettings.of(getattr(as_run, "fault_tolerance", None))
+    problems += config_problems(config, world_size_from_env(), settings) + fault_tolerance_problems(as_run, settings)
     if problems:
         refuse(ConfigError("\n".join(problems)))
 
@@ -78,11 +80,12 @@ def override_problems(config: Any) -> list[str]:
     return overridden(config)[1]
 
 
-def fault_tolerance_problems(config: Any) -> list[str]:
-    """``--fault_tolerance.*`` of ``config`` (overrides applied): torchtitan's torchft keys that cannot
-    work, the lighthouse's address, the mesh, and an optimizer that cannot run under fault
-    tolerance (an R sync in flight across steps, or a container that cannot commit with the quorum)."""
-    settings = FtSettings.of(getattr(config, "fault_tolerance", None))
+def fault_tolerance_problems(config: Any, settings: Optional[FtSettings] = None) -> list[str]:
+    """``--fault_tolerance.*`` of ``config`` (overrides applied; ``settings``: its ``fault_tolerance``,
+    read from it unless given): torchtitan's torchft keys that cannot work, the lighthouse's address,
+    the mesh, and an optimizer that cannot run under fault tolerance (an R sync in flight across
+    steps, or a container that cannot commit with the quorum)."""
+    settings = settings or FtSettings.of(getattr(config, "fault_tolerance", None))
     out = ft_problems(settings, dp_replicate=config.parallelism.data_parallel_replicate_degree,
                       lighthouse=os.environ.get(LIGHTHOUSE_ENV), spelling=CLI)
     if not settings.enable:
@@ -97,11 +100,15 @@ def fault_tolerance_problems(config: Any) -> list[str]:
     return out + in_flight_problems(settings, resolved, spelling=CLI)
 
 
-def config_problems(config: Any, world_size: Any) -> list[str]:
-    """The mesh against ``world_size`` (None: not checked), the SPMD backend, the tokenizer and the
-    datasets of a 0.3 ``Trainer.Config``."""
+def config_problems(config: Any, world_size: Any, ft: FtSettings = FtSettings()) -> list[str]:
+    """The mesh against ``world_size`` (None: not checked), the SPMD backend, the tokenizer, the
+    datasets and the checkpoint to load (``--checkpoint.load_step``; ``ft``: the run's fault tolerance,
+    whose groups each have a folder) of a 0.3 ``Trainer.Config``."""
     out = mesh_problems(config.parallelism, world_size) + spmd_backend_problems(config.parallelism, world_size)
     out += _tokenizer_problems(config)
+    checkpoint = checkpoint_settings(config, getattr(config.optimizer, "name", ""))
+    if checkpoint is not None:
+        out += load_step_problems(checkpoint, ft)
     dp = data_parallel_degree(config.parallelism, world_size) or 1
     out += _data_problems("dataloader", config.dataloader, dp)
     if getattr(config.validator, "enable", False):
