@@ -331,9 +331,51 @@ def test_missing_tokenizer_is_one_line(tmp_path, path, expected):
     with pytest.raises(ConfigError) as info:
         check_config(["--job.config_file", str(CONFIG), "--model.hf_assets_path", path])
     assert str(info.value).startswith("[model] " + expected) and len(str(info.value).splitlines()) == 1
-    (tmp_path / "tokenizer.json").write_text("{}")
+    _hf_tokenizer(tmp_path)
     if path == str(tmp_path):
         check_config(["--job.config_file", str(CONFIG), "--model.hf_assets_path", path])  # a directory with a tokenizer: passes
+
+
+def _hf_tokenizer(folder):
+    """A directory with a tokenizer.json HuggingFace tokenizers reads (an empty BPE)."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.BPE()).save(str(folder / "tokenizer.json"))
+    return folder
+
+
+# A damaged tokenizer file: (the files, LINE it applies to or None for both, the file named, what it is read as)
+DAMAGED_TOKENIZERS = [
+    ({"tokenizer.model": "garbage"}, "0.2", "tokenizer.model", "as a SentencePiece model (RuntimeError: "),
+    ({"tokenizer.json": "{not json"}, None, "tokenizer.json", "by HuggingFace tokenizers (Exception: "),
+    ({"tokenizer.json": None, "tokenizer_config.json": '{"bos_token": '}, None, "tokenizer_config.json",
+     "as JSON (JSONDecodeError: Expecting value"),
+    ({"tokenizer.json": None, "tokenizer_config.json": "{}", "chat_template.jinja": "{% for x in %}"}, "0.3",
+     "chat_template.jinja", "as a Jinja template (TemplateSyntaxError: "),
+]
+
+
+@pytest.mark.both_lines
+@pytest.mark.parametrize("files, line, named, read_as", DAMAGED_TOKENIZERS, ids=[d[2] for d in DAMAGED_TOKENIZERS])
+def test_a_damaged_tokenizer_file_is_one_line_naming_it(tmp_path, files, line, named, read_as):
+    """Each tokenizer file the line's loader reads is read before any process group: a damaged one is
+    one line naming it (not the tokenizer library's traceback on every rank)."""
+    from tests.titan_utils import LINE
+
+    if line is not None and line != LINE:
+        pytest.skip(f"torchtitan {line} reads {named}")
+    for name, text in files.items():
+        _hf_tokenizer(tmp_path) if text is None else (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError) as info:
+        check_config(["--job.config_file", str(CONFIG), "--model.hf_assets_path", str(tmp_path)])
+    (problem,) = str(info.value).splitlines()
+    assert problem.startswith(f"[model] hf_assets_path = '{tmp_path}': {tmp_path / named} cannot be read {read_as}"), problem
+    if LINE == "0.2":  # a SentencePiece .model file named directly
+        (tmp_path / "own.model").write_text("garbage")
+        with pytest.raises(ConfigError) as info:
+            check_config(["--job.config_file", str(CONFIG), "--model.hf_assets_path", str(tmp_path / "own.model")])
+        assert str(info.value).startswith(f"[model] hf_assets_path = '{tmp_path / 'own.model'}': the file cannot be "
+                                          "read as a SentencePiece model"), info.value
 
 
 def test_user_set_keys_counts_every_accepted_form():

@@ -32,6 +32,7 @@ from titan_commopt.options import ConfigError
 from ..common.data import dataset_problems
 from ..config.checkpoint import CLI
 from ..config.fault_tolerance_keys import LIGHTHOUSE_ENV, FtSettings, in_flight_problems, problems as ft_problems
+from ..config.tokenizer_files import first_damaged, huggingface_files
 from ..config.torchtitan_keys import data_parallel_degree, mesh_problems, spmd_backend_problems, world_size_from_env
 from ..config.validate import load_step_problems
 from .building import overridden
@@ -128,7 +129,8 @@ def _tokenizer_problems(config: Any) -> list[str]:
         return [f"{where}: {'not a directory' if os.path.exists(path) else 'no such directory'}; {allowed}"]
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         return [f"{where}: holds no tokenizer.json; {allowed}"]
-    return []
+    problem = first_damaged(path, huggingface_files(path, chat_template=True))
+    return [f"{where}: {problem}; {allowed}"] if problem else []
 
 
 def _data_problems(section: str, dataloader: Any, dp: int) -> list[str]:
