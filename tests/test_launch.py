@@ -387,3 +387,28 @@ def test_a_worker_whose_launcher_is_gone_already_leaves_and_others_are_left_alon
     assert orphan.returncode == 1 and "the launcher (pid 1) is gone" in orphan.stderr, orphan
     alone = run()  # not started by torch's elastic agent: nothing to die with
     assert alone.returncode == 0 and alone.stdout.strip() == "not armed", alone
+
+
+@pytest.mark.both_lines
+def test_torchtitans_own_config_module_on_a_cpu_is_one_line_naming_ours():
+    """0.3's ``-m torchtitan.train --module llama3`` (with our override) on a machine without an
+    accelerator: torchtitan's Trainer would stop in ``torch.cuda.set_device`` before any code of ours
+    runs; the launcher says so before any worker, naming our config module (on 0.2.2 ``--module`` is
+    not torchtitan's: the launcher leaves the command line to torchrun)."""
+    from titan_commopt.titan.platform.cpu import accelerator_available, stock_module_problem
+    from tests.titan_utils import LINE
+
+    argv = ["--module", "llama3", "--config", "llama3_debugmodel", "--override.imports",
+            "titan_commopt.titan.tt03.overrides.commopt"]
+    if LINE != "0.3" or accelerator_available():
+        assert stock_module_problem(argv) is None
+        return
+    assert stock_module_problem(["--module", "titan_commopt.titan.tt03.configs", "--config", "llama3_debugmodel"]) is None
+    proc = _launch("--nproc_per_node=1", "--standalone", "-m", "torchtitan.train", *argv)
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    assert _last_line(proc) == (
+        PREFIX + "--module llama3 on a machine without an accelerator: torchtitan's own config module and Trainer assume "
+        "CUDA (torch.cuda.set_device fails before any titan_commopt code runs, an --override.imports of ours included); "
+        "allowed is our config module, which applies the CPU fixes to torchtitan's configs by name: "
+        "--module titan_commopt.titan.tt03.configs --config llama3_debugmodel")
+    assert "Traceback" not in proc.stdout + proc.stderr and "Starting job" not in proc.stdout + proc.stderr
