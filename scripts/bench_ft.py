@@ -31,9 +31,10 @@ the launch times this script takes. A step line is printed only for a step that 
 - ``kill-launcher``: the same, but once group 0 has logged step ``--kill-step`` - 1 only group 1's
   launcher (``python -m titan_commopt.run``) is SIGKILLed, not its workers: they must leave by themselves
   (``titan/platform/launcher_death.py``). Measured besides: how long after the kill the workers are
-  gone (**orphans gone**), and from the kill to the survivor's first step committed after it (**kill to
-  next commit**: what the survivors lose); the stall is the gap between the survivor's step lines
-  around the kill, as above.
+  gone (**orphans gone**, as this script sees it: it polls every 0.2 s at the lowest priority), and
+  from the kill to the survivor's first step committed in a quorum without group 1 (**kill to next
+  commit**: what the survivors lose); the stall is the gap between that step's line and the one
+  before it (a step or two may commit between the kill and the orphans' exit).
 - ``stall``: group 1 stays alive but stops (SIGSTOP to its processes) once group 0 has logged step
   ``--kill-step`` - 1; the survivor's longest gap between two committed steps after that (bounded by
   ``[fault_tolerance] process_group_timeout_ms``, ``--pg-timeout-ms``, and the lighthouse's heartbeat
@@ -359,8 +360,11 @@ class Bench:
             raise RuntimeError(f"{survivor.log.name}: group 1 joined group 0 only after step {k - 1}: "
                                "raise --kill-step (the groups started too far apart)")
         went_on = None
-        if killed_at is not None:  # the survivor's first step committed after the kill, and its distance from it
-            k = min((step for step, t in s.steps.items() if t > killed_at), default=k)
+        if killed_at is not None:  # the survivor's first step committed in a quorum without group 1
+            alone = [t for t, groups, _ in s.quorums if groups == 1 and t > killed_at]
+            if not alone:
+                raise RuntimeError(f"{survivor.log.name}: group 0 never trained without group 1 after its launcher's kill")
+            k = min((step for step, t in s.steps.items() if t > alone[0]), default=k)
             went_on = s.steps[k] - killed_at if k in s.steps else None
         if k - 1 not in s.steps or k not in s.steps:
             raise RuntimeError(f"{survivor.log.name}: no line of step {k - 1} or {k}")
