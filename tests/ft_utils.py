@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NoReturn, Optional
 
-from titan_commopt.titan.common.replica_group import KILL_ENV  # "<step>:quorum|collective|heal|stall"
+from titan_commopt.titan.config.fault_tolerance_keys import KILL_ENV  # "<step>:quorum|collective|heal|stall"
 
 from tests.titan_utils import CONFIG, LOSS_LINE, ROOT
 

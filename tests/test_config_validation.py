@@ -522,3 +522,11 @@ def test_a_load_step_naming_no_checkpoint_is_one_line_before_any_process_group(t
         (line,) = str(info.value).splitlines()
         assert line.startswith(expected), line
     check_config(["--job.config_file", str(CONFIG), "--job.dump_folder", str(tmp_path), *on], world_size=2)  # the newest
+    # a first run (no checkpoint folder yet) loads initial_load_path: it must be a directory
+    first = ["--job.config_file", str(CONFIG), "--job.dump_folder", str(tmp_path / "first"), *on]
+    with pytest.raises(ConfigError) as info:
+        check_config([*first, "--checkpoint.initial_load_path", str(tmp_path / "seed")], world_size=2)
+    (line,) = str(info.value).splitlines()
+    assert line.startswith(f"[checkpoint] initial_load_path = '{tmp_path / 'seed'}': no such directory; allowed is a "
+                           "checkpoint directory, which torchtitan loads on a first run"), line
+    check_config([*first, "--checkpoint.initial_load_path", str(folder)], world_size=2)

@@ -196,7 +196,7 @@ def test_a_retried_step_counts_its_tokens_once_as_torchtitan_counts_them(monkeyp
     batch as it is read, 0.3 at the forward, after context-parallel sharding: half the labels here, as
     CP 2 would); a step that does not commit leaves the count as its quorum left it, which a heal
     sets; the LR schedule moves once per committed step, and the retry trains the same batch."""
-    from titan_commopt.titan.common.replica_group import KILL_ENV
+    from titan_commopt.titan.config.fault_tolerance_keys import KILL_ENV
     from titan_commopt.titan.common.replica_group_training import ReplicaGroupSteps, ReplicaGroupTraining
 
     monkeypatch.delenv(KILL_ENV, raising=False)
@@ -264,6 +264,23 @@ def test_fault_tolerance_settings_that_cannot_work_are_one_line_each():
     assert line.startswith("[fault_tolerance] enable = true: TORCHFT_LIGHTHOUSE is not set")
     (line,) = problems(SETTINGS, dp_replicate=1, lighthouse="http://nowhere")
     assert line.startswith("[fault_tolerance] enable = true: TORCHFT_LIGHTHOUSE = 'http://nowhere': not an address")
+
+
+@pytest.mark.parametrize("variable, value, line", [
+    ("TITAN_COMMOPT_FT_KILL", "6", "TITAN_COMMOPT_FT_KILL = '6': a failure rehearsal; allowed is <step>:quorum, "
+     "<step>:collective, <step>:heal or <step>:stall"),
+    ("TITAN_COMMOPT_FT_KILL", "6:heals", "TITAN_COMMOPT_FT_KILL = '6:heals': a failure rehearsal;"),
+    ("TORCHFT_QUORUM_TIMEOUT_SEC", "2m", "TORCHFT_QUORUM_TIMEOUT_SEC = '2m': the seconds a step waits for its quorum "
+     "(torchft's); allowed is a finite number > 0 (unset: 120)"),
+    ("TORCHFT_QUORUM_TIMEOUT_SEC", "0", "TORCHFT_QUORUM_TIMEOUT_SEC = '0': "),
+])
+def test_a_bad_fault_tolerance_variable_is_one_line_before_any_process_group(monkeypatch, variable, value, line):
+    """The environment a fault-tolerant launch reads (the failure rehearsal, torchft's quorum wait) is
+    checked with the config: one line, not a traceback from the Manager's construction."""
+    monkeypatch.setenv(variable, value)
+    (found,) = problems(SETTINGS, dp_replicate=1, lighthouse="http://127.0.0.1:29510")
+    assert found.startswith(line), found
+    assert problems(FtSettings(), dp_replicate=1, lighthouse=None) == []  # without fault tolerance, not read
 
 
 def test_an_r_collective_in_flight_across_steps_is_refused_under_fault_tolerance():

@@ -25,9 +25,8 @@ import sys
 
 import pytest
 
-from titan_commopt.titan.config.fault_tolerance_keys import LIGHTHOUSE_ENV, LIGHTHOUSE_WAIT_ENV
+from titan_commopt.titan.config.fault_tolerance_keys import LIGHTHOUSE_ENV, LIGHTHOUSE_WAIT_ENV, QUORUM_TIMEOUT_ENV
 
-from titan_commopt.titan.common.replica_group import QUORUM_TIMEOUT_ENV
 
 from tests.ft_utils import LIGHTHOUSE_BIN, FtJob, GroupLog, KILL_ENV, RUN_S, START_S, alive, free_port, processes_naming
 from tests.titan_utils import CONFIG, EXTRA, LINE, LR, ROOT

@@ -48,21 +48,14 @@ import torch.distributed as dist
 
 from titan_commopt import comm
 
-from ..config.fault_tolerance_keys import LIGHTHOUSE_ENV, FtSettings, lighthouse_wait_seconds
+from ..config.fault_tolerance_keys import (
+    KILL_ENV, LIGHTHOUSE_ENV, QUORUM_TIMEOUT_ENV, FtSettings, kill_point, lighthouse_wait_seconds, quorum_timeout_s,
+)
 
-__all__ = ["ReplicaGroupFT", "Quorum", "StallWatchdog", "clone_tree", "quorum_timeout_s", "average_gradients_over_quorum",
-           "KILL_ENV"]
+__all__ = ["ReplicaGroupFT", "Quorum", "StallWatchdog", "clone_tree", "average_gradients_over_quorum"]
 
 logger = logging.getLogger(__name__)
 
-QUORUM_TIMEOUT_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"  # torchft's own override of the quorum wait
-# A failure rehearsal: "<step>:quorum" or "<step>:collective" makes every rank of this launch SIGKILL
-# itself at that step, before its quorum or before its first R collective (a peer is then inside it);
-# "<step>:heal" while it applies a heal that brings it to train step <step> or later (the peer's state
-# fetched, none of it loaded: its peers are then in the quorum with it); "<step>:stall" makes it hang
-# before that step's first R collective instead (alive, heartbeating: what the stall timeout is for).
-KILL_ENV = "TITAN_COMMOPT_FT_KILL"
-_FAULTS = ("quorum", "collective", "heal", "stall")
 _START_POLL_S = 0.5
 
 
@@ -113,7 +106,7 @@ class ReplicaGroupFT:
         self.manager = manager
         self.replicate = replicate
         self.quorum = Quorum(manager, settings.group_size)
-        self._kill = _kill_point(os.environ.get(KILL_ENV, ""))
+        self._kill = kill_point()
         self.uncommitted_steps = 0
         self.committed_here = 0  # steps this process committed (a heal's steps not counted)
         self.heals = 0
@@ -301,20 +294,6 @@ class StallWatchdog:
                 for handler in logging.getLogger().handlers:
                     handler.flush()
                 os._exit(1)
-
-
-def quorum_timeout_s() -> float:
-    """How long a quorum is waited for: torchft's own ``TORCHFT_QUORUM_TIMEOUT_SEC``, 120 s unset."""
-    return float(os.environ.get(QUORUM_TIMEOUT_ENV, 120))
-
-
-def _kill_point(text: str) -> Optional[tuple[int, str]]:
-    if not text:
-        return None
-    step, _, where = text.partition(":")
-    if not step.isdigit() or where not in _FAULTS:
-        raise ValueError(f"{KILL_ENV} = {text!r}: expected <step>:quorum, <step>:collective, <step>:heal or <step>:stall")
-    return int(step), where
 
 
 # torchft's loggers: its modules', and the two that log an empty INFO record per quorum and per commit

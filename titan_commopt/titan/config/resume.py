@@ -49,7 +49,7 @@ from ..platform.stop import RESUME_REFUSED, stop_run
 from .checkpoint import LEDGER_KEY, REPLICA_KEY, RESOLVED_KEY, CheckpointSettings, Spelling, replica_prefix
 
 __all__ = [
-    "check_resume", "checkpoint_to_load", "load_step_problem", "saved_replicas", "read_metadata", "read_record",
+    "check_resume", "checkpoint_to_load", "load_step_problem", "initial_load_problem", "saved_replicas", "read_metadata", "read_record",
     "ledger_saved", "CheckpointDamaged",
 ]
 
@@ -332,6 +332,21 @@ def load_step_problem(run: Any) -> Optional[str]:
         where = f"{folder} has no step-{wanted}" if os.path.isdir(folder) else f"{folder} does not exist"
         return f"{load_step}: {where}; {listing} ({newest}: the newest)"
     return None
+
+
+def initial_load_problem(run: Any) -> Optional[str]:
+    """The one line that refuses ``[checkpoint] initial_load_path`` when torchtitan will load it (a run
+    that checkpoints, whose checkpoint folder does not exist yet) and it is no directory (torchtitan's
+    ``ValueError`` traceback), or None; a remote one (``gs://...``) is not looked at. ``run``: a
+    ``CheckpointSettings`` or a job config."""
+    run = _settings(run)
+    path = (run.initial_load_path or "").strip()
+    folder = os.path.join(run.dump_folder, run.folder)
+    if not run.enable or not path or "://" in path or os.path.isdir(folder) or os.path.isdir(path):
+        return None
+    return (f"{run.spelling.setting('checkpoint', 'initial_load_path', path)}: "
+            f"{'not a directory' if os.path.exists(path) else 'no such directory'}; allowed is a checkpoint "
+            f"directory, which torchtitan loads on a first run ({folder} does not exist yet)")
 
 
 def check_resume(run: Any, resolved: Any, replicas: int, dp_degree: Optional[int] = None) -> None:

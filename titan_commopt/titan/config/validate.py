@@ -27,7 +27,7 @@ from titan_commopt.options import ConfigError, problems as option_problems
 
 from .checkpoint import CheckpointSettings
 from .parse import ParsedJob
-from .resume import load_step_problem
+from .resume import initial_load_problem, load_step_problem
 from .section import commopt_of
 from .sources import given_options, user_set_keys
 from .fault_tolerance_keys import LIGHTHOUSE_ENV, FtSettings, in_flight_problems, problems as ft_problems
@@ -35,7 +35,7 @@ from .torchtitan_keys import SpecProblems, torchtitan_problems, world_size_from_
 
 __all__ = [
     "resolve_options", "resolve_job", "hparams_of", "CheckedJob", "run_warnings", "unread_tables", "short_run_switch",
-    "SWITCH_MIN_STEPS", "load_step_problems",
+    "SWITCH_MIN_STEPS", "checkpoint_to_load_problems",
 ]
 
 # MT-DAO's switch at the end of warm-up (``[commopt.local] switch_at = "warmup"``) is recommended only
@@ -134,7 +134,7 @@ def resolve_job(
         name, commopt_of(job_config), hparams_of(job_config.optimizer, job_config.lr_scheduler.warmup_steps),
         lambda family: given_options(job_config, family.key, user_keys),
         found=torchtitan_problems(job_config, world_size, spec_problems) + ft_lines
-        + load_step_problems(CheckpointSettings.of_job_config(job_config), ft),
+        + checkpoint_to_load_problems(CheckpointSettings.of_job_config(job_config), ft),
         refused_with_ours=_unsupported(job_config, name),
     )
     in_flight = in_flight_problems(ft, resolved)  # needs the resolved options: checked once they are valid
@@ -143,11 +143,12 @@ def resolve_job(
     return resolved
 
 
-def load_step_problems(checkpoint: CheckpointSettings, ft: FtSettings) -> list[str]:
+def checkpoint_to_load_problems(checkpoint: CheckpointSettings, ft: FtSettings) -> list[str]:
     """``[checkpoint] load_step`` naming no complete checkpoint of this run (of this replica group's
-    folder under fault tolerance): the resume check's line, before any process group exists."""
-    problem = load_step_problem(replace(checkpoint, folder=ft.checkpoint_folder(checkpoint.folder)))
-    return [] if problem is None else [problem]
+    folder under fault tolerance), an ``initial_load_path`` a first run would load that is no
+    directory: the resume check's lines, before any process group exists."""
+    group = replace(checkpoint, folder=ft.checkpoint_folder(checkpoint.folder))
+    return [p for p in (load_step_problem(group), initial_load_problem(group)) if p is not None]
 
 
 @dataclass

@@ -34,7 +34,7 @@ from ..config.checkpoint import CLI
 from ..config.fault_tolerance_keys import LIGHTHOUSE_ENV, FtSettings, in_flight_problems, problems as ft_problems
 from ..config.tokenizer_files import first_damaged, huggingface_files
 from ..config.torchtitan_keys import data_parallel_degree, mesh_problems, spmd_backend_problems, world_size_from_env
-from ..config.validate import load_step_problems
+from ..config.validate import checkpoint_to_load_problems
 from .building import overridden
 from .container import checkpoint_settings, refuse, resolve_config
 from .replica_group_trainer import ReplicaGroupTrainer, committing_optimizer, uncommitting_optimizer
@@ -103,13 +103,13 @@ def fault_tolerance_problems(config: Any, settings: Optional[FtSettings] = None)
 
 def config_problems(config: Any, world_size: Any, ft: FtSettings = FtSettings()) -> list[str]:
     """The mesh against ``world_size`` (None: not checked), the SPMD backend, the tokenizer, the
-    datasets and the checkpoint to load (``--checkpoint.load_step``; ``ft``: the run's fault tolerance,
-    whose groups each have a folder) of a 0.3 ``Trainer.Config``."""
+    datasets and the checkpoint to load (``--checkpoint.load_step``, ``--checkpoint.initial_load_path``;
+    ``ft``: the run's fault tolerance, whose groups each have a folder) of a 0.3 ``Trainer.Config``."""
     out = mesh_problems(config.parallelism, world_size) + spmd_backend_problems(config.parallelism, world_size)
     out += _tokenizer_problems(config)
     checkpoint = checkpoint_settings(config, getattr(config.optimizer, "name", ""))
     if checkpoint is not None:
-        out += load_step_problems(checkpoint, ft)
+        out += checkpoint_to_load_problems(checkpoint, ft)
     dp = data_parallel_degree(config.parallelism, world_size) or 1
     out += _data_problems("dataloader", config.dataloader, dp)
     if getattr(config.validator, "enable", False):
