@@ -28,6 +28,13 @@ the launch times this script takes. A step line is printed only for a step that 
   quorum, the heal), and the survivor's step during which the group rejoined (its step after the
   survivor's quorum line "quorum of 2"). Both groups are then stopped (``--after`` steps of the
   relaunched group later).
+- ``kill-launcher``: the same, but once group 0 has logged step ``--kill-step`` - 1 only group 1's
+  launcher (``python -m titan_commopt.run``) is SIGKILLed, not its workers: they must leave by themselves
+  (``titan/platform/launcher_death.py``). Measured besides: how long after the kill the workers are
+  gone (**orphans gone**, as this script sees it: it polls every 0.2 s at the lowest priority), and
+  from the kill to the survivor's first step committed in a quorum without group 1 (**kill to next
+  commit**: what the survivors lose); the stall is the gap between that step's line and the one
+  before it (a step or two may commit between the kill and the orphans' exit).
 - ``stall``: group 1 stays alive but stops (SIGSTOP to its processes) once group 0 has logged step
   ``--kill-step`` - 1; the survivor's longest gap between two committed steps after that (bounded by
   ``[fault_tolerance] process_group_timeout_ms``, ``--pg-timeout-ms``, and the lighthouse's heartbeat
@@ -63,9 +70,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts._bench_common import ROOT, table, train_env  # noqa: E402
 
-RUNS = ("plain", "ft", "kill-quorum", "kill-collective", "stall")
+RUNS = ("plain", "ft", "kill-quorum", "kill-collective", "kill-launcher", "stall")
 KILL_ENV = "TITAN_COMMOPT_FT_KILL"
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
+LIGHTHOUSE_START_S = 120  # it imports torch before it listens: tens of seconds on a loaded box
 
 _STAMP = r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - "
 STEP_LINE = re.compile(_STAMP + r".* - INFO - step:\s*(\d+)\s+loss:")
@@ -145,6 +153,15 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (an exited process not reaped yet does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 def _signal_all(pids: list[int], sig: int) -> None:
     for pid in pids:
         try:
@@ -188,7 +205,7 @@ class Lighthouse:
             [str(LIGHTHOUSE), "--min_replicas", str(min_replicas), "--quorum_tick_ms", "100",
              "--join_timeout_ms", str(join_ms), "--heartbeat_timeout_ms", str(heartbeat_ms),
              "--bind", f"127.0.0.1:{port}"], stdout=self._out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + LIGHTHOUSE_START_S
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=1):
@@ -196,7 +213,8 @@ class Lighthouse:
             except OSError:
                 time.sleep(0.1)
         self.close()
-        raise RuntimeError(f"torchft_lighthouse did not listen on 127.0.0.1:{port} within 20 s (see {log})")
+        raise RuntimeError(f"torchft_lighthouse did not listen on 127.0.0.1:{port} within {LIGHTHOUSE_START_S} s "
+                           f"(see {log})")
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -311,8 +329,19 @@ class Bench:
         try:
             survivor = self.group(f"{tag}-g0", config, 0, a.port_base, a.long_steps, lighthouse, 1)
             victim = self.group(f"{tag}-g1", config, 1, a.port_base + 1, a.long_steps, lighthouse, 1,
-                                env={KILL_ENV: f"{k}:{where}"})
-            self.wait_until("the killed group's exit", lambda: victim.proc.poll() is not None, [survivor])
+                                env=None if where == "launcher" else {KILL_ENV: f"{k}:{where}"})
+            killed_at = orphans_s = None
+            if where == "launcher":
+                self.wait_until(f"group 0's step {k - 1}", lambda: k - 1 in survivor.read().steps, [survivor, victim])
+                workers = _children(victim.proc.pid)
+                killed_at = time.time()
+                victim.proc.kill()
+                victim.proc.wait()
+                self.wait_until("group 1's workers leaving with their launcher",
+                                lambda: not any(_alive(pid) for pid in workers), [survivor])
+                orphans_s = time.time() - killed_at
+            else:
+                self.wait_until("the killed group's exit", lambda: victim.proc.poll() is not None, [survivor])
             again = self.group(f"{tag}-g1-again", config, 1, a.port_base + 2, a.long_steps, lighthouse, 1)
 
             def rejoined() -> bool:
@@ -324,12 +353,19 @@ class Bench:
             self.stop_all()
             lighthouse.close()
         s, v, r = survivor.read(), victim.read(), again.read()
-        if not v.kills:
+        if where != "launcher" and not v.kills:
             raise RuntimeError(f"{victim.log.name}: group 1 exited without the {KILL_ENV} kill (see the log)")
         joined = [q for q in s.quorums if q[1] == 2 and q[2] < k - 1]
         if not joined:
             raise RuntimeError(f"{survivor.log.name}: group 1 joined group 0 only after step {k - 1}: "
                                "raise --kill-step (the groups started too far apart)")
+        went_on = None
+        if killed_at is not None:  # the survivor's first step committed in a quorum without group 1
+            alone = [t for t, groups, _ in s.quorums if groups == 1 and t > killed_at]
+            if not alone:
+                raise RuntimeError(f"{survivor.log.name}: group 0 never trained without group 1 after its launcher's kill")
+            k = min((step for step, t in s.steps.items() if t > alone[0]), default=k)
+            went_on = s.steps[k] - killed_at if k in s.steps else None
         if k - 1 not in s.steps or k not in s.steps:
             raise RuntimeError(f"{survivor.log.name}: no line of step {k - 1} or {k}")
         if not r.heals:
@@ -347,6 +383,7 @@ class Bench:
             "rejoin_s": first[1] - again.started,
             "survivor_rejoin_step_s": (s.steps[rejoin_step] - s.steps[rejoin_step - 1]
                                        if rejoin_step and {rejoin_step, rejoin_step - 1} <= s.steps.keys() else None),
+            **({"orphans_gone_s": orphans_s, "kill_to_commit_s": went_on} if where == "launcher" else {}),
         }
 
     def stall(self, tag: str, config: Path, heartbeat_ms: int, pg_timeout_ms: int) -> dict:
@@ -417,17 +454,19 @@ def report(results: list[dict]) -> str:
                           "FT / plain", "plain median", "FT median", "FT − plain (medians)", "runs ok"], cost_rows))
     kill_rows = []
     for key in dict.fromkeys((r["config"], r["run"], r.get("heartbeat_ms"), r.get("pg_timeout_ms"))
-                             for r in results if r["run"] in ("kill-quorum", "kill-collective", "stall")):
+                             for r in results if r["run"] in ("kill-quorum", "kill-collective", "kill-launcher", "stall")):
         rs = [r for r in results if (r["config"], r["run"], r.get("heartbeat_ms"), r.get("pg_timeout_ms")) == key]
         ok = [r for r in rs if "error" not in r]
         col = lambda name, digits=2: _spread([r.get(name) for r in ok], 1.0, digits)  # noqa: E731
         kill_rows.append([key[0], key[1], key[2], key[3] if key[3] is not None else "–", col("stall_s"),
-                          col("step_before_s", 3), col("uncommitted", 0), col("heal_s"), col("rejoin_s", 1),
+                          col("step_before_s", 3), col("uncommitted", 0), col("orphans_gone_s", 3),
+                          col("kill_to_commit_s"), col("heal_s"), col("rejoin_s", 1),
                           col("survivor_rejoin_step_s"), f"{len(ok)}/{len(rs)}"])
     if kill_rows:
         out.append("\nA lost replica group (seconds; median [min–max] over repeats)\n")
         out.append(table(["config", "run", "heartbeat ms", "pg timeout ms", "survivor's stall", "its step before",
-                          "steps undone", "heal", "relaunch to rejoin", "survivor's step at rejoin", "runs ok"], kill_rows))
+                          "steps undone", "orphans gone", "kill to next commit", "heal", "relaunch to rejoin",
+                          "survivor's step at rejoin", "runs ok"], kill_rows))
     loads = [r["load_1min"] for r in results if "load_1min" in r]
     if loads:
         out.append(f"\nload average (1 min) at the start of the runs: {min(loads):.1f}–{max(loads):.1f} "

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from scripts._bench_common import build_model, table  # noqa: E402
 from titan_commopt import comm  # noqa: E402
 from titan_commopt.optim import make  # noqa: E402
-from titan_commopt.titan.common.fault_tolerance import Quorum, clone_tree  # noqa: E402
+from titan_commopt.titan.common.replica_group import Quorum, clone_tree  # noqa: E402
 from titan_commopt.topology import Topology  # noqa: E402
 
 WARMUP_STEPS = 3

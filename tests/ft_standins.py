@@ -9,8 +9,8 @@ from titan_commopt import comm
 from titan_commopt.optim import build_optimizer, resolve
 from titan_commopt.topology import Topology
 from titan_commopt.titan.common.container import CommOptimizersContainer
-from titan_commopt.titan.common.fault_tolerance import ReplicaGroupFT
-from titan_commopt.titan.config.fault_tolerance import FtSettings
+from titan_commopt.titan.common.replica_group import ReplicaGroupFT
+from titan_commopt.titan.config.fault_tolerance_keys import FtSettings
 
 SETTINGS = FtSettings(enable=True, replica_id=0, group_size=2)
 

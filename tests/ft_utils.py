@@ -1,10 +1,10 @@
 """Live fault-tolerance runs for the tests (torchtitan 0.2.2): torchft's lighthouse and replica
 groups, each group its own ``python -m titan_commopt.run --nproc_per_node=N ... -m titan_commopt.train``
-launch with ``TORCHFT_LIGHTHOUSE`` and the ``--fault_tolerance.*`` keys, in a session of its own;
-a whole group killed (its launcher and its workers: torchrun starts each worker in a session of its
-own, so a signal to the launcher's process group misses them) and launched again; and what the
-groups logged, parsed (per-rank losses; the ``fault tolerance: ...`` lines of quorums, undone steps,
-heals and the final fingerprints).
+launch (or plain ``torchrun``'s) with ``TORCHFT_LIGHTHOUSE`` and the ``--fault_tolerance.*`` keys, in a
+session of its own; a whole group killed (its launcher and its workers: torchrun starts each worker in
+a session of its own, so a signal to the launcher's process group misses them), or its launcher
+alone, and launched again; and what the groups logged, parsed (per-rank losses; the ``fault
+tolerance: ...`` lines of quorums, undone steps, heals and the final fingerprints).
 
 Every wait has a deadline that ends it with the logs' tails, and :class:`FtJob` kills everything it
 started when it closes, also when a test fails. Ports are the system's free ones (bound to port 0 and
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NoReturn, Optional
 
-from titan_commopt.titan.common.fault_tolerance import KILL_ENV  # "<step>:quorum|collective"
+from titan_commopt.titan.config.fault_tolerance_keys import KILL_ENV  # "<step>:quorum|collective|heal|stall"
 
 from tests.titan_utils import CONFIG, LOSS_LINE, ROOT
 
@@ -101,6 +101,30 @@ def _local_rank(pid: int) -> Optional[int]:
         if item.startswith(b"LOCAL_RANK="):
             return int(item.split(b"=", 1)[1])
     return None
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (one that exited but was not reaped yet does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def processes_naming(text: str) -> list[int]:
+    """Every live process whose command line contains ``text`` (a job's folder: what it started)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline and alive(int(entry)):
+            found.append(int(entry))
+    return found
 
 
 def _signal(pids: list[int], sig: int) -> None:
@@ -192,11 +216,12 @@ class GroupLog:
 
 class Group:
     """One launch of replica group ``replica_id`` in a session of its own: ``python -m titan_commopt.run``
-    (torchrun with the config checked first), or for a one-process group of a job made with
-    ``launcher=False`` its worker alone, with the variables torchrun would give it (a launcher's
-    start-up costs as much as its one worker's; the launcher's part is what the failure runs test)."""
+    (torchrun with the config checked first), plain ``torchrun`` (``via="torchrun"``), or for a
+    one-process group of a job made with ``launcher=False`` its worker alone, with the variables torchrun
+    would give it (a launcher's start-up costs as much as its one worker's; the launcher's part is what
+    the failure runs test)."""
 
-    def __init__(self, job: "FtJob", replica_id: int, label: str, env: dict[str, str]) -> None:
+    def __init__(self, job: "FtJob", replica_id: int, label: str, env: dict[str, str], via: str = "run") -> None:
         self.job, self.replica_id, self.label = job, replica_id, label
         self.log_path = job.workdir / f"{label}.log"
         train = [
@@ -209,9 +234,12 @@ class Group:
         full_env = {k: v for k, v in os.environ.items() if k != KILL_ENV}
         full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCHFT_LIGHTHOUSE": job.url})
         if job.launcher:
-            args = [sys.executable, "-m", "titan_commopt.run", f"--nproc_per_node={job.nproc}",
+            launcher = {"run": "titan_commopt.run", "torchrun": "torch.distributed.run"}[via]
+            args = [sys.executable, "-m", launcher, f"--nproc_per_node={job.nproc}",
                     "--master_port", str(free_port()), "--tee", "3",
                     "--log-dir", str(job.workdir / f"{label}_ranks"), *train]
+            # plain torchrun prefixes a worker's lines with its local rank unless told otherwise
+            full_env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank${rank}]:"
         else:
             args = [sys.executable, *train]
             full_env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
@@ -244,6 +272,16 @@ class Group:
     def kill(self) -> None:
         _kill_tree(self.proc)
 
+    def kill_launcher(self) -> list[int]:
+        """SIGKILL this launch's launcher alone (its workers are left to themselves); returns the
+        workers' pids, taken before."""
+        assert self.job.launcher, "a group launched without a launcher has none to kill"
+        workers = list(self.workers().values())
+        assert workers, f"{self.label}: no worker to leave behind"
+        self.proc.kill()
+        self.proc.wait()
+        return workers
+
     def workers(self) -> dict[int, int]:
         """Local rank -> pid of this launch's workers."""
         found = {}
@@ -260,10 +298,12 @@ class FtJob:
     manager: leaving it kills whatever is still running."""
 
     def __init__(self, workdir: Path, args: list[str], *, groups: int = 2, nproc: int = 2,
-                 config: Path = CONFIG, launcher: bool = True) -> None:
+                 config: Path = CONFIG, launcher: bool = True, min_replicas: int = 1) -> None:
+        """``min_replicas``: the lighthouse's (a quorum needs that many groups: with all of them, the
+        others wait for a lost group's relaunch instead of training on)."""
         assert launcher or nproc == 1, "a group of several processes is launched by torchrun"
         self.workdir, self.args, self.groups, self.nproc, self.config = Path(workdir), list(args), groups, nproc, config
-        self.launcher = launcher
+        self.launcher, self.min_replicas = launcher, min_replicas
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.url = ""  # the lighthouse's, once started
         self.lighthouse: Optional[subprocess.Popen] = None
@@ -288,29 +328,30 @@ class FtJob:
         raise AssertionError(f"{why}\n{tails}")
 
     # ---- starting ----
-    def start(self, env: Optional[dict[int, dict[str, str]]] = None) -> list[Group]:
-        """The lighthouse and every group (``env``: extra variables per replica id), started together
-        (the groups wait for the lighthouse); returns the launches by replica id once the lighthouse
-        accepts connections."""
+    def start(self, env: Optional[dict[int, dict[str, str]]] = None, via: Optional[dict[int, str]] = None) -> list[Group]:
+        """The lighthouse and every group (``env``: extra variables per replica id; ``via``: a replica
+        id's launcher, "run" unless named), started together (the groups wait for the lighthouse);
+        returns the launches by replica id once the lighthouse accepts connections."""
         log = self.workdir / "lighthouse.log"
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         with open(log, "w") as out:
             self.lighthouse = subprocess.Popen(
-                [str(LIGHTHOUSE_BIN), "--min_replicas", "1", "--quorum_tick_ms", "100",
+                [str(LIGHTHOUSE_BIN), "--min_replicas", str(self.min_replicas), "--quorum_tick_ms", "100",
                  "--join_timeout_ms", str(JOIN_TIMEOUT_MS), "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS),
                  "--bind", f"127.0.0.1:{port}"],
                 env={**os.environ, "RUST_LOG": "info"}, stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_dies_with_this_process)
-        groups = [self.launch(k, env=(env or {}).get(k)) for k in range(self.groups)]
+        groups = [self.launch(k, env=(env or {}).get(k), via=(via or {}).get(k, "run")) for k in range(self.groups)]
         self.until(lambda: _LISTENING.search(log.read_text(errors="replace")) is not None and accepts(port),
                    f"the lighthouse listening on 127.0.0.1:{port} ({log})", START_S, [])
         return groups
 
-    def launch(self, replica_id: int, env: Optional[dict[str, str]] = None, label: Optional[str] = None) -> Group:
-        """Launch replica group ``replica_id`` (again: ``label`` names its log)."""
+    def launch(self, replica_id: int, env: Optional[dict[str, str]] = None, label: Optional[str] = None,
+               via: str = "run") -> Group:
+        """Launch replica group ``replica_id`` (again: ``label`` names its log; ``via``: see :class:`Group`)."""
         label = label or f"group{replica_id}"
-        group = Group(self, replica_id, label, env or {})
+        group = Group(self, replica_id, label, env or {}, via)
         self.launches.append(group)
         return group
 

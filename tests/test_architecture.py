@@ -169,6 +169,34 @@ def test_the_torchtitan_lines_stay_apart():
                 assert into == folder or into in TITAN_FOLDERS[folder], f"{module} imports {dep}"
 
 
+# ---- live fault tolerance: its glue written once ----------------------------------------------------------
+# The Trainer methods fault tolerance routes (common/replica_group_training.ReplicaGroupSteps), which no
+# line's Trainer defines again, and the modules that read the [fault_tolerance] settings from a config:
+# each route's check before the process group, and 0.3's Trainer (0.2.2's takes the checked run's).
+FT_ROUTED_METHODS = {"init_distributed", "batch_generator", "train_step", "close"}
+FT_SETTINGS_READERS = {"titan.config.validate", "titan.tt03.preflight", "titan.tt03.replica_group_trainer"}
+
+
+def _methods_defined(path: Path) -> set[str]:
+    return {item.name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+            for item in node.body if isinstance(item, ast.FunctionDef)}
+
+
+def _calls(path: Path, dotted: str) -> bool:
+    return any(isinstance(node, ast.Call) and ast.unparse(node.func) == dotted
+               for node in ast.walk(ast.parse(path.read_text())))
+
+
+def test_the_fault_tolerance_glue_is_written_once():
+    lines = [(m, p) for m, p in _modules().items() if m.split(".")[2:3] in (["tt022"], ["tt03"], ["tt03_toml"])]
+    assert lines
+    redefined = {m: sorted(_methods_defined(p) & FT_ROUTED_METHODS) for m, p in lines}
+    assert {m: d for m, d in redefined.items() if d} == {}
+    readers = {m.removeprefix(f"{NAME}.") for m, p in _modules().items() if _calls(p, "FtSettings.of")}
+    assert readers == FT_SETTINGS_READERS
+    assert not [m for m in _modules() if m.split(".")[-1] == "fault_tolerance"]  # named for what each does
+
+
 # ---- docs/architecture.md names only what exists ---------------------------------------------------
 _ROOTS = (ROOT, PACKAGE, PACKAGE / "optim", PACKAGE / "titan")  # paths from the repo, the package, optim/ or titan/
 _NOT_PATHS = ("comm/", "commopt/", "validation_metrics/")  # TensorBoard tags

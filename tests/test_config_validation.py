@@ -331,9 +331,51 @@ def test_missing_tokenizer_is_one_line(tmp_path, path, expected):
     with pytest.raises(ConfigError) as info:
         check_config(["--job.config_file", str(CONFIG), "--model.hf_assets_path", path])
     assert str(info.value).startswith("[model] " + expected) and len(str(info.value).splitlines()) == 1
-    (tmp_path / "tokenizer.json").write_text("{}")
+    _hf_tokenizer(tmp_path)
     if path == str(tmp_path):
         check_config(["--job.config_file", str(CONFIG), "--model.hf_assets_path", path])  # a directory with a tokenizer: passes
+
+
+def _hf_tokenizer(folder):
+    """A directory with a tokenizer.json HuggingFace tokenizers reads (an empty BPE)."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.BPE()).save(str(folder / "tokenizer.json"))
+    return folder
+
+
+# A damaged tokenizer file: (the files, LINE it applies to or None for both, the file named, what it is read as)
+DAMAGED_TOKENIZERS = [
+    ({"tokenizer.model": "garbage"}, "0.2", "tokenizer.model", "as a SentencePiece model (RuntimeError: "),
+    ({"tokenizer.json": "{not json"}, None, "tokenizer.json", "by HuggingFace tokenizers (Exception: "),
+    ({"tokenizer.json": None, "tokenizer_config.json": '{"bos_token": '}, None, "tokenizer_config.json",
+     "as JSON (JSONDecodeError: Expecting value"),
+    ({"tokenizer.json": None, "tokenizer_config.json": "{}", "chat_template.jinja": "{% for x in %}"}, "0.3",
+     "chat_template.jinja", "as a Jinja template (TemplateSyntaxError: "),
+]
+
+
+@pytest.mark.both_lines
+@pytest.mark.parametrize("files, line, named, read_as", DAMAGED_TOKENIZERS, ids=[d[2] for d in DAMAGED_TOKENIZERS])
+def test_a_damaged_tokenizer_file_is_one_line_naming_it(tmp_path, files, line, named, read_as):
+    """Each tokenizer file the line's loader reads is read before any process group: a damaged one is
+    one line naming it (not the tokenizer library's traceback on every rank)."""
+    from tests.titan_utils import LINE
+
+    if line is not None and line != LINE:
+        pytest.skip(f"torchtitan {line} reads {named}")
+    for name, text in files.items():
+        _hf_tokenizer(tmp_path) if text is None else (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError) as info:
+        check_config(["--job.config_file", str(CONFIG), "--model.hf_assets_path", str(tmp_path)])
+    (problem,) = str(info.value).splitlines()
+    assert problem.startswith(f"[model] hf_assets_path = '{tmp_path}': {tmp_path / named} cannot be read {read_as}"), problem
+    if LINE == "0.2":  # a SentencePiece .model file named directly
+        (tmp_path / "own.model").write_text("garbage")
+        with pytest.raises(ConfigError) as info:
+            check_config(["--job.config_file", str(CONFIG), "--model.hf_assets_path", str(tmp_path / "own.model")])
+        assert str(info.value).startswith(f"[model] hf_assets_path = '{tmp_path / 'own.model'}': the file cannot be "
+                                          "read as a SentencePiece model"), info.value
 
 
 def test_user_set_keys_counts_every_accepted_form():
@@ -453,3 +495,38 @@ def test_warnings_are_printed_once_by_rank_0_or_by_the_launcher(monkeypatch, cap
     monkeypatch.setenv("RANK", "0")
     _main_without_training(monkeypatch, argv)  # the worker inherits the launcher's environment
     assert WARNING_PREFIX not in capsys.readouterr().err
+
+
+# ---- [checkpoint] load_step: the checkpoint it names, before any process group ----
+@pytest.mark.both_lines
+def test_a_load_step_naming_no_checkpoint_is_one_line_before_any_process_group(tmp_path, monkeypatch):
+    """``--checkpoint.load_step`` (0 too: torchtitan's own FileNotFoundError) naming no complete
+    checkpoint, or given with checkpointing off (torchtitan would ignore it): the resume check's line,
+    from the config check (in the launcher, before any worker); under fault tolerance the group's own
+    folder's."""
+    (tmp_path / "checkpoint" / "step-2").mkdir(parents=True)  # a save that did not finish: no .metadata
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510")
+    folder = tmp_path / "checkpoint"
+    on = ["--checkpoint.enable", "true"]
+    for args, expected in [
+        ([*on, "--checkpoint.load_step", "0"], f"[checkpoint] load_step = 0: {folder} has no step-0; complete "
+                                               "checkpoints: none (load_step = -1: the newest)"),
+        ([*on, "--checkpoint.load_step", "2"], f"[checkpoint] load_step = 2: {folder}/step-2 has no .metadata"),
+        (["--checkpoint.load_step", "7"], "[checkpoint] load_step = 7 with [checkpoint] enable = false: nothing is "
+                                          "loaded; allowed is [checkpoint] enable = true to resume from it"),
+        ([*on, "--checkpoint.load_step", "2", "--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
+          "--fault_tolerance.replica_id", "1"], f"[checkpoint] load_step = 2: {folder}/replica_1 does not exist"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            check_config(["--job.config_file", str(CONFIG), "--job.dump_folder", str(tmp_path), *args], world_size=2)
+        (line,) = str(info.value).splitlines()
+        assert line.startswith(expected), line
+    check_config(["--job.config_file", str(CONFIG), "--job.dump_folder", str(tmp_path), *on], world_size=2)  # the newest
+    # a first run (no checkpoint folder yet) loads initial_load_path: it must be a directory
+    first = ["--job.config_file", str(CONFIG), "--job.dump_folder", str(tmp_path / "first"), *on]
+    with pytest.raises(ConfigError) as info:
+        check_config([*first, "--checkpoint.initial_load_path", str(tmp_path / "seed")], world_size=2)
+    (line,) = str(info.value).splitlines()
+    assert line.startswith(f"[checkpoint] initial_load_path = '{tmp_path / 'seed'}': no such directory; allowed is a "
+                           "checkpoint directory, which torchtitan loads on a first run"), line
+    check_config([*first, "--checkpoint.initial_load_path", str(folder)], world_size=2)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from titan_commopt.optim import FAMILIES, resolve
-from titan_commopt.titan.common.fault_tolerance import ReplayBatches
-from titan_commopt.titan.config.fault_tolerance import FtSettings, in_flight_problems, problems
+from titan_commopt.titan.common.replica_group_training import ReplayBatches
+from titan_commopt.titan.config.fault_tolerance_keys import FtSettings, in_flight_problems, problems
 from tests.ft_standins import SETTINGS, StandInManager, fault_tolerant_container, train_step
 
 NAMES = sorted(name for family in FAMILIES.values() for name in family.presets)
@@ -87,6 +87,73 @@ def test_replayed_batches_come_again_in_order_and_a_heal_skips_to_the_quorums_st
     assert [next(batches), next(batches)] == [10, 11]
 
 
+class _Schedulers:
+    def __init__(self):
+        self.steps = 0
+
+    def step(self):
+        self.steps += 1
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.steps = state["steps"]
+
+
+@pytest.mark.parametrize("counted", ["as read", "at the forward, after CP"])
+def test_a_retried_step_counts_its_tokens_once_as_torchtitan_counts_them(monkeypatch, counted):
+    """Each attempt of a step passes its batches through torchtitan's own counting (0.2.2 counts a
+    batch as it is read, 0.3 at the forward, after context-parallel sharding: half the labels here, as
+    CP 2 would); a step that does not commit leaves the count as its quorum left it, which a heal
+    sets; the LR schedule moves once per committed step, and the retry trains the same batch."""
+    from titan_commopt.titan.config.fault_tolerance_keys import KILL_ENV
+    from titan_commopt.titan.common.replica_group import ReplicaGroupFT
+    from titan_commopt.titan.common.replica_group_training import ReplicaGroupSteps, ReplicaGroupTraining
+
+    monkeypatch.delenv(KILL_ENV, raising=False)
+    manager = StandInManager()
+    commits = iter([False, True, False, True])
+    heal_at_attempt = 3
+    seen = []
+
+    class Torchtitan:  # torchtitan's Trainer as ReplicaGroupSteps uses it
+        def batch_generator(self, data):
+            for batch in data:
+                if counted == "as read":
+                    self.ntokens_seen += batch.numel()
+                yield batch
+
+        def train_step(self, batches):
+            if len(seen) + 1 == heal_at_attempt:  # this quorum heals: torchft calls the registered load
+                load, _ = manager.fns["commopt_trainer"]
+                load({"step": 7, "ntokens_seen": 500, "lr_schedulers": {"steps": 6}})
+            labels = next(batches)
+            seen.append(int(labels[0]) // 16)  # the batch's index in the shard
+            if counted != "as read":
+                self.ntokens_seen += labels.numel() // 2
+            self.optimizers.committed = next(commits)
+            self.lr_schedulers.step()
+
+    class Trainer(ReplicaGroupSteps, Torchtitan):
+        pass
+
+    trainer = Trainer()
+    trainer.fault_tolerance = ReplicaGroupTraining(SETTINGS, commopt=None)
+    group = trainer.fault_tolerance.group = ReplicaGroupFT(SETTINGS, manager=manager, replicate=None)
+    trainer.optimizers = type("Container", (), {"ft": group, "owns_replicate_sync": True, "committed": True})()
+    trainer.lr_schedulers, trainer.model_parts, trainer.gradient_accumulation_steps = _Schedulers(), [], 1
+    trainer.step, trainer.ntokens_seen = 1, 100
+    per_batch = 16 if counted == "as read" else 8
+    batches = trainer.batch_generator(torch.arange(160).view(10, 16))
+    trainer.train_step(batches)  # not committed, then committed
+    assert (trainer.ntokens_seen, trainer.lr_schedulers.steps, seen) == (100 + per_batch, 1, [0, 0])
+    trainer.step = 2
+    trainer.train_step(batches)  # healed to step 7 in its first quorum (not committed), then committed
+    # after the heal the group reads its shard from step 7's batch on: the 7th (index 6)
+    assert (trainer.ntokens_seen, trainer.lr_schedulers.steps, seen) == (500 + per_batch, 7, [0, 0, 6, 6])
+
+
 def _lines(**changes):
     settings = FtSettings(**{**SETTINGS.__dict__, **changes})
     return problems(settings, dp_replicate=1, lighthouse="http://127.0.0.1:29510")
@@ -109,6 +176,23 @@ def test_fault_tolerance_settings_that_cannot_work_are_one_line_each():
     assert line.startswith("[fault_tolerance] enable = true: TORCHFT_LIGHTHOUSE is not set")
     (line,) = problems(SETTINGS, dp_replicate=1, lighthouse="http://nowhere")
     assert line.startswith("[fault_tolerance] enable = true: TORCHFT_LIGHTHOUSE = 'http://nowhere': not an address")
+
+
+@pytest.mark.parametrize("variable, value, line", [
+    ("TITAN_COMMOPT_FT_KILL", "6", "TITAN_COMMOPT_FT_KILL = '6': a failure rehearsal; allowed is <step>:quorum, "
+     "<step>:collective, <step>:heal or <step>:stall"),
+    ("TITAN_COMMOPT_FT_KILL", "6:heals", "TITAN_COMMOPT_FT_KILL = '6:heals': a failure rehearsal;"),
+    ("TORCHFT_QUORUM_TIMEOUT_SEC", "2m", "TORCHFT_QUORUM_TIMEOUT_SEC = '2m': the seconds a step waits for its quorum "
+     "(torchft's); allowed is a finite number > 0 (unset: 120)"),
+    ("TORCHFT_QUORUM_TIMEOUT_SEC", "0", "TORCHFT_QUORUM_TIMEOUT_SEC = '0': "),
+])
+def test_a_bad_fault_tolerance_variable_is_one_line_before_any_process_group(monkeypatch, variable, value, line):
+    """The environment a fault-tolerant launch reads (the failure rehearsal, torchft's quorum wait) is
+    checked with the config: one line, not a traceback from the Manager's construction."""
+    monkeypatch.setenv(variable, value)
+    (found,) = problems(SETTINGS, dp_replicate=1, lighthouse="http://127.0.0.1:29510")
+    assert found.startswith(line), found
+    assert problems(FtSettings(), dp_replicate=1, lighthouse=None) == []  # without fault tolerance, not read
 
 
 def test_an_r_collective_in_flight_across_steps_is_refused_under_fault_tolerance():

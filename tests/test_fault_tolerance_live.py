@@ -11,6 +11,10 @@
   the outer optimizer's momentum and the sync schedule a heal must carry), and it is the algorithm
   torchft itself ships, so its behaviour under failures is the one users compare with; SparseLoCo
   (and DES-LOC, whose optimizer states sync too) get a short run below.
+- Launchers killed alone, three groups, a heal cut short: a worker whose launcher (``titan_commopt.run``
+  or plain ``torchrun``) is SIGKILLed leaves by itself instead of heartbeating on as a zombie group;
+  two failures at different times, one while the relaunched group applies its heal, one group
+  relaunched twice: no committed step lost, the three end on the same parameters, nothing left over.
 - Every family a short run (2 groups x 1 process; torchtitan's own AdamW through its FSDP hook, 2 x 2).
 - Bad input: one line each, exit status 2 (an unreachable lighthouse after a bounded wait)."""
 
@@ -21,9 +25,10 @@ import sys
 
 import pytest
 
-from titan_commopt.titan.config.fault_tolerance import LIGHTHOUSE_ENV, LIGHTHOUSE_WAIT_ENV
+from titan_commopt.titan.config.fault_tolerance_keys import LIGHTHOUSE_ENV, LIGHTHOUSE_WAIT_ENV, QUORUM_TIMEOUT_ENV
 
-from tests.ft_utils import LIGHTHOUSE_BIN, FtJob, GroupLog, KILL_ENV, RUN_S, START_S, free_port
+
+from tests.ft_utils import LIGHTHOUSE_BIN, FtJob, GroupLog, KILL_ENV, RUN_S, START_S, alive, free_port, processes_naming
 from tests.titan_utils import CONFIG, EXTRA, LINE, LR, ROOT
 
 pytestmark = pytest.mark.skipif(LINE != "0.2", reason="the live fault-tolerance runs are torchtitan 0.2.2's")
@@ -167,6 +172,46 @@ def test_diloco_group_killed_between_steps_inside_a_period_heals_and_syncs(tmp_p
     assert not survivor.not_committed and not again.not_committed
 
 
+# ---- launchers killed alone; three groups, failures at different times, one during a heal ----
+ORPHAN_STEPS = 8
+
+
+def test_launchers_killed_alone_and_a_heal_cut_short_lose_no_committed_step(tmp_path):
+    """Three groups of one process, group 1 launched by ``python -m titan_commopt.run``, the others (and
+    every relaunch: no config check before the workers, a shorter start-up) by plain ``torchrun``. A quorum needs all three (the lighthouse's ``--min_replicas 3``): the others wait in
+    it for each relaunch instead of training on (a relaunch's start-up is many steps long here). Group
+    1's launcher alone is SIGKILLed: its worker leaves by itself (it would heartbeat on as a zombie
+    group, and no step with the relaunched group would commit); relaunched, group 1 dies while it
+    applies its heal; then group 2's torchrun alone is SIGKILLed, and its worker leaves too; group 1
+    (its second relaunch) and group 2 are launched again, both heal, and the three end on the same
+    parameters, group 0 having committed every step once, in one process; nothing of the job is left."""
+    args = [*TINY, "--optimizer.name", "FlexDeMo", "--optimizer.lr", LR["FlexDeMo"],
+            "--training.steps", str(ORPHAN_STEPS), "--commopt.check_replicas_every", "2"]
+    wait = {QUORUM_TIMEOUT_ENV: str(START_S)}  # a quorum waits out a relaunch's start-up
+    with FtJob(tmp_path, args, groups=3, nproc=1, min_replicas=3) as job:
+        g0, g1, g2 = job.start(env={k: wait for k in range(3)}, via={0: "torchrun", 2: "torchrun"})
+        job.until(lambda: 2 in g0.log().loss_by_step(), "group 0's step 2", RUN_S, [g0, g1, g2])
+        orphans = g1.kill_launcher()
+        job.until(lambda: not any(map(alive, orphans)), "group 1's worker leaving with its launcher", START_S, [g0, g2])
+        cut = job.launch(1, env={**wait, KILL_ENV: "1:heal"}, label="group1_cut", via="torchrun")
+        job.until(lambda: not cut.running(), "the relaunched group 1 dying in its heal", RUN_S, [g0, g2])
+        assert cut.log().killed == {0}, cut.tail()
+        orphans += g2.kill_launcher()
+        job.until(lambda: not any(map(alive, orphans)), "group 2's worker leaving with its torchrun", START_S, [g0])
+        again = [job.launch(k, env=wait, label=f"group{k}_again", via="torchrun") for k in (1, 2)]
+        logs = job.finish([g0, *again])
+        assert processes_naming(str(tmp_path)) == []  # no orphan: nothing the job started runs
+    survivor, *relaunched = logs
+    assert sorted(survivor.loss_by_step()) == list(range(1, ORPHAN_STEPS + 1))
+    assert g0.text().count("Training starts at step 1") == 1 and not survivor.heals  # never restarted or healed
+    for killed, log in zip([g1, g2], relaunched):
+        (healed_at, _), = log.heals[0]
+        assert healed_at >= max(killed.log().loss_by_step(), default=0)  # what the group had committed stands
+        assert sorted(log.loss_by_step()) == list(range(healed_at + 1, ORPHAN_STEPS + 1))
+    assert survivor.fingerprints[0][0] == ORPHAN_STEPS
+    assert survivor.fingerprints[0] == relaunched[0].fingerprints[0] == relaunched[1].fingerprints[0]
+
+
 # ---- every family: a short run (2 groups x 1 process), ending where the replicas must be equal ----
 SHORT = {  # name: (steps, [commopt] check_replicas_every); the local-step families end on a sync of every state
     "DeMo": (4, 2),
@@ -222,8 +267,8 @@ class _Manager:
 ])
 def test_first_quorum_waits_for_every_group(monkeypatch, sizes, step, wait, asked, size):
     """[commopt] ft_start_wait_s: a job's first step waits for every group, a bounded number of asks."""
-    from titan_commopt.titan.common.fault_tolerance import ReplicaGroupFT
-    from titan_commopt.titan.config.fault_tolerance import FtSettings
+    from titan_commopt.titan.common.replica_group import ReplicaGroupFT
+    from titan_commopt.titan.config.fault_tolerance_keys import FtSettings
 
     monkeypatch.delenv(KILL_ENV, raising=False)
     manager = _Manager(sizes, step)

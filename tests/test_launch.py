@@ -8,6 +8,7 @@ still reaches it."""
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -321,3 +322,93 @@ def test_a_config_warning_is_printed_once_by_the_launcher(tmp_path):
     warnings = [line for line in out.splitlines() if "titan_commopt: warning: [commopt.demo]" in line]
     assert len(warnings) == 1, warnings  # every rank on the console (--tee 3): still one copy
     assert "chunk" in warnings[0] and "AdamW" in warnings[0]
+
+
+# ---- a fault-tolerant worker dies with its launcher (titan/platform/launcher_death.py) ----
+# The module is loaded from its file, without titan_commopt.titan's package import (torchtitan): a
+# process of a second.
+_DIE_WITH_LAUNCHER = f"""
+import importlib.util
+spec = importlib.util.spec_from_file_location("launcher_death", {str(ROOT / "titan_commopt/titan/platform/launcher_death.py")!r})
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+print("armed" if module.die_with_launcher() else "not armed", flush=True)
+"""
+_LAUNCHER = """
+import subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1] + "import time; time.sleep(600)"], start_new_session=True)
+print(worker.pid, flush=True)  # torchrun starts its workers in sessions of their own, as here
+time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "TITAN_COMMOPT_LAUNCHER")}
+    return {**env, "PYTHONPATH": str(ROOT), **extra}
+
+
+def test_a_worker_started_by_an_agent_dies_with_its_launcher():
+    """A launcher SIGKILLed alone: its worker (in a session of its own) is killed by the kernel, not
+    left running under init."""
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _DIE_WITH_LAUNCHER], cwd=ROOT,
+                                env=_env(TORCHELASTIC_RUN_ID="test"), stdout=subprocess.PIPE, text=True)
+    lines = [launcher.stdout.readline().strip() for _ in range(2)]  # the worker's pid, and "armed"
+    worker = int(next(line for line in lines if line.isdigit()))
+    try:
+        assert "armed" in lines, lines
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 60
+        while not _gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(worker), "the worker outlived its launcher"
+    finally:
+        for pid in (worker, launcher.pid):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_worker_whose_launcher_is_gone_already_leaves_and_others_are_left_alone():
+    def run(**env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _DIE_WITH_LAUNCHER], cwd=ROOT, env=_env(**env),
+                              capture_output=True, text=True, timeout=120)
+
+    orphan = run(TORCHELASTIC_RUN_ID="test", TITAN_COMMOPT_LAUNCHER="1")  # its parent is not launcher 1
+    assert orphan.returncode == 1 and "the launcher (pid 1) is gone" in orphan.stderr, orphan
+    alone = run()  # not started by torch's elastic agent: nothing to die with
+    assert alone.returncode == 0 and alone.stdout.strip() == "not armed", alone
+
+
+@pytest.mark.both_lines
+def test_torchtitans_own_config_module_on_a_cpu_is_one_line_naming_ours():
+    """0.3's ``-m torchtitan.train --module llama3`` (with our override) on a machine without an
+    accelerator: torchtitan's Trainer would stop in ``torch.cuda.set_device`` before any code of ours
+    runs; the launcher says so before any worker, naming our config module (on 0.2.2 ``--module`` is
+    not torchtitan's: the launcher leaves the command line to torchrun)."""
+    from titan_commopt.titan.platform.cpu import accelerator_available, stock_module_problem
+    from tests.titan_utils import LINE
+
+    argv = ["--module", "llama3", "--config", "llama3_debugmodel", "--override.imports",
+            "titan_commopt.titan.tt03.overrides.commopt"]
+    if LINE != "0.3" or accelerator_available():
+        assert stock_module_problem(argv) is None
+        return
+    assert stock_module_problem(["--module", "titan_commopt.titan.tt03.configs", "--config", "llama3_debugmodel"]) is None
+    proc = _launch("--nproc_per_node=1", "--standalone", "-m", "torchtitan.train", *argv)
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    assert _last_line(proc) == (
+        PREFIX + "--module llama3 on a machine without an accelerator: torchtitan's own config module and Trainer assume "
+        "CUDA (torch.cuda.set_device fails before any titan_commopt code runs, an --override.imports of ours included); "
+        "allowed is our config module, which applies the CPU fixes to torchtitan's configs by name: "
+        "--module titan_commopt.titan.tt03.configs --config llama3_debugmodel")
+    assert "Traceback" not in proc.stdout + proc.stderr and "Starting job" not in proc.stdout + proc.stderr

@@ -277,7 +277,8 @@ def test_fragments_schedule_and_options():
     assert local_sync.offsets(32, 1) == [0] and local_sync.offsets(32, 4) == [0, 8, 16, 24] and local_sync.offsets(2, 4) == [0, 0, 1, 1]
     p = [torch.zeros(3, requires_grad=True) for _ in range(2)]
     assert local_adaptive(p, fragments=5).schedule.fragments == 2  # at most one fragment per parameter
-    with pytest.raises(ConfigError, match=r"sync_delay = 4: allowed is an integer >= 0 below the smallest period > 0 \(4\)"):
+    with pytest.raises(ConfigError, match=r"sync_delay = 4: allowed is an integer >= 0 below the smallest period > 0, "
+                       r"\[commopt.local\] Kx = 4: "):
         local_adaptive(p, Ku=(4,), Kv=8, Kx=4, sync_delay=4)
     hp = BaseHParams()
     assert la.check(la.Config(fragments=4, sync_delay=3, Kx=4, Ku=[8], Kv=0), hp) == []
@@ -343,6 +344,29 @@ def test_presets_and_config_errors():
     # "auto": power of two nearest the half-life (0.999 → 693 → 512; 0.9999 → 6931 → 8192)
     r = la.resolve_periods(la.Config(beta1=[0.999], Ku=["auto"], beta2=0.9999, Kv="auto", Kx="auto"), hp)
     assert r == local_sync.Periods(Kx=512, Ku=(512,), Kv=8192)
+
+
+@pytest.mark.parametrize("table, hparams, line", [
+    (dict(Ku=["auto"]), dict(beta1=0.0), '[commopt.local] Ku[0] = "auto": the power of two nearest the half-life of first '
+     "momentum u0's decay, [optimizer] beta1 = 0.0, which only a decay in (0, 1) has; allowed is an integer >= 0"),
+    (dict(Ku=[8, "auto"], beta1=[0.9, 0.0], omega=[0.5, 0.5]), {}, '[commopt.local] Ku[1] = "auto": the power of two '
+     "nearest the half-life of first momentum u1's decay, [commopt.local] beta1[1] = 0.0,"),
+    (dict(Kv="auto", beta2=0.0), {}, '[commopt.local] Kv = "auto": the power of two nearest the half-life of the second '
+     "moment's decay, [commopt.local] beta2 = 0.0,"),
+    (dict(Kv="auto"), dict(beta2=0.0), '[commopt.local] Kv = "auto": the power of two nearest the half-life of the second '
+     "moment's decay, [optimizer] beta2 = 0.0,"),
+    (dict(Kx="auto"), dict(beta2=0.0), '[commopt.local] Kx = "auto": the power of two nearest the half-life of the fastest '
+     "state's decay, [optimizer] beta2 = 0.0,"),
+    (dict(Kx=8, Ku=[8], Kv="auto", sync_delay=8), {}, '[commopt.local] sync_delay = 8: allowed is an integer >= 0 below the '
+     "smallest period > 0, [commopt.local] Kx = 8: "),
+    (dict(Kx="auto", Ku=[0], Kv=0, sync_delay=64), {}, '[commopt.local] sync_delay = 64: allowed is an integer >= 0 below '
+     'the smallest period > 0, [commopt.local] Kx = "auto" (8): '),
+])
+def test_a_refused_derived_period_names_the_key_written_and_the_decay_it_comes_from(table, hparams, line):
+    """A period the user wrote as "auto" is derived from a decay set elsewhere (the table's beta1/beta2,
+    or [optimizer]'s): a refusal names both, one line."""
+    (found,) = la.check(la.Config(**table), BaseHParams(**hparams))
+    assert found.startswith(line), found
 
 
 @pytest.mark.parametrize("bad, key", [

@@ -302,19 +302,19 @@ def test_bench_ft_reads_the_survivor_s_stall_and_the_heal_from_the_console_lines
     from scripts.bench_ft import Log
 
     lines = [
-        "[rank0]:[titan] 2026-11-27 21:42:05,100 - titan_commopt.titan.common.fault_tolerance - INFO - "
+        "[rank0]:[titan] 2026-11-27 21:42:05,100 - titan_commopt.titan.common.replica_group - INFO - "
         "fault tolerance: quorum of 2 replica group(s), replica group 0 is replica 0 (step 0)",
         "[rank0]:[titan] 2026-11-27 21:42:05,300 - root - INFO - step: 63  loss:  3.1  grad_norm:  0.4",
         "[rank0]:[titan] 2026-11-27 21:42:05,300 - root - INFO - step: 63  loss:  3.1  R sent: 3.72KB/step",
-        "[rank0]:[titan] 2026-11-27 21:42:10,500 - titan_commopt.titan.common.fault_tolerance - WARNING - "
+        "[rank0]:[titan] 2026-11-27 21:42:10,500 - titan_commopt.titan.common.replica_group - WARNING - "
         "fault tolerance: step 64 not committed (a peer failed or too few groups); undone",
-        "[rank0]:[titan] 2026-11-27 21:42:10,637 - titan_commopt.titan.common.fault_tolerance - INFO - "
+        "[rank0]:[titan] 2026-11-27 21:42:10,637 - titan_commopt.titan.common.replica_group - INFO - "
         "fault tolerance: quorum of 1 replica group(s), replica group 0 is replica 0 (step 63)",
         "[rank0]:[titan] 2026-11-27 21:42:10,800 - root - INFO - step: 64  loss:  3.0  grad_norm:  0.4",
         "[rank0]:[titan] 2026-11-27 21:42:11,000 - root - INFO - step: 65  loss:  3.0  grad_norm:  0.4",
-        "[rank0]:[titan] 2026-11-27 21:42:27,077 - titan_commopt.titan.common.fault_tolerance - INFO - "
+        "[rank0]:[titan] 2026-11-27 21:42:27,077 - titan_commopt.titan.common.replica_group - INFO - "
         "fault tolerance: replica group 1 healed from a peer at step 223 in 0.16 s",
-        "[rank0]:[titan] 2026-11-27 21:42:28,000 - titan_commopt.titan.common.fault_tolerance - WARNING - "
+        "[rank0]:[titan] 2026-11-27 21:42:28,000 - titan_commopt.titan.common.replica_group - WARNING - "
         "fault tolerance: TITAN_COMMOPT_FT_KILL=64:quorum: this process kills itself now",
     ]
     path = tmp_path / "g.log"
@@ -330,7 +330,7 @@ def test_bench_ft_reads_the_survivor_s_stall_and_the_heal_from_the_console_lines
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--runs", "kill"], "--runs 'kill': allowed are plain, ft, kill-quorum, kill-collective, stall"),
+    (["--runs", "kill"], "--runs 'kill': allowed are plain, ft, kill-quorum, kill-collective, kill-launcher, stall"),
     (["--warmup", "60"], "--warmup 60: allowed is 0 .. --steps - 1 (59)"),
     (["--kill-step", "2"], "--kill-step 2: allowed is an integer >= 3"),
     (["--heartbeat-ms", "0"], "--heartbeat-ms 0: allowed are integers >= 1"),

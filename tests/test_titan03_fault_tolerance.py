@@ -1,4 +1,4 @@
-"""Live fault tolerance on torchtitan 0.3 (``titan/tt03/fault_tolerance.py``), on both 0.3 routes: our
+"""Live fault tolerance on torchtitan 0.3 (``titan/tt03/replica_group_trainer.py``), on both 0.3 routes: our
 TOML (``[fault_tolerance]``, as on 0.2.2) and the config module (torchtitan's torchft experiment's
 ``--fault_tolerance.*``).
 
@@ -8,7 +8,7 @@ replica groups of one process: FlexDeMo from our TOML, and torchtitan's own Adam
 module (the baseline: torchtitan's optimizer in our container, FSDP's gradient all-reduce over the
 quorum). The lighthouse asks for both groups (``--min_replicas 2``), so both train every step together.
 Killed and healed groups are tested on 0.2.2 (``tests/test_fault_tolerance_live.py``); the runtime is the
-same code (``titan/common/fault_tolerance.py``).
+same code (``titan/common/replica_group_training.py``, ``titan/common/replica_group.py``).
 """
 
 import glob
@@ -97,7 +97,7 @@ def test_the_commopt_ft_keys_reach_the_runtime_from_flags_and_overrides():
     import json
 
     from titan_commopt.titan.config.section import CommOpt
-    from titan_commopt.titan.tt03.fault_tolerance import commopt_section
+    from titan_commopt.titan.tt03.replica_group_trainer import commopt_section
 
     assert commopt_section(parse("--optimizer.commopt.ft_stall_timeout_s", "5")).ft_stall_timeout_s == 5
     stock = parse(config="cpu_debugmodel_adamw")
@@ -203,8 +203,9 @@ def test_group_shard_builds_the_groups_part_of_the_data():
     config :func:`group_shard` makes builds group 1 of 3's part instead (torchtitan's rule)."""
     from torchtitan.config import Configurable
 
-    from titan_commopt.titan.config.fault_tolerance import FtSettings
-    from titan_commopt.titan.tt03.fault_tolerance import group_shard
+    from titan_commopt.titan.common.replica_group_training import ReplicaGroupTraining
+    from titan_commopt.titan.config.fault_tolerance_keys import FtSettings
+    from titan_commopt.titan.tt03.replica_group_trainer import group_shard
 
     class Loader(Configurable):
         @dataclass(kw_only=True, slots=True)
@@ -214,7 +215,8 @@ def test_group_shard_builds_the_groups_part_of_the_data():
         def __init__(self, config, *, dp_world_size, dp_rank, seq_len):
             self.config, self.shard, self.seq_len = config, (dp_world_size, dp_rank), seq_len
 
-    shard = group_shard(Loader.Config(path="corpus"), FtSettings(enable=True, replica_id=1, group_size=3))
+    ft = ReplicaGroupTraining(FtSettings(enable=True, replica_id=1, group_size=3), commopt=None)
+    shard = group_shard(Loader.Config(path="corpus"), ft)
     assert isinstance(shard, Loader.Config) and shard.path == "corpus"
     built = shard.build(dp_world_size=2, dp_rank=1, seq_len=8)
     assert isinstance(built, Loader) and built.shard == (6, 3) and built.seq_len == 8
@@ -223,7 +225,7 @@ def test_group_shard_builds_the_groups_part_of_the_data():
 
 def test_torchtitans_own_adamw_runs_in_our_container_under_fault_tolerance():
     from titan_commopt.titan.tt03.container import CommOptimizers
-    from titan_commopt.titan.tt03.fault_tolerance import committing_optimizer
+    from titan_commopt.titan.tt03.replica_group_trainer import committing_optimizer
 
     stock = parse(config="cpu_debugmodel_adamw").optimizer
     ours = committing_optimizer(stock)
@@ -260,31 +262,28 @@ def test_a_step_that_did_not_commit_is_not_logged():
     assert logged == []
 
 
-def test_a_retried_step_counts_its_tokens_once(monkeypatch):
-    """0.3 counts a batch's tokens at its forward: a step trained again after it did not commit
-    counts its batches once (0.2.2 counts them as they are read, which a replay does not repeat)."""
-    import torch
-    from torchtitan.trainer import Trainer
+def test_the_container_is_handed_the_groups_fault_tolerance_in_its_config():
+    """No walk up the call stack: the Trainer puts its fault tolerance into the optimizer config
+    (``carrying``), which the container is built from; an override that makes ours of another
+    optimizer config (``derive``) keeps it; it stays out of the logged config."""
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+    from torchtitan.config.override import derive
 
-    from titan_commopt.titan.common.fault_tolerance import FaultTolerantTraining
-    from titan_commopt.titan.tt03.fault_tolerance import ReplicaGroupTrainer
+    from titan_commopt.titan.tt03.container import CommOptimizers
+    from titan_commopt.titan.tt03.overrides import commopt
+    from titan_commopt.titan.tt03.replica_group_trainer import carrying, committing_optimizer
 
-    commits = iter([False, False, True])
-
-    def torchtitans_step(self, batches):
-        _, labels = next(batches)
-        self.ntokens_seen += labels.numel()  # as 0.3's post_dataloading_process
-        self.optimizers.committed = next(commits)
-
-    monkeypatch.setattr(Trainer, "train_step", torchtitans_step)
-    trainer = ReplicaGroupTrainer.__new__(ReplicaGroupTrainer)
-    trainer.step, trainer.ntokens_seen = 1, 100
-    trainer.optimizers = SimpleNamespace(committed=True)
-    trainer.lr_schedulers = SimpleNamespace(step=lambda: None)
-    ft = SimpleNamespace(register_state=lambda *args: None, resume_at=lambda step: None)
-    trainer._ft_training = FaultTolerantTraining(trainer, ft)
-    trainer.train_step(iter([({}, torch.zeros(2, 8))] * 4))
-    assert trainer.ntokens_seen == 116
+    ft = object()
+    ours = carrying(committing_optimizer(parse(config="cpu_debugmodel_adamw").optimizer), ft)
+    assert isinstance(ours, CommOptimizers.Config) and ours._replica_group is ft
+    assert "_replica_group" not in ours.to_dict()
+    assert commopt(ours, name="FlexDeMo")._replica_group is ft
+    muon = OptimizersContainer.Config(param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="DistMuon")])
+    carried = carrying(muon, ft)
+    assert isinstance(carried, OptimizersContainer.Config) and type(carried).__qualname__ == "OptimizersContainer.Config"
+    assert carried.param_groups == muon.param_groups and "_replica_group" not in carried.to_dict()
+    assert derive(carried, CommOptimizers.Config, name="FlexDeMo")._replica_group is ft
 
 
 # ---- live: a lighthouse and two replica groups ---------------------------------------------------------------

@@ -167,6 +167,20 @@ def test_whole_config_problem_is_one_line_before_the_process_group(capsys, monke
     assert not dist.is_initialized()
 
 
+def test_a_damaged_tokenizer_file_is_one_line_before_the_process_group(capsys, monkeypatch, tmp_path):
+    """The config module's Trainer reads the tokenizer's files before torchtitan builds it (after the
+    process group): a damaged tokenizer.json is one line naming it."""
+    import torch.distributed as dist
+
+    from titan_commopt.titan.tt03.preflight import preflight
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    line = one_line(capsys, lambda: preflight(parse("--hf_assets_path", str(tmp_path))))
+    assert f"hf_assets_path = '{tmp_path}': {tmp_path / 'tokenizer.json'} cannot be read by HuggingFace tokenizers" in line
+    assert not dist.is_initialized()
+
+
 def test_override_refusal_comes_before_the_process_group(capsys):
     from titan_commopt.titan.tt03.preflight import preflight
 

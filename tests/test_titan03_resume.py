@@ -59,6 +59,23 @@ def _problem(config, replicas: int = 2, dp_degree: int = 2, spelling=None):
     return resume_problem(settings, resolve_config(config.optimizer), replicas, dp_degree)
 
 
+def test_a_load_step_naming_no_checkpoint_is_refused_before_the_process_group(tmp_path, capsys, monkeypatch):
+    """Our config module's Trainer checks ``--checkpoint.load_step`` before torchtitan's ``__init__``
+    starts the process group: one line, exit status 2, in the command line's spelling."""
+    import torch.distributed as dist
+
+    from titan_commopt.titan.tt03.preflight import preflight
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    (tmp_path / "checkpoint" / "step-1" / ".metadata").parent.mkdir(parents=True)
+    with pytest.raises(SystemExit) as stop:
+        preflight(_config(tmp_path, "--checkpoint.load_step", "5"))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("titan_commopt:")]
+    assert stop.value.code == 2 and not dist.is_initialized()
+    assert lines == [f"titan_commopt: --checkpoint.load_step 5: {tmp_path / 'checkpoint'} has no step-5; complete "
+                     "checkpoints: none (--checkpoint.load_step -1: the newest)"], lines
+
+
 def test_the_checkpoint_is_laid_out_as_the_check_reads_it(dump):
     from titan_commopt.titan.config.resume import checkpoint_to_load, read_metadata, read_record, saved_replicas
     from titan_commopt.titan.tt03.container import checkpoint_settings

@@ -30,7 +30,7 @@ from titan_commopt.optim.base import CommOptimizer, Snapshot
 from titan_commopt.optim.common import local
 from titan_commopt.optim.demo import DeMo
 from titan_commopt.topology import Topology
-from titan_commopt.titan.common.fault_tolerance import Quorum
+from titan_commopt.titan.common.replica_group import Quorum
 from tests.dist_utils import run_distributed
 from tests.ft_standins import StandInManager, Toy, fault_tolerant_container, grads, short_periods, train_step
 

@@ -43,6 +43,7 @@ __all__ = ["main", "world_size_of", "console_of_rank_zero", "hidden_failures", "
 from .launch_env import FRESH_STORE, LAUNCHER_ENV
 
 TRAIN_MODULE = "titan_commopt.train"
+TORCHTITAN_TRAIN_MODULE = "torchtitan.train"  # 0.3's own entry point (--module, --config)
 
 # torchrun's options that decide what its console shows, with their defaults: a value other than
 # the default was set by the command line or by torchrun's PET_* variable of that option.
@@ -84,6 +85,20 @@ def _pre_flight(args) -> None:
     except ConfigError as error:
         report_config_error(error, launcher=True)
     report_warnings(run, launcher=True)
+
+
+def _pre_flight_torchtitan(args) -> None:
+    """0.3's own entry point with one of torchtitan's config modules on a machine without an
+    accelerator: one line before any worker (the workers would stop in torchtitan's CUDA call before
+    any code of ours runs)."""
+    from titan_commopt.options import ConfigError
+
+    from .titan.platform.cpu import stock_module_problem
+    from .train import report_config_error
+
+    problem = stock_module_problem(list(args.training_script_args))
+    if problem is not None:
+        report_config_error(ConfigError(problem), launcher=True)
 
 
 def recorded_stop(error) -> Optional[tuple[str, int]]:
@@ -150,7 +165,7 @@ def _launch(args, logs: Optional[RankLogs] = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
-    os.environ[LAUNCHER_ENV] = "1"  # the workers leave printing our lines to us
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers leave printing our lines to us, and know their launcher
     try:
         run(args)
     except ChildFailedError as error:
@@ -186,6 +201,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if _is_ours(args):
         _pre_flight(args)
+    elif args.module and args.training_script == TORCHTITAN_TRAIN_MODULE:
+        _pre_flight_torchtitan(args)
     fresh_store_per_restart(args)
     logs = console_of_rank_zero(args)
     record(_launch)(args, logs)  # as torchrun's own main: a worker's error file reaches the scheduler

@@ -231,17 +231,42 @@ def _table_or(value: float, fallback: float) -> float:
     return fallback if value < 0 else value
 
 
+def _decays(cfg: Config, hparams: BaseHParams) -> tuple[list[tuple[float, str]], tuple[float, str]]:
+    """Each β1_j and β2 with the setting it comes from, as the user writes it (the table's, or
+    [optimizer]'s for what the table leaves unset)."""
+    if cfg.beta1:
+        betas1 = [(float(b), f"[{SECTION}] beta1[{j}] = {b!r}") for j, b in enumerate(cfg.beta1)]
+    else:
+        betas1 = [(float(hparams.beta1), f"[optimizer] beta1 = {hparams.beta1!r}")] * len(cfg.Ku)
+    beta2 = (float(cfg.beta2), f"[{SECTION}] beta2 = {cfg.beta2!r}") if cfg.beta2 >= 0 else \
+        (float(hparams.beta2), f"[optimizer] beta2 = {hparams.beta2!r}")
+    return betas1, beta2
+
+
+def _period(key: str, period: Any, decay: tuple[float, str], of: str) -> int:
+    """``period`` as a number: "auto" → from ``decay``'s half-life (``of``: whose decay it is). A
+    decay without one is refused naming the key the user wrote and the setting the decay comes from."""
+    try:
+        return resolve_auto_period(period, decay[0])
+    except ConfigError:
+        raise ConfigError(
+            f'[{SECTION}] {key} = "auto": the power of two nearest the half-life of {of}, {decay[1]}, which only a '
+            f'decay in (0, 1) has; allowed is an integer >= 0 (0 = never), or "auto" with that decay in (0, 1)'
+        ) from None
+
+
 def resolve_periods(cfg: Config, hparams: BaseHParams) -> Periods:
     """The sync periods, each ``"auto"`` the power of two nearest its state's half-life (Kx: of the
     fastest state); Kv = 0 without a second moment (sgdm). The one value derived from the table, read
-    by ``check``, the optimizer, ``state_shape`` and the byte formula. Raises ``ConfigError`` when an
-    "auto" period has no decay in (0, 1)."""
-    betas1, beta2 = _betas1(cfg, hparams), _beta2(cfg, hparams)
+    by ``check``, the optimizer, ``state_shape`` and the byte formula. Raises ``ConfigError`` (one line
+    naming the period's key and the decay's setting) when an "auto" period has no decay in (0, 1)."""
+    betas1, beta2 = _decays(cfg, hparams)
     has_v = cfg.base != "sgdm"
-    ku = tuple(resolve_auto_period(k, b) for k, b in zip(cfg.Ku, betas1))
-    kv = resolve_auto_period(cfg.Kv, beta2)
-    kx = resolve_auto_period(cfg.Kx, min(betas1 + ((beta2,) if has_v else ())))
-    return Periods(Kx=kx, Ku=ku, Kv=kv if has_v else 0)
+    ku = tuple(_period(f"Ku[{j}]", k, b, f"first momentum u{j}'s decay") for j, (k, b) in enumerate(zip(cfg.Ku, betas1)))
+    kv = _period("Kv", cfg.Kv, beta2, "the second moment's decay") if has_v else 0
+    fastest = min(betas1 + ([beta2] if has_v else []), key=lambda decay: decay[0])
+    kx = _period("Kx", cfg.Kx, fastest, "the fastest state's decay")
+    return Periods(Kx=kx, Ku=ku, Kv=kv)
 
 
 def check(cfg: Config, hparams: BaseHParams) -> list[str]:
@@ -269,13 +294,18 @@ def check(cfg: Config, hparams: BaseHParams) -> list[str]:
         if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
             return [f"[{SECTION}] Ku[{j}] = {k!r}: allowed is an integer >= 0 (0 = never) or \"auto\""]
     try:
-        positive = resolve_periods(cfg, hparams).positive()
+        periods = resolve_periods(cfg, hparams)
     except ConfigError as error:
         return [str(error)]
-    if positive and cfg.sync_delay >= min(positive):
+    positive = [(k, key) for key, k in [("Kx", periods.Kx), ("Kv", periods.Kv)] +
+                [(f"Ku[{j}]", k) for j, k in enumerate(periods.Ku)] if k > 0]
+    smallest, key = min(positive, key=lambda period: period[0], default=(0, ""))
+    if positive and cfg.sync_delay >= smallest:
+        written = cfg.Ku[int(key[3:-1])] if key.startswith("Ku[") else getattr(cfg, key)
+        shown = f'"auto" ({smallest})' if written == "auto" else str(smallest)
         return [
-            f"[{SECTION}] sync_delay = {cfg.sync_delay!r}: allowed is an integer >= 0 below the smallest "
-            f"period > 0 ({min(positive)}): a fragment must have merged before it is due again"
+            f"[{SECTION}] sync_delay = {cfg.sync_delay!r}: allowed is an integer >= 0 below the smallest period > 0, "
+            f"[{SECTION}] {key} = {shown}: a fragment must have merged before it is due again"
         ]
     return []
 

@@ -2,7 +2,7 @@
 
 Per ``step()``: the safeguards decide whether every rank skips it (``safeguards.py``); the
 optimizers step (under fault tolerance as a transaction around the Manager's commit:
-``fault_tolerance.py``); FSDP2's estimated traffic is recorded and the run's comm ledger's step closed,
+``replica_group.py``); FSDP2's estimated traffic is recorded and the run's comm ledger's step closed,
 after the replicas' drift check (its bytes belong to the step). For optimizers that own R the
 container also takes over torchtitan's gradient clipping (``clipping.py``) and saves its state per
 replica (``replica_checkpoint.py``). :meth:`CommOptimizersContainer.metrics` gives the scalars the
@@ -28,7 +28,7 @@ from titan_commopt.optim.traffic import FsdpTraffic
 from titan_commopt.topology import R, Topology
 
 from . import replica_checkpoint, replica_state
-from .fault_tolerance import ReplicaGroupFT, clone_tree
+from .replica_group import ReplicaGroupFT, clone_tree
 from .safeguards import Safeguards, StepGuard, stop_if_replicas_differ
 
 __all__ = ["CommOptimizersContainer", "Safeguards"]
@@ -284,7 +284,7 @@ class CommOptimizersContainer(OptimizersContainer):
         :attr:`eval_ledger`. Under live fault tolerance it issues no R collective (none may follow a
         step's commit: ``fault_tolerance.py``): the check is left to the drift check inside the steps,
         and a family that would need the mean over R is refused with validation on
-        (``config/fault_tolerance.py``)."""
+        (``config/fault_tolerance_keys.py``)."""
         with ExitStack() as stack:
             _reshard(self.model_parts)  # a module still unsharded would not all-gather the swapped shards
             stack.callback(_reshard, self.model_parts)  # runs after every optimizer's restore

@@ -25,7 +25,7 @@ def topology_of(meshes: Any, ft: Any = None) -> Topology:
     """R/S/T of a run. torchtitan divides the loss by the global token count, so a replica's
     gradient is ``1/W`` of its mean gradient: ``grad_scale = W`` (``Topology.from_parallel_dims``).
 
-    Under fault tolerance (``ft``: ``common/fault_tolerance.ReplicaGroupFT``) the meshes are one
+    Under fault tolerance (``ft``: ``common/replica_group.ReplicaGroupFT``) the meshes are one
     replica group's: R is the Manager's group over the quorum (W and the replica index read per
     quorum), and the token count spans the group only, so ``p.grad`` is already the replica's mean
     gradient (``grad_scale = 1``)."""

@@ -7,8 +7,10 @@ a folder without it is a save that did not finish (a rank died while saving) and
 log line. :func:`check_resume` runs in ``build_optimizers`` before anything is built, on every rank
 alike, reading only the ``.metadata`` file, the sizes of the data files and one small item of them:
 
-0. ``[checkpoint] load_step``, when given, names a complete step folder (torchtitan would raise
-   ``FileNotFoundError``, or start afresh when the checkpoint folder does not exist);
+0. ``[checkpoint] load_step``, when given (>= 0), names a complete step folder of a run that
+   checkpoints (torchtitan would raise ``FileNotFoundError``, start afresh when the checkpoint folder
+   does not exist, or ignore it with checkpointing off): :func:`load_step_problem`, which the config
+   checks also run before any process group exists;
 1. the checkpoint is intact: ``.metadata`` unpickles, every data file it names exists and is as long
    as the metadata says (a truncated or missing file is named, instead of DCP's ``EOFError``);
    and it holds what torchtitan loads after step 0 (optimizer, LR scheduler, dataloader, train state,
@@ -47,8 +49,8 @@ from ..platform.stop import RESUME_REFUSED, stop_run
 from .checkpoint import LEDGER_KEY, REPLICA_KEY, RESOLVED_KEY, CheckpointSettings, Spelling, replica_prefix
 
 __all__ = [
-    "check_resume", "checkpoint_to_load", "saved_replicas", "read_metadata", "read_record", "ledger_saved",
-    "CheckpointDamaged",
+    "check_resume", "checkpoint_to_load", "load_step_problem", "initial_load_problem", "saved_replicas", "read_metadata", "read_record",
+    "ledger_saved", "CheckpointDamaged",
 ]
 
 logger = logging.getLogger(__name__)
@@ -93,7 +95,7 @@ def checkpoint_to_load(run: Any) -> Optional[str]:
         return None
     complete, incomplete = _folders(run)
     wanted = run.load_step
-    if wanted > 0:
+    if wanted >= 0:
         return complete.get(wanted)
     step = max(complete, default=-1)
     newer = sorted(s for s in incomplete if s > step)
@@ -214,23 +216,10 @@ def resume_problem(run: Any, resolved: Any, replicas: int, dp_degree: Optional[i
     (dp_replicate × dp_shard), None: not checked."""
     run = _settings(run)
     spelling = run.spelling
+    problem = load_step_problem(run)
+    if problem is not None:
+        return problem
     path = checkpoint_to_load(run)
-    wanted = run.load_step
-    if path is None and run.enable and wanted > 0:
-        complete, incomplete = _folders(run)
-        listing = f"complete checkpoints: {', '.join(f'step-{s}' for s in sorted(complete)) or 'none'}"
-        load_step = spelling.setting("checkpoint", "load_step", wanted)
-        if wanted in incomplete:
-            return (
-                f"{load_step}: {incomplete[wanted]} has no .metadata, its save did not "
-                f"finish (a rank stopped while saving); {listing}"
-            )
-        folder = os.path.join(run.dump_folder, run.folder)
-        # torchtitan: a missing folder means a first run, which loads initial_load_path if given
-        if os.path.isdir(folder) or not run.initial_load_path:
-            where = f"{folder} has no step-{wanted}" if os.path.isdir(folder) else f"{folder} does not exist"
-            newest = spelling.setting("checkpoint", "load_step", -1, short=True)
-            return f"{load_step}: {where}; {listing} ({newest}: the newest)"
     if path is None:
         return None
     try:
@@ -313,6 +302,51 @@ def _log_allowed_changes(path: str, record: dict[str, Any], resolved: Any) -> No
             "%s: torchtitan restores the LR scheduler "
             "from the checkpoint, and with it the checkpoint's base lr", ours_lr, saved_lr, path,
         )
+
+
+def load_step_problem(run: Any) -> Optional[str]:
+    """The one line that refuses ``[checkpoint] load_step`` (given: >= 0) when it names no complete
+    step folder torchtitan would load, or None. Reads only the folder listing. ``run``: a
+    ``CheckpointSettings`` or a job config."""
+    run = _settings(run)
+    spelling, wanted = run.spelling, run.load_step
+    if wanted < 0:
+        return None
+    load_step = spelling.setting("checkpoint", "load_step", wanted)
+    newest = spelling.setting("checkpoint", "load_step", -1, short=True)
+    if not run.enable:
+        return (f"{load_step} with {spelling.setting('checkpoint', 'enable', False)}: nothing is loaded; allowed is "
+                f"{spelling.setting('checkpoint', 'enable', True)} to resume from it, or {newest} (the default)")
+    if checkpoint_to_load(run) is not None:
+        return None
+    complete, incomplete = _folders(run)
+    listing = f"complete checkpoints: {', '.join(f'step-{s}' for s in sorted(complete)) or 'none'}"
+    if wanted in incomplete:
+        return (
+            f"{load_step}: {incomplete[wanted]} has no .metadata, its save did not "
+            f"finish (a rank stopped while saving); {listing}"
+        )
+    folder = os.path.join(run.dump_folder, run.folder)
+    # torchtitan: a missing folder means a first run, which loads initial_load_path if given
+    if os.path.isdir(folder) or not run.initial_load_path:
+        where = f"{folder} has no step-{wanted}" if os.path.isdir(folder) else f"{folder} does not exist"
+        return f"{load_step}: {where}; {listing} ({newest}: the newest)"
+    return None
+
+
+def initial_load_problem(run: Any) -> Optional[str]:
+    """The one line that refuses ``[checkpoint] initial_load_path`` when torchtitan will load it (a run
+    that checkpoints, whose checkpoint folder does not exist yet) and it is no directory (torchtitan's
+    ``ValueError`` traceback), or None; a remote one (``gs://...``) is not looked at. ``run``: a
+    ``CheckpointSettings`` or a job config."""
+    run = _settings(run)
+    path = (run.initial_load_path or "").strip()
+    folder = os.path.join(run.dump_folder, run.folder)
+    if not run.enable or not path or "://" in path or os.path.isdir(folder) or os.path.isdir(path):
+        return None
+    return (f"{run.spelling.setting('checkpoint', 'initial_load_path', path)}: "
+            f"{'not a directory' if os.path.exists(path) else 'no such directory'}; allowed is a checkpoint "
+            f"directory, which torchtitan loads on a first run ({folder} does not exist yet)")
 
 
 def check_resume(run: Any, resolved: Any, replicas: int, dp_degree: Optional[int] = None) -> None:

@@ -19,22 +19,24 @@ end of a warm-up in a run too short for it, and a ``[validation]`` that reads th
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Optional
 
 from titan_commopt.corpora import HELD_OUT
 from titan_commopt.optim import FAMILIES, BaseHParams, Family, Resolved, family_of, owns_replicate_sync, resolve
 from titan_commopt.options import ConfigError, problems as option_problems
 
+from .checkpoint import CheckpointSettings
 from .parse import ParsedJob
+from .resume import initial_load_problem, load_step_problem
 from .section import commopt_of
 from .sources import given_options, user_set_keys
-from .fault_tolerance import LIGHTHOUSE_ENV, FtSettings, evaluation_problems, in_flight_problems, problems as ft_problems
+from .fault_tolerance_keys import LIGHTHOUSE_ENV, FtSettings, evaluation_problems, in_flight_problems, problems as ft_problems
 from .torchtitan_keys import SpecProblems, torchtitan_problems, world_size_from_env
 
 __all__ = [
     "resolve_options", "resolve_job", "hparams_of", "CheckedJob", "run_warnings", "unread_tables", "short_run_switch",
-    "validating_on_training_text", "SWITCH_MIN_STEPS",
+    "validating_on_training_text", "SWITCH_MIN_STEPS", "checkpoint_to_load_problems",
 ]
 
 # MT-DAO's switch at the end of warm-up (``[commopt.local] switch_at = "warmup"``) is recommended only
@@ -118,20 +120,22 @@ def _unsupported(job_config: Any, name: str) -> list[str]:
 
 def resolve_job(
     job_config: Any, user_keys: dict[str, set[str]], world_size: Optional[int], spec_problems: SpecProblems,
+    ft: FtSettings,
 ) -> Optional[Resolved]:
     """The run's resolved optimizer (``None`` for torchtitan's own), or ``ConfigError`` listing
     every problem. ``user_keys``: the ``[commopt]`` keys the user set (``sources.user_set_keys``);
     ``world_size`` (None: torchrun's ``WORLD_SIZE``, when set) is checked against the mesh;
-    ``spec_problems``: the installed line's checks of the model, tokenizer and data."""
+    ``spec_problems``: the installed line's checks of the model, tokenizer and data; ``ft``: the
+    job's ``[fault_tolerance]`` section."""
     world_size = world_size_from_env() if world_size is None else world_size
     name = job_config.optimizer.name
-    ft = FtSettings.of(getattr(job_config, "fault_tolerance", None))
     ft_lines = ft_problems(ft, dp_replicate=job_config.parallelism.data_parallel_replicate_degree,
                            lighthouse=os.environ.get(LIGHTHOUSE_ENV))
     resolved = resolve_options(
         name, commopt_of(job_config), hparams_of(job_config.optimizer, job_config.lr_scheduler.warmup_steps),
         lambda family: given_options(job_config, family.key, user_keys),
-        found=torchtitan_problems(job_config, world_size, spec_problems) + ft_lines,
+        found=torchtitan_problems(job_config, world_size, spec_problems) + ft_lines
+        + checkpoint_to_load_problems(CheckpointSettings.of_job_config(job_config), ft),
         refused_with_ours=_unsupported(job_config, name),
     )
     # need the resolved options: checked once they are valid
@@ -141,24 +145,35 @@ def resolve_job(
     return resolved
 
 
+def checkpoint_to_load_problems(checkpoint: CheckpointSettings, ft: FtSettings) -> list[str]:
+    """``[checkpoint] load_step`` naming no complete checkpoint of this run (of this replica group's
+    folder under fault tolerance), an ``initial_load_path`` a first run would load that is no
+    directory: the resume check's lines, before any process group exists."""
+    group = replace(checkpoint, folder=ft.checkpoint_folder(checkpoint.folder))
+    return [p for p in (load_step_problem(group), initial_load_problem(group)) if p is not None]
+
+
 @dataclass
 class CheckedJob:
     """A command line and its TOML, parsed once and checked (:meth:`of`): the job config, the
-    ``[commopt.<family>]`` keys the user set, the resolved optimizer (None: torchtitan's AdamW/Adam)
-    and the warnings (one line each: valid, but probably not meant). Each torchtitan line's run adds
-    what it builds from it."""
+    ``[commopt.<family>]`` keys the user set, the resolved optimizer (None: torchtitan's AdamW/Adam),
+    the warnings (one line each: valid, but probably not meant) and the ``[fault_tolerance]`` settings
+    (read here once: the checks and 0.2.2's Trainer use them). Each torchtitan line's run adds what it
+    builds from it."""
 
     job_config: Any
     user_keys: dict[str, set[str]]
     resolved: Optional[Resolved]
     warnings: list[str]
+    ft_settings: FtSettings
 
     @classmethod
     def of(cls, parsed: ParsedJob, world_size: Optional[int], spec_problems: SpecProblems) -> Any:
         """``ConfigError`` lists every problem; see :func:`resolve_job`."""
         user_keys = user_set_keys(parsed.args, parsed.toml)
-        resolved = resolve_job(parsed.job_config, user_keys, world_size, spec_problems)
-        return cls(parsed.job_config, user_keys, resolved, run_warnings(parsed.job_config, user_keys, resolved))
+        ft = FtSettings.of(getattr(parsed.job_config, "fault_tolerance", None))
+        resolved = resolve_job(parsed.job_config, user_keys, world_size, spec_problems, ft)
+        return cls(parsed.job_config, user_keys, resolved, run_warnings(parsed.job_config, user_keys, resolved), ft)
 
 
 def unread_tables(name: str, user_keys: dict[str, set[str]]) -> list[str]:

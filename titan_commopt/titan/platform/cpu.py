@@ -14,7 +14,7 @@ On a machine with an accelerator nothing here changes anything: the same entry p
 
 import os
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -119,6 +119,44 @@ def use_cpu_if_no_accelerator() -> bool:
         if hasattr(module, "device_module"):
             module.device_module = stand_in
     return True
+
+
+CPU_CONFIG_MODULE = "titan_commopt.titan.tt03.configs"  # 0.3: applies the CPU fixes to torchtitan's configs too
+
+
+def _flag(argv: list[str], name: str) -> Optional[str]:
+    """The value of ``--name`` (either spelling) on a command line, the last one given."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif arg.startswith(name + "="):
+            found = arg.split("=", 1)[1]
+    return found
+
+
+def stock_module_problem(argv: list[str]) -> Optional[str]:
+    """On a machine without an accelerator, the one line that refuses 0.3's own entry point
+    (``-m torchtitan.train``, ``argv`` its arguments) with one of torchtitan's config modules
+    (``--module llama3``, ``--module torchtitan.models.llama3``): torchtitan's Trainer sets the CUDA
+    device first thing, before any code of ours runs (an ``--override.imports`` of ours is imported
+    only after the process group exists), and stops with torch's ``_cuda_setDevice`` traceback. Our
+    config module names the same config and applies the CPU fixes to it. None otherwise."""
+    from ..line import installed_version, line_of
+
+    module = _flag(argv, "--module")
+    if module is None or line_of(installed_version()) != "0.3" or accelerator_available():
+        return None
+    from torchtitan.experiments import _supported_experiments
+    from torchtitan.models import _supported_models
+
+    if module not in _supported_models | _supported_experiments and not module.startswith("torchtitan."):
+        return None
+    config = _flag(argv, "--config") or "<its config>"
+    return (f"--module {module} on a machine without an accelerator: torchtitan's own config module and Trainer "
+            "assume CUDA (torch.cuda.set_device fails before any titan_commopt code runs, an --override.imports of "
+            f"ours included); allowed is our config module, which applies the CPU fixes to torchtitan's configs by "
+            f"name: --module {CPU_CONFIG_MODULE} --config {config}")
 
 
 def on_cpu() -> bool:

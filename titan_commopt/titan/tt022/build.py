@@ -30,7 +30,8 @@ def build_optimizers(
     else made here from the command line (``run_context.py``)."""
     run = CommoptRun.from_command_line() if run is None else run
     job_config = run.job_config
-    run.topology = topology_of(parallel_dims, run.ft)
+    group = run.fault_tolerance.group if run.fault_tolerance is not None else None
+    run.topology = topology_of(parallel_dims, group)
     training = job_config.training
 
     def stock_optimizers() -> list[Any]:
@@ -49,6 +50,6 @@ def build_optimizers(
         stock_optimizers=stock_optimizers, ledger=run.ledger,
     ))
     route_clipping(container)
-    if run.ft is not None:
-        container.attach_fault_tolerance(run.ft)
+    if group is not None:
+        container.attach_fault_tolerance(group)
     return container

@@ -8,6 +8,7 @@ from typing import Any
 from titan_commopt.optim import owns_replicate_sync
 
 from ..common.data import is_bundled_tokenizer, text_dataset_problems
+from ..config.tokenizer_files import SENTENCEPIECE, damaged, first_damaged, huggingface_files
 from ..common.model import COMMOPT_SPEC
 from . import tokenizer
 
@@ -62,20 +63,28 @@ def _tokenizer_problems(model: Any, spec: Any) -> list[str]:
             return [f"{where}: {'not a directory' if os.path.exists(path) else 'no such directory'}; {allowed}"]
         if not any(os.path.isfile(os.path.join(path, f)) for f in _HF_FILES):
             return [f"{where}: holds no tokenizer; {allowed}"]
-        return []
+        problem = first_damaged(path, huggingface_files(path, chat_template=False))
+        return [f"{where}: {problem}; {allowed}"] if problem else []
     if builder is not tokenizer.build_tokenizer:
         return []
     path = (model.hf_assets_path or "").strip()
-    if is_bundled_tokenizer(path) or (os.path.isfile(path) and path.endswith(".model")):
+    if is_bundled_tokenizer(path):
         return []
     allowed = ('allowed is "bundled" (the offline tokenizer), a directory with tokenizer.json (HuggingFace) '
                "or tokenizer.model (SentencePiece), or a SentencePiece .model file")
     where = f"[model] hf_assets_path = {model.hf_assets_path!r}"
+    if os.path.isfile(path) and path.endswith(".model"):
+        problem = damaged(path)
+        return [f"{where}: the file {problem}; {allowed}"] if problem else []
     if not os.path.exists(path):
         return [f"{where}: no such file or directory; {allowed}"]
     if not os.path.isdir(path) or not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
         return [f"{where}: holds no tokenizer ({', '.join(_TOKENIZER_FILES)}); {allowed}"]
-    return []
+    sentencepiece = not os.path.isfile(os.path.join(path, "tokenizer.json")) and \
+        os.path.isfile(os.path.join(path, SENTENCEPIECE))  # as tokenizer.build_tokenizer picks
+    names = (SENTENCEPIECE,) if sentencepiece else huggingface_files(path, chat_template=False)
+    problem = first_damaged(path, names)
+    return [f"{where}: {problem}; {allowed}"] if problem else []
 
 
 def _uses_text_datasets(spec: Any) -> bool:

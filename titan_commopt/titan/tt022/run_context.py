@@ -35,7 +35,8 @@ __all__ = ["CommoptRun"]
 class CommoptRun(CheckedJob):
     ledger: CommLedger = field(default_factory=CommLedger)
     topology: Optional[Topology] = None  # once the meshes exist
-    ft: Optional[Any] = None  # live fault tolerance (common/fault_tolerance.ReplicaGroupFT), once started
+    # live fault tolerance (common/replica_group_training.ReplicaGroupTraining), made by our Trainer
+    fault_tolerance: Optional[Any] = None
 
     @classmethod
     def from_command_line(cls, argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> "CommoptRun":

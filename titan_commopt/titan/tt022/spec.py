@@ -20,8 +20,6 @@ from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
 from ..common.data import register_datasets
-from ..common.fault_tolerance import data_shard
-from ..config.fault_tolerance import FtSettings
 from ..common.model import COMMOPT_SPEC, FLAVOR_SHAPES, REFERENCE_SPEC
 from ..platform.cpu import force_sum_reduction, on_cpu
 from . import tokenizer
@@ -50,16 +48,16 @@ def _reference_parallelize(stock):
 def bind_run(spec: TrainSpec, run: CommoptRun) -> TrainSpec:
     """``spec`` with ``run`` bound into its optimizer builder, when the builder is ours (a stock
     spec, e.g. ``llama3_reference``, is returned as it is). Under fault tolerance each replica group
-    reads its own part of the data (``fault_tolerance.data_shard``)."""
+    reads its own part of the data (``ReplicaGroupTraining.data_shard``)."""
     if spec.build_optimizers_fn is not build_optimizers:
         return spec
     changes: dict = {"build_optimizers_fn": functools.partial(build_optimizers, run=run)}
-    settings = FtSettings.of(run.job_config.fault_tolerance)
-    if settings.enable and spec.build_dataloader_fn is not None:
+    ft = run.fault_tolerance
+    if ft is not None and spec.build_dataloader_fn is not None:
         build_dataloader = spec.build_dataloader_fn
 
         def build_group_shard(*args: Any, dp_world_size: int, dp_rank: int, **kwargs: Any) -> Any:
-            dp_world_size, dp_rank = data_shard(settings, dp_world_size, dp_rank)
+            dp_world_size, dp_rank = ft.data_shard(dp_world_size, dp_rank)
             return build_dataloader(*args, dp_world_size=dp_world_size, dp_rank=dp_rank, **kwargs)
 
         changes["build_dataloader_fn"] = build_group_shard

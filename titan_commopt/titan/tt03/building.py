@@ -4,11 +4,12 @@ torchtitan 0.3 builds the model and the optimizer container inside ``Trainer.__i
 neither the Trainer nor its config to what it calls there: ``fully_shard`` gets a module and a mesh
 (``fsdp.py`` must know whether our optimizer syncs R, which the Trainer's optimizer config says),
 the container its own config and the model parts (``container.py`` must check a resume against the
-Trainer's checkpoint settings and data-parallel degree, and take R from the Trainer's live fault
-tolerance, ``fault_tolerance.py``). No hook of 0.3 runs there with the
+Trainer's checkpoint settings and data-parallel degree). No hook of 0.3 runs there with the
 Trainer, and a Trainer subclass of ours cannot be relied on: ``--override.imports`` puts our
 optimizer into a stock config, whose Trainer is torchtitan's own and imports us only inside its
 ``__init__``. :func:`trainer_being_built` therefore walks the call stack up to that ``__init__``.
+(Live fault tolerance needs no walk: only our Trainer runs it, and it hands the container its
+replica group in the optimizer config, ``replica_group_trainer.py``.)
 
 Likewise, what the user typed on 0.3's command line (so that a typed value wins over a preset even
 where it equals the family default) is known only to torchtitan's ``ConfigManager.parse_args``,

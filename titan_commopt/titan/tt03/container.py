@@ -157,6 +157,10 @@ class CommOptimizers(CommOptimizersContainer):
         """``<family>.<key>`` of each option the user typed (not a flag): read from the command line as
         it is parsed, or the override's JSON keys. A typed value is used even where it equals the family
         default; the preset fills only what was not typed."""
+        _replica_group: tyro.conf.Suppress[Optional[Any]] = None
+        """The live fault tolerance of the Trainer that builds this container (not a flag; its name keeps
+        it out of the logged config): ``ReplicaGroupTraining``, set by ``ReplicaGroupTrainer`` before
+        torchtitan's ``__init__``; an override that makes the config anew from this one keeps it."""
 
         @property
         def syncs_replicate(self) -> bool:
@@ -178,7 +182,7 @@ class CommOptimizers(CommOptimizersContainer):
         self._check_replicate(param_mesh, owns_r)
         trainer = trainer_being_built()
         self._check_fault_tolerance(trainer)
-        ft = getattr(trainer, "ft", None)  # live fault tolerance: fault_tolerance.ReplicaGroupTrainer
+        ft = config._replica_group.group if config._replica_group is not None else None
         # AdamW/Adam: R is HSDP's dp_replicate on the parameters' mesh (its all-reduce is estimated).
         topology = topology_of(ParameterMeshes(param_mesh, fsdp.replicate_mesh() if owns_r else None), ft)
         seen = fsdp.seen

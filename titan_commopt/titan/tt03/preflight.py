@@ -13,7 +13,7 @@ missing tokenizer is a ``FileNotFoundError``, a misspelled override target a ``V
   override that refuses its options (ours: one line each), stops here;
 - the mesh against ``WORLD_SIZE``, ``parallelism.spmd_backend``, the tokenizer directory and the
   datasets, worded as on the TOML routes (``config/torchtitan_keys.py``, ``common/data.py``);
-- ``--fault_tolerance.*`` (``fault_tolerance.py``): the checks of ``config/fault_tolerance.py`` in the
+- ``--fault_tolerance.*`` (``replica_group_trainer.py``): the checks of ``config/fault_tolerance_keys.py`` in the
   command line's spelling, and an optimizer config our container cannot commit with the quorum;
 - ``--validator.*`` (``validate.py``): ``freq`` and ``steps`` below 1; a validator that reads the
   training dataset is one warning line.
@@ -26,7 +26,7 @@ Trainer: there our override's checks run when torchtitan applies it, after the p
 import os
 import sys
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Optional
 
 from torchtitan.trainer import Trainer
 
@@ -34,12 +34,14 @@ from titan_commopt.options import ConfigError
 
 from ..common.data import dataset_problems
 from ..config.checkpoint import CLI
-from ..config.fault_tolerance import (LIGHTHOUSE_ENV, FtSettings, evaluation_problems, in_flight_problems,
-                                      problems as ft_problems)
+from ..config.fault_tolerance_keys import (LIGHTHOUSE_ENV, FtSettings, evaluation_problems, in_flight_problems,
+                                           problems as ft_problems)
+from ..config.tokenizer_files import first_damaged, huggingface_files
 from ..config.torchtitan_keys import data_parallel_degree, mesh_problems, spmd_backend_problems, world_size_from_env
+from ..config.validate import checkpoint_to_load_problems
 from .building import overridden
-from .container import refuse, resolve_config
-from .fault_tolerance import ReplicaGroupTrainer, committing_optimizer, uncommitting_optimizer
+from .container import checkpoint_settings, refuse, resolve_config
+from .replica_group_trainer import ReplicaGroupTrainer, committing_optimizer, uncommitting_optimizer
 from .validate import validating_on_training_text, validator_problems
 
 __all__ = [
@@ -50,7 +52,7 @@ __all__ = [
 
 class CommOptTrainer(ReplicaGroupTrainer):
     """torchtitan 0.3's Trainer, with :func:`preflight` before it starts the process group (and live
-    fault tolerance under ``--fault_tolerance.enable``: ``fault_tolerance.py``)."""
+    fault tolerance under ``--fault_tolerance.enable``: ``replica_group_trainer.py``)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(ReplicaGroupTrainer.Config):
@@ -72,7 +74,8 @@ def ours(cfg: Trainer.Config) -> CommOptTrainer.Config:
 def preflight(config: Any) -> None:
     """Every problem of ``config`` found without a process group: one line each, exit status 2."""
     as_run, problems = overridden(config)
-    problems += config_problems(config, world_size_from_env()) + fault_tolerance_problems(as_run)
+    settings = FtSettings.of(getattr(as_run, "fault_tolerance", None))
+    problems += config_problems(config, world_size_from_env(), settings) + fault_tolerance_problems(as_run, settings)
     if problems:
         refuse(ConfigError("\n".join(problems)))
     if os.environ.get("RANK", "0") == "0":  # once per run
@@ -86,11 +89,12 @@ def override_problems(config: Any) -> list[str]:
     return overridden(config)[1]
 
 
-def fault_tolerance_problems(config: Any) -> list[str]:
-    """``--fault_tolerance.*`` of ``config`` (overrides applied): torchtitan's torchft keys that cannot
-    work, the lighthouse's address, the mesh, and an optimizer that cannot run under fault
-    tolerance (an R sync in flight across steps, or a container that cannot commit with the quorum)."""
-    settings = FtSettings.of(getattr(config, "fault_tolerance", None))
+def fault_tolerance_problems(config: Any, settings: Optional[FtSettings] = None) -> list[str]:
+    """``--fault_tolerance.*`` of ``config`` (overrides applied; ``settings``: its ``fault_tolerance``,
+    read from it unless given): torchtitan's torchft keys that cannot work, the lighthouse's address,
+    the mesh, and an optimizer that cannot run under fault tolerance (an R sync in flight across
+    steps, or a container that cannot commit with the quorum)."""
+    settings = settings or FtSettings.of(getattr(config, "fault_tolerance", None))
     out = ft_problems(settings, dp_replicate=config.parallelism.data_parallel_replicate_degree,
                       lighthouse=os.environ.get(LIGHTHOUSE_ENV), spelling=CLI)
     if not settings.enable:
@@ -107,11 +111,15 @@ def fault_tolerance_problems(config: Any) -> list[str]:
         settings, resolved, validating, spelling=CLI)
 
 
-def config_problems(config: Any, world_size: Any) -> list[str]:
-    """The mesh against ``world_size`` (None: not checked), the SPMD backend, the tokenizer and the
-    datasets of a 0.3 ``Trainer.Config``."""
+def config_problems(config: Any, world_size: Any, ft: FtSettings = FtSettings()) -> list[str]:
+    """The mesh against ``world_size`` (None: not checked), the SPMD backend, the tokenizer, the
+    datasets and the checkpoint to load (``--checkpoint.load_step``, ``--checkpoint.initial_load_path``;
+    ``ft``: the run's fault tolerance, whose groups each have a folder) of a 0.3 ``Trainer.Config``."""
     out = mesh_problems(config.parallelism, world_size) + spmd_backend_problems(config.parallelism, world_size)
     out += _tokenizer_problems(config)
+    checkpoint = checkpoint_settings(config, getattr(config.optimizer, "name", ""))
+    if checkpoint is not None:
+        out += checkpoint_to_load_problems(checkpoint, ft)
     dp = data_parallel_degree(config.parallelism, world_size) or 1
     out += _data_problems("dataloader", config.dataloader, dp)
     if getattr(config.validator, "enable", False):
@@ -131,7 +139,8 @@ def _tokenizer_problems(config: Any) -> list[str]:
         return [f"{where}: {'not a directory' if os.path.exists(path) else 'no such directory'}; {allowed}"]
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         return [f"{where}: holds no tokenizer.json; {allowed}"]
-    return []
+    problem = first_damaged(path, huggingface_files(path, chat_template=True))
+    return [f"{where}: {problem}; {allowed}"] if problem else []
 
 
 def _data_problems(section: str, dataloader: Any, dp: int) -> list[str]:

@@ -8,7 +8,7 @@ group), with the CPU fixes (``tt03/cpu.py``) on a machine without an accelerator
 
 from ..common.main import train
 from ..config.checkpoint import TOML
-from ..tt03.fault_tolerance import ReplicaGroupTrainer
+from ..tt03.replica_group_trainer import ReplicaGroupTrainer
 from .toml_config import TomlRun
 
 __all__ = ["TomlTrainer", "run_toml"]
@@ -17,7 +17,7 @@ __all__ = ["TomlTrainer", "run_toml"]
 class TomlTrainer(ReplicaGroupTrainer):
     """torchtitan 0.3's Trainer for a TOML run: a refused resume names the TOML's keys
     (``tt03/building.py: spelling_of``); ``[fault_tolerance] enable``: one replica group of a
-    fault-tolerant run (``tt03/fault_tolerance.py``)."""
+    fault-tolerant run (``tt03/replica_group_trainer.py``)."""
 
     settings_spelling = TOML
 

@@ -39,6 +39,7 @@ from titan_commopt.options import ConfigError
 from ..common.data import is_bundled_tokenizer, register_datasets, text_dataset_problems, tokenizer_corpus
 from ..common.model import COMMOPT_SPEC, FLAVOR_SHAPES, REFERENCE_SPEC
 from ..config.parse import CONFIG_MODULE, CUSTOM_IMPORT, ParsedJob, field_of, parse_with
+from ..config.tokenizer_files import first_damaged, huggingface_files
 from ..config.validate import CheckedJob
 from .toml_schema import BY_HAND, SECTIONS_GONE, WIRING, Gone, key_of, schema_class
 
@@ -156,6 +157,9 @@ def _tokenizer_problems(model: Any) -> list[str]:
         return [f"{where}: {missing}; {allowed}"]
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         return [f"{where}: holds no tokenizer.json; {allowed}"]
+    problem = first_damaged(path, huggingface_files(path, chat_template=True))
+    if problem:
+        return [f"{where}: {problem}; {allowed}"]
     return []
 
 
@@ -300,7 +304,7 @@ def trainer_config(job_config: Any, user_keys: Mapping[str, set[str]]) -> Any:
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     from ..tt03 import assets
-    from ..tt03.fault_tolerance import with_fault_tolerance
+    from ..tt03.replica_group_trainer import with_fault_tolerance
     from ..tt03.validate import with_global_model_validation
     from .toml_schema import all_keys
 

@@ -1,4 +1,5 @@
-"""Live fault tolerance on torchtitan 0.3 (the runtime both lines share: ``common/fault_tolerance.py``).
+"""torchtitan 0.3's Trainer as one replica group of a fault-tolerant run (what both lines run alike:
+``common/replica_group_training.py``).
 
 A 0.3 user turns it on as torchtitan 0.3's own torchft experiment spells it: the Trainer config's
 ``fault_tolerance`` field is torchtitan's ``TorchFTManager.Config``
@@ -16,29 +17,27 @@ group is its own launch; R is the replica groups, joined by torchft's Manager.
 
 :class:`ReplicaGroupTrainer` is torchtitan 0.3's Trainer with that field (the Trainer of our
 config functions, ``preflight.CommOptTrainer``, and of our TOML runner derive from it). With
-``fault_tolerance.enable`` it
+``fault_tolerance.enable`` it reads the settings once into a ``ReplicaGroupTraining``, which runs the
+group's start, steps, data and end as on 0.2.2 (``ReplicaGroupSteps``), and wires into the config
+what 0.3 builds from it:
 
-- starts torchft's Manager right after the group's process group exists, before anything is built
-  on R (:meth:`ReplicaGroupTrainer.init_distributed`); the optimizer container
-  (``container.CommOptimizers``) finds it on the Trainer being built and takes R and W from it;
-- gives the group its own checkpoint folder (``<folder>/replica_<id>``) and its own part of the
-  data (:func:`group_shard`);
-- trains each step until it commits (``FaultTolerantTraining``) and logs each rank's parameter
-  fingerprint at close;
-- runs torchtitan's own AdamW/Adam inside our container (:func:`committing_optimizer`), whose step
-  is applied only once the quorum commits, with FSDP's gradient all-reduce over the quorum
-  (``average_gradients_over_quorum``): torchtitan's own way;
-- logs with our metrics processor (``metrics.py``), which logs a step once, when it commits, and
-  writes each group's TensorBoard under ``replica_<id>``.
+- the group's own checkpoint folder and its part of the data (:func:`group_shard`);
+- the optimizer container: ours, handed the group's fault tolerance in its config
+  (``CommOptimizers.Config._replica_group``, :func:`carrying`; kept when an ``--override.imports``
+  makes ours of the config); torchtitan's own AdamW/Adam runs inside it (:func:`committing_optimizer`), its step
+  applied only once the quorum commits, with FSDP's gradient all-reduce over the quorum: torchtitan's
+  own way;
+- our metrics processor (``metrics.py``), which logs a step once, when it commits, and writes each
+  group's TensorBoard under ``replica_<id>``.
 
 The config's checks (before any process group) are the TOML route's (``config/validate.py``) or
 the config module's (``preflight.py``), worded for each.
 """
 
-import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
+import tyro
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.override import derive
@@ -51,10 +50,8 @@ from torchtitan.experiments.torchft.manager import TorchFTManager  # noqa: E402
 
 from titan_commopt.options import ConfigError  # noqa: E402
 
-from ..common import fault_tolerance  # noqa: E402
-from ..common.container import CommOptimizersContainer  # noqa: E402
-from ..common.fault_tolerance import ReplicaGroupFT, data_shard  # noqa: E402
-from ..config.fault_tolerance import FtSettings  # noqa: E402
+from ..common.replica_group_training import ReplicaGroupSteps, ReplicaGroupTraining  # noqa: E402
+from ..config.fault_tolerance_keys import FtSettings  # noqa: E402
 from ..config.section import CommOpt  # noqa: E402
 from .building import overridden  # noqa: E402
 from .container import CommOptimizers, refuse  # noqa: E402
@@ -62,13 +59,13 @@ from .metrics import CommMetricsProcessor  # noqa: E402
 
 __all__ = [
     "ReplicaGroupTrainer", "with_fault_tolerance", "commopt_section", "group_shard", "committing_optimizer",
-    "uncommitting_optimizer", "STOCK_NAMES",
+    "carrying", "uncommitting_optimizer", "STOCK_NAMES",
 ]
 
 STOCK_NAMES = ("AdamW", "Adam")  # torchtitan's own optimizers our container runs under fault tolerance
 
 
-class ReplicaGroupTrainer(Trainer):
+class ReplicaGroupTrainer(ReplicaGroupSteps, Trainer):
     """torchtitan 0.3's Trainer, one replica group of a fault-tolerant run when its config's
     ``fault_tolerance.enable`` is set (module docstring); torchtitan's own Trainer otherwise."""
 
@@ -78,52 +75,20 @@ class ReplicaGroupTrainer(Trainer):
         """torchft: one replica group of a fault-tolerant run (torchtitan's torchft experiment's keys)."""
 
     def __init__(self, config: Any) -> None:
-        self.ft: Optional[ReplicaGroupFT] = None  # started by init_distributed
-        self._ft_training: Optional[fault_tolerance.FaultTolerantTraining] = None
-        settings = FtSettings.of(getattr(config, "fault_tolerance", None))
-        if settings.enable:
-            config.checkpoint.folder = os.path.join(config.checkpoint.folder, f"replica_{settings.replica_id}")
-            config.dataloader = group_shard(config.dataloader, settings)
-            optimizer = committing_optimizer(config.optimizer)
-            if optimizer is not None:  # else refused before (preflight.py), or an override makes it ours
-                config.optimizer = optimizer
+        ft = self.fault_tolerance = ReplicaGroupTraining.of(
+            FtSettings.of(getattr(config, "fault_tolerance", None)), lambda: commopt_section(config))
+        if ft is not None:
+            config.checkpoint.folder = ft.checkpoint_folder(config.checkpoint.folder)
+            config.dataloader = group_shard(config.dataloader, ft)
+            config.optimizer = carrying(committing_optimizer(config.optimizer) or config.optimizer, ft)
             if type(config.metrics) is MetricsProcessor.Config:  # a step is logged once, when it commits
                 config.metrics = derive(config.metrics, CommMetricsProcessor.Config)
+            if isinstance(config.metrics, CommMetricsProcessor.Config):
+                config.metrics._replica_id = ft.replica_id
         super().__init__(config)
-        if self.ft is not None:
-            if not isinstance(self.optimizers, CommOptimizersContainer):  # a config preflight.py did not check
-                refuse(ConfigError(uncommitting_optimizer(config.optimizer)))
-            if not self.optimizers.owns_replicate_sync:
-                fault_tolerance.average_gradients_over_quorum(self.model_parts, self.ft)
-            self._ft_training = fault_tolerance.FaultTolerantTraining(self, self.ft)
-
-    def init_distributed(self) -> Any:
-        parallel_dims = super().init_distributed()
-        settings = FtSettings.of(getattr(self.config, "fault_tolerance", None))
-        if settings.enable:
-            self.ft = fault_tolerance.start(settings, commopt_section(self.config))
-        return parallel_dims
-
-    def train_step(self, data_iterator: Iterator[Any]) -> None:
-        if self._ft_training is None:
-            super().train_step(data_iterator)
-            return
-
-        train_step = super().train_step
-
-        def attempt(batches: fault_tolerance.ReplayBatches) -> None:
-            train_step(batches)
-            if not self.optimizers.committed:  # 0.3 counts a batch's tokens at its forward: once per step
-                self.ntokens_seen -= sum(labels.numel() for _, labels in batches.taken)
-
-        self._ft_training.train_step(data_iterator, attempt)
-
-    def close(self) -> None:
-        if self._ft_training is not None:
-            self._ft_training.finish()
-        super().close()
-        if self.ft is not None:
-            self.ft.shutdown()
+        if ft is not None and getattr(self.optimizers, "ft", None) is None:
+            # torchtitan's own container: a config preflight.py did not check (our TOML's route)
+            refuse(ConfigError(uncommitting_optimizer(self.config.optimizer)))
 
 
 def commopt_section(config: Any) -> CommOpt:
@@ -144,21 +109,39 @@ def with_fault_tolerance(cfg: Trainer.Config) -> ReplicaGroupTrainer.Config:
     return ReplicaGroupTrainer.Config(**{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.init})
 
 
-def group_shard(dataloader: Any, settings: FtSettings) -> Any:
-    """``dataloader`` (a dataloader config) whose ``build`` reads replica group
-    ``settings.replica_id``'s part of the data: the groups split it as the replicas of one mesh
-    would (``common/fault_tolerance.data_shard``). 0.3's Trainer builds the dataloader with its own
-    mesh's data-parallel degree and rank, which under fault tolerance span one group."""
+def group_shard(dataloader: Any, ft: ReplicaGroupTraining) -> Any:
+    """``dataloader`` (a dataloader config) whose ``build`` reads replica group ``ft.replica_id``'s
+    part of the data (``ReplicaGroupTraining.data_shard``). 0.3's Trainer builds the dataloader with
+    its own mesh's data-parallel degree and rank, which under fault tolerance span one group."""
     base = type(dataloader)
 
     @dataclass(kw_only=True, slots=True)
     class GroupShard(base):  # type: ignore[valid-type, misc]
         def build(self, *, dp_world_size: int, dp_rank: int, **kwargs: Any) -> Any:
-            dp_world_size, dp_rank = data_shard(settings, dp_world_size, dp_rank)
+            dp_world_size, dp_rank = ft.data_shard(dp_world_size, dp_rank)
             return base.build(self, dp_world_size=dp_world_size, dp_rank=dp_rank, **kwargs)
 
     GroupShard.__name__ = GroupShard.__qualname__ = base.__qualname__  # what the config log shows
     return GroupShard(**{f.name: getattr(dataloader, f.name) for f in fields(dataloader) if f.init})
+
+
+def carrying(optimizer: Any, ft: ReplicaGroupTraining) -> Any:
+    """``optimizer`` (an optimizer config) handing ``ft`` to the container built from it: ours holds it
+    in its ``_replica_group`` field. Another kind is refused (``preflight.py``) unless an
+    ``--override.imports`` makes ours of it after the process group exists, whose ``derive`` copies the
+    fields it shares with the config it replaces: such a config becomes one of a subclass that has the
+    field."""
+    if not isinstance(optimizer, CommOptimizers.Config):
+        base = type(optimizer)
+
+        @dataclass(kw_only=True, slots=True)
+        class Carrying(base):  # type: ignore[valid-type, misc]
+            _replica_group: tyro.conf.Suppress[Optional[Any]] = None
+
+        Carrying.__name__ = Carrying.__qualname__ = base.__qualname__  # what the config log shows
+        optimizer = Carrying(**{f.name: getattr(optimizer, f.name) for f in fields(optimizer) if f.init})
+    optimizer._replica_group = ft
+    return optimizer
 
 
 def uncommitting_optimizer(optimizer: Any) -> str:

@@ -1,5 +1,5 @@
 """torchtitan's ``[fault_tolerance]`` keys as titan_commopt reads them, and their checks (made before
-any process group exists; the runtime is ``common/fault_tolerance.py``).
+any process group exists; the runtime is ``common/replica_group_training.py`` and ``common/replica_group.py``).
 
 Each launch waits for the lighthouse to accept a connection, at most :data:`LIGHTHOUSE_WAIT_S` seconds
 (``TITAN_COMMOPT_LIGHTHOUSE_WAIT_S`` changes it, e.g. where a scheduler starts the lighthouse together
@@ -17,12 +17,21 @@ from urllib.parse import urlparse
 from .checkpoint import TOML, Spelling
 
 __all__ = [
-    "FtSettings", "LIGHTHOUSE_ENV", "LIGHTHOUSE_WAIT_ENV", "problems", "in_flight_problems", "evaluation_problems",
-    "lighthouse_address",
-    "lighthouse_wait_seconds", "wait_for_lighthouse",
+    "FtSettings", "LIGHTHOUSE_ENV", "LIGHTHOUSE_WAIT_ENV", "QUORUM_TIMEOUT_ENV", "KILL_ENV", "problems",
+    "in_flight_problems", "evaluation_problems", "lighthouse_address", "lighthouse_wait_seconds", "quorum_timeout_s",
+    "kill_point", "wait_for_lighthouse",
 ]
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # read by torchft's Manager (group rank 0): http://host:port
+QUORUM_TIMEOUT_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"  # torchft's own override of the quorum wait, seconds
+QUORUM_TIMEOUT_S = 120.0  # the quorum wait without it
+# A failure rehearsal: "<step>:quorum" or "<step>:collective" makes every rank of this launch SIGKILL
+# itself at that step, before its quorum or before its first R collective (a peer is then inside it);
+# "<step>:heal" while it applies a heal that brings it to train step <step> or later (the peer's state
+# fetched, none of it loaded: its peers are then in the quorum with it); "<step>:stall" makes it hang
+# before that step's first R collective instead (alive, heartbeating: what the stall timeout is for).
+KILL_ENV = "TITAN_COMMOPT_FT_KILL"
+_FAULTS = ("quorum", "collective", "heal", "stall")
 LIGHTHOUSE_WAIT_S = 30.0  # how long a launch waits for the lighthouse to accept a connection
 LIGHTHOUSE_WAIT_ENV = "TITAN_COMMOPT_LIGHTHOUSE_WAIT_S"  # seconds, instead of LIGHTHOUSE_WAIT_S
 
@@ -44,6 +53,11 @@ class FtSettings:
         if section is None:
             return cls()
         return cls(**{k: getattr(section, k) for k in cls.__dataclass_fields__ if hasattr(section, k)})
+
+    def checkpoint_folder(self, folder: str) -> str:
+        """The checkpoint folder of this replica group under the run's ``folder`` (itself with fault
+        tolerance off): the quorum's replica index changes with membership, the folder does not."""
+        return os.path.join(folder, f"replica_{self.replica_id}") if self.enable else folder
 
 
 def problems(ft: FtSettings, *, dp_replicate: int, lighthouse: Optional[str], spelling: Spelling = TOML) -> list[str]:
@@ -84,6 +98,13 @@ def problems(ft: FtSettings, *, dp_replicate: int, lighthouse: Optional[str], sp
     if _wait_seconds(os.environ.get(LIGHTHOUSE_WAIT_ENV)) is None:
         out.append(f"{LIGHTHOUSE_WAIT_ENV} = {os.environ[LIGHTHOUSE_WAIT_ENV]!r}: the seconds a launch waits for "
                    f"the lighthouse; allowed is a finite number > 0 (unset: {LIGHTHOUSE_WAIT_S:.0f})")
+    if _wait_seconds(os.environ.get(QUORUM_TIMEOUT_ENV), QUORUM_TIMEOUT_S) is None:
+        out.append(f"{QUORUM_TIMEOUT_ENV} = {os.environ[QUORUM_TIMEOUT_ENV]!r}: the seconds a step waits for its "
+                   f"quorum (torchft's); allowed is a finite number > 0 (unset: {QUORUM_TIMEOUT_S:.0f})")
+    try:
+        kill_point()
+    except ValueError as error:
+        out.append(str(error))
     if lighthouse is not None:
         address = lighthouse_address(lighthouse)
         if address is None:
@@ -139,9 +160,9 @@ def lighthouse_address(url: str) -> Optional[tuple[str, int]]:
     return parsed.hostname, port
 
 
-def _wait_seconds(text: Optional[str]) -> Optional[float]:
+def _wait_seconds(text: Optional[str], unset: float = LIGHTHOUSE_WAIT_S) -> Optional[float]:
     if text is None or text == "":
-        return LIGHTHOUSE_WAIT_S
+        return unset
     try:
         seconds = float(text)
     except ValueError:
@@ -153,6 +174,24 @@ def lighthouse_wait_seconds() -> float:
     """How long a launch waits for the lighthouse: ``$TITAN_COMMOPT_LIGHTHOUSE_WAIT_S``, else
     :data:`LIGHTHOUSE_WAIT_S` (a bad value is refused before, by :func:`problems`)."""
     return _wait_seconds(os.environ.get(LIGHTHOUSE_WAIT_ENV)) or LIGHTHOUSE_WAIT_S
+
+
+def quorum_timeout_s() -> float:
+    """How long a quorum is waited for: ``$TORCHFT_QUORUM_TIMEOUT_SEC`` (torchft's own), else
+    :data:`QUORUM_TIMEOUT_S` (a bad value is refused before, by :func:`problems`)."""
+    return _wait_seconds(os.environ.get(QUORUM_TIMEOUT_ENV), QUORUM_TIMEOUT_S) or QUORUM_TIMEOUT_S
+
+
+def kill_point() -> Optional[tuple[int, str]]:
+    """``$TITAN_COMMOPT_FT_KILL`` as (step, where), None unset; ``ValueError`` (its one line) when malformed."""
+    text = os.environ.get(KILL_ENV, "")
+    if not text:
+        return None
+    step, _, where = text.partition(":")
+    if not step.isdigit() or where not in _FAULTS:
+        raise ValueError(f"{KILL_ENV} = {text!r}: a failure rehearsal; allowed is <step>:quorum, <step>:collective, "
+                         "<step>:heal or <step>:stall (step an integer >= 0)")
+    return int(step), where
 
 
 def wait_for_lighthouse(url: str, seconds: Optional[float] = None,

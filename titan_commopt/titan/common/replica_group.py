@@ -1,34 +1,33 @@
-"""Live fault tolerance on torchft: a lost replica group costs its peers seconds, not the run.
+"""One replica group in torchft's job: its Manager, the quorum, the commit, the heal.
 
-Turned on by torchtitan's own ``[fault_tolerance]`` keys (``enable``, ``replica_id``, ``group_size``,
-``min_replica_size``, ``process_group``, ``process_group_timeout_ms``; on 0.3 the same fields of its
-torchft experiment's config, ``--fault_tolerance.*``) with ``TORCHFT_LIGHTHOUSE`` naming torchft's
-lighthouse (``torchft_lighthouse``). Each line's Trainer starts it and routes its steps here
-(``tt022/trainer.py``, ``tt03/fault_tolerance.py``). Each replica group is its own launch (FSDP/TP
-inside it, its own ``MASTER_PORT``); R is the replica groups, joined by torchft's Manager.
+Live fault tolerance is turned on by torchtitan's own ``[fault_tolerance]`` keys (on 0.3 the same
+fields of its torchft experiment's config, ``--fault_tolerance.*``) with ``TORCHFT_LIGHTHOUSE`` naming
+torchft's lighthouse. Each replica group is its own launch (FSDP/TP inside it, its own
+``MASTER_PORT``); R is the replica groups, joined by torchft's Manager. The Trainers' side (the
+settings, the start, the retried step, the data, the token count) is ``replica_group_training.py``,
+which makes a :class:`ReplicaGroupFT` per process; the optimizer container runs each step against it.
 
-Per training step (:class:`ReplicaGroupFT`), sync quorum (``use_async_quorum=False``):
+Per training step, sync quorum (``use_async_quorum=False``):
 
 1. ``begin_step`` (the container's ``zero_grad``, before the forward): the lighthouse's quorum. W and
    this group's replica index are the quorum's (``Topology.quorum``); a group behind the quorum's
-   step is healed here, before it computes a gradient, from a healthy peer (over HTTP): the
-   parameters, the optimizer state, the container's counters and the ledger totals
-   (:meth:`ReplicaGroupFT.register_state`), and the trainer's step, LR schedule and token count
-   (the trainer's own part); it then skips its data shard to the quorum's step. The job's first
-   quorum is asked again until every one of the ``group_size`` groups is in it (bounded by the
-   lighthouse wait), so that a run that never fails trains alike whatever order its groups started in.
+   step is healed here, before it computes a gradient, from a healthy peer (over HTTP): what each
+   registered key carries (:meth:`ReplicaGroupFT.register_state`: the container's parameters,
+   optimizer state, counters and ledger totals; the trainer's step, LR schedule and token count).
+   The job's first quorum is asked again until every one of the ``group_size`` groups is in it
+   (bounded by ``[commopt] ft_start_wait_s``), so that a run that never fails trains alike whatever
+   order its groups started in.
 2. The optimizer step runs; every R collective goes over the Manager's process group
    (``comm.managed_group``), and a peer that dies during one is an error the Manager records, not
    an exception.
 3. ``commit`` (the Manager's ``should_commit``): if any group member saw an error, or fewer than
-   ``min_replica_size`` groups took part, the step is undone (the container restores what it
-   saved before the step: :meth:`ReplicaGroupFT.snapshot`) and the same batches are trained again
-   with the next quorum (:class:`ReplayBatches`). Nothing of the optimizer's state changes unless
-   the step commits.
+   ``min_replica_size`` groups took part, the step is undone (the container puts back what it
+   saved before the step) and the same batches are trained again with the next quorum. Nothing of
+   the optimizer's state changes unless the step commits.
 
 No R collective is issued after ``commit`` (a group that did not commit heals at the next quorum
 and would not issue it), and none stays in flight across steps: DeMo's ``overlap`` and the
-streaming ``sync_delay`` are refused under fault tolerance (``config/fault_tolerance.py``).
+streaming ``sync_delay`` are refused under fault tolerance (``config/fault_tolerance_keys.py``).
 
 Per-replica state on a heal (momenta, error feedback, local parameters and their inner optimizer
 state) is the peer's copy, as torchft's own DiLoCo does: docs/fault_tolerance.md argues the choice.
@@ -41,30 +40,22 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from titan_commopt import comm
 
-from ..config.fault_tolerance import LIGHTHOUSE_ENV, FtSettings, lighthouse_wait_seconds
+from ..config.fault_tolerance_keys import (
+    KILL_ENV, LIGHTHOUSE_ENV, QUORUM_TIMEOUT_ENV, FtSettings, kill_point, lighthouse_wait_seconds, quorum_timeout_s,
+)
 
-__all__ = [
-    "ReplicaGroupFT", "Quorum", "ReplayBatches", "clone_tree", "start", "data_shard", "average_gradients_over_quorum",
-    "FaultTolerantTraining",
-]
+__all__ = ["ReplicaGroupFT", "Quorum", "StallWatchdog", "clone_tree", "average_gradients_over_quorum"]
 
 logger = logging.getLogger(__name__)
 
-QUORUM_TIMEOUT_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"  # torchft's own override of the quorum wait
-# A failure rehearsal: "<step>:quorum" or "<step>:collective" makes every rank of this launch SIGKILL
-# itself at that step, before its quorum or before its first R collective (a peer is then inside it);
-# "<step>:stall" makes it hang there instead (alive, heartbeating: what the stall timeout is for).
-KILL_ENV = "TITAN_COMMOPT_FT_KILL"
-_FAULTS = ("quorum", "collective", "stall")
 _START_POLL_S = 0.5
 
 
@@ -115,7 +106,7 @@ class ReplicaGroupFT:
         self.manager = manager
         self.replicate = replicate
         self.quorum = Quorum(manager, settings.group_size)
-        self._kill = _kill_point(os.environ.get(KILL_ENV, ""))
+        self._kill = kill_point()
         self.uncommitted_steps = 0
         self.committed_here = 0  # steps this process committed (a heal's steps not counted)
         self.heals = 0
@@ -134,7 +125,12 @@ class ReplicaGroupFT:
         """``save()`` is called on the healthy peer (on torchft's quorum thread while the peer's main
         thread waits in :meth:`begin_step`); it must return copies, as the peer trains on while the
         healing group reads them. ``load`` runs on the healing group's main thread."""
-        self.manager.register_state_dict_fn(key, load, save)
+
+        def load_unless_killed(state: Any) -> None:
+            self._maybe_die("heal")
+            load(state)
+
+        self.manager.register_state_dict_fn(key, load_unless_killed, save)
 
     def resume_at(self, committed_steps: int) -> None:
         """A checkpoint on disk was loaded at ``committed_steps``: the Manager starts counting from there
@@ -215,7 +211,10 @@ class ReplicaGroupFT:
             (self._watchdog.hold if waiting else self._watchdog.release)()
 
     def _maybe_die(self, where: str) -> None:
-        if self._kill is None or self._kill != (self.manager.current_step() + 1, where):
+        if self._kill is None or self._kill[1] != where:
+            return
+        step = self.manager.current_step() + 1  # the step about to be trained (a heal has set it already)
+        if step < self._kill[0] if where == "heal" else step != self._kill[0]:
             return
         logger.warning("fault tolerance: %s=%s: this process %s now", KILL_ENV, os.environ[KILL_ENV],
                        "hangs" if where == "stall" else "kills itself")
@@ -297,20 +296,6 @@ class StallWatchdog:
                 os._exit(1)
 
 
-def quorum_timeout_s() -> float:
-    """How long a quorum is waited for: torchft's own ``TORCHFT_QUORUM_TIMEOUT_SEC``, 120 s unset."""
-    return float(os.environ.get(QUORUM_TIMEOUT_ENV, 120))
-
-
-def _kill_point(text: str) -> Optional[tuple[int, str]]:
-    if not text:
-        return None
-    step, _, where = text.partition(":")
-    if not step.isdigit() or where not in _FAULTS:
-        raise ValueError(f"{KILL_ENV} = {text!r}: expected <step>:quorum, <step>:collective or <step>:stall")
-    return int(step), where
-
-
 # torchft's loggers: its modules', and the two that log an empty INFO record per quorum and per commit
 # (structured fields for its OpenTelemetry export, when TORCHFT_USE_OTEL is set)
 _TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits")
@@ -353,77 +338,6 @@ def _make_manager(settings: FtSettings, ft: "ReplicaGroupFT") -> tuple[Any, Any]
     return manager, comm.managed_group(manager, "commopt_R", ft.before_collective, ft.waiting_for_peers)
 
 
-class ReplayBatches:
-    """The data iterator of a fault-tolerant run: a step that did not commit is trained again on the
-    same batches; after a heal this group's own data shard is skipped forward to the quorum's step
-    (what it would have read had it not been lost), so no shard is read twice or out of order."""
-
-    def __init__(self, source: Iterator[Any]) -> None:
-        self._source = source
-        self._taken: list[Any] = []  # this step's batches, kept until it commits
-        self._replay: list[Any] = []
-        self._drawn = 0  # batches read from the shard so far
-        self._skip = 0  # batches to drop before the next one (after a heal)
-
-    def __iter__(self) -> "ReplayBatches":
-        return self
-
-    def __next__(self) -> Any:
-        if self._replay:
-            batch = self._replay.pop(0)
-        else:
-            while self._skip:
-                next(self._source)
-                self._drawn += 1
-                self._skip -= 1
-            batch = next(self._source)
-            self._drawn += 1
-        self._taken.append(batch)
-        return batch
-
-    @property
-    def taken(self) -> list[Any]:
-        """The batches handed out since the last commit or rewind: the step being tried."""
-        return list(self._taken)
-
-    def committed(self) -> None:
-        self._taken = []
-
-    def rewind(self) -> None:
-        """The step did not commit: its batches come again, in order."""
-        self._replay = self._taken + self._replay
-        self._taken = []
-
-    def skip_to(self, batches_before: int) -> None:
-        """A heal moved this group to a later step: the next batch is the shard's ``batches_before``-th
-        (what the group would read at that step had it never been lost); pending replays are dropped."""
-        self._replay, self._taken = [], []
-        self._skip = max(batches_before - self._drawn, 0)
-
-
-# ---- the trainer's side, for both torchtitan lines (their Trainers share these attributes) ----
-def start(settings: FtSettings, commopt: Any) -> ReplicaGroupFT:
-    """This process's fault tolerance, once its replica group's process group exists: waits (bounded)
-    for the lighthouse, then makes the Manager and R. A lighthouse that does not answer is one line,
-    exit status 2, on every rank. ``commopt``: the ``[commopt]`` section (its ``ft_*`` keys)."""
-    from ..config.fault_tolerance import wait_for_lighthouse
-    from ..platform.stop import RESUME_REFUSED, stop_run
-
-    url = os.environ.get(LIGHTHOUSE_ENV, "")
-    problem = wait_for_lighthouse(url, waiting=lambda seconds: logger.info(
-        "fault tolerance: replica group %d waits up to %.0f s for the torchft lighthouse at %s",
-        settings.replica_id, seconds, url))
-    if problem is not None:
-        stop_run(f"fault tolerance: {problem}", RESUME_REFUSED)
-    return ReplicaGroupFT(settings, stall_timeout_s=commopt.ft_stall_timeout_s, start_wait_s=commopt.ft_start_wait_s)
-
-
-def data_shard(settings: FtSettings, dp_world_size: int, dp_rank: int) -> tuple[int, int]:
-    """The data shard of a rank of replica group ``settings.replica_id``: the groups split the data
-    as replicas of one mesh would (torchtitan's own rule for its fault-tolerant trainer)."""
-    return dp_world_size * settings.group_size, dp_world_size * settings.replica_id + dp_rank
-
-
 def average_gradients_over_quorum(model_parts: list[Any], ft: ReplicaGroupFT) -> None:
     """torchtitan's own AdamW/Adam under fault tolerance, torchtitan's way (HSDP): every FSDP module's
     reduce-scattered gradient is then averaged over the quorum's groups."""
@@ -436,53 +350,3 @@ def average_gradients_over_quorum(model_parts: list[Any], ft: ReplicaGroupFT) ->
         for module in part.modules():
             if isinstance(module, FSDPModule):
                 module.set_all_reduce_hook(hook)
-
-
-class FaultTolerantTraining:
-    """A Trainer's training step under fault tolerance: the step is trained again on the same batches
-    until it commits; the LR schedule moves only on a commit; a heal brings the peer's step, token
-    count and LR schedule, and skips this group's data shard to that step."""
-
-    def __init__(self, trainer: Any, ft: ReplicaGroupFT) -> None:
-        self.trainer, self.ft = trainer, ft
-        self._batches: Optional[ReplayBatches] = None
-        schedulers = trainer.lr_schedulers
-        step_schedule = schedulers.step
-        schedulers.step = lambda *a, **k: step_schedule(*a, **k) if trainer.optimizers.committed else None
-        ft.register_state("commopt_trainer", self._save, self._load)
-
-    def train_step(self, data_iterator: Iterator[Any], train_step: Callable[[Iterator[Any]], Any]) -> None:
-        trainer = self.trainer
-        if self._batches is None:  # the first step of this process: after any checkpoint on disk was loaded
-            self._batches = ReplayBatches(data_iterator)
-            self.ft.resume_at(trainer.step - 1)
-        while True:
-            train_step(self._batches)
-            if trainer.optimizers.committed:
-                self._batches.committed()
-                return
-            self._batches.rewind()
-
-    def finish(self) -> None:
-        """One line per rank at the end: the fingerprint of its parameter shards (equal on the same
-        rank of every group when the replicas are in sync)."""
-        from .replica_state import fingerprint
-
-        named = [(n, p) for part in self.trainer.model_parts for n, p in part.named_parameters()]
-        value = 0
-        for _, p in named:
-            value = (value * 1_000_003 + fingerprint(p)) & ((1 << 61) - 1)
-        logger.info("fault tolerance: replica group %d, rank %d: parameters at step %d: fingerprint %x",
-                    self.ft.replica_id, dist.get_rank(), self.trainer.step, value)
-
-    def _save(self) -> dict[str, Any]:
-        trainer = self.trainer
-        return clone_tree({"step": trainer.step, "ntokens_seen": trainer.ntokens_seen,
-                           "lr_schedulers": trainer.lr_schedulers.state_dict()})
-
-    def _load(self, state: dict[str, Any]) -> None:
-        trainer = self.trainer
-        trainer.step, trainer.ntokens_seen = state["step"], state["ntokens_seen"]
-        trainer.lr_schedulers.load_state_dict(state["lr_schedulers"])
-        if self._batches is not None:
-            self._batches.skip_to((trainer.step - 1) * trainer.gradient_accumulation_steps)
