@@ -313,7 +313,14 @@ def adopt_multi_(
 def nesterov_outer_(x: Tensor, anchor: Tensor, buf: Tensor, *, lr: float, momentum: float) -> None:
     """DiLoCo's outer step on ``x`` = mean_R(x), with ``anchor`` = x at the previous outer step and
     ``buf`` the outer momentum; the anchor moves to the new x."""
-    delta = anchor - x  # pseudo-gradient Δ = x_anchor − mean_R(x)
+    nesterov_outer_delta_(x, anchor, buf, anchor - x, lr=lr, momentum=momentum)  # Δ = x_anchor − mean_R(x)
+
+
+def nesterov_outer_delta_(x: Tensor, anchor: Tensor, buf: Tensor, delta: Tensor, *, lr: float,
+                          momentum: float) -> None:
+    """DiLoCo's outer step on a pseudo-gradient ``delta`` given as such (the overlapped merges build
+    it from means of pseudo-gradients, not from a mean of parameters); ``delta`` is used up (it
+    holds Δ + μ·b after). x ← anchor − η(Δ + μ b) after b ← μ b + Δ; the anchor moves to the new x."""
     buf.mul_(momentum).add_(delta)  # b ← μ b + Δ
     x.copy_(anchor).sub_(delta.add_(buf, alpha=momentum), alpha=lr)  # x ← anchor − η(Δ + μ b)
     anchor.copy_(x)
