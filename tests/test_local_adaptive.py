@@ -522,6 +522,13 @@ STREAM_CONFIGS = [  # (label, optimizer kwargs)
                                    outer_lr=0.7, outer_momentum=0.9, fragments=3, sync_delay=tau)) for tau in (0, 2)],
     ("sgdm/F4/tau1", dict(base="sgdm", beta1=(0.9,), Ku=(3,), Kx=3, weight_decay=0.01, fragments=4,
                           sync_delay=1)),
+    # Streaming DiLoCo's merge, t ← α·t + (1 − α)·t̃
+    ("diloco/F3/tau2/lerp0.5", dict(base="adam", beta1=(0.9,), Ku=(0,), Kv=0, Kx=4, outer="nesterov", outer_lr=0.7,
+                                    outer_momentum=0.9, fragments=3, sync_delay=2, merge="lerp", merge_alpha=0.5)),
+    ("adam/F3/tau1/lerp0", dict(base="adam", beta1=(0.9,), Ku=(4,), Kv=8, Kx=4, weight_decay=0.1, fragments=3,
+                                sync_delay=1, merge="lerp")),
+    ("adam/F3/tau0/lerp0.25", dict(base="adam", beta1=(0.9,), Ku=(4,), Kv=8, Kx=4, weight_decay=0.1, fragments=3,
+                                   sync_delay=0, merge="lerp", merge_alpha=0.25)),
 ]
 
 
@@ -577,6 +584,10 @@ def _simulate_streaming(kw):
                     anchors[i] = mean.clone()
                 for r in range(2):
                     t = tensor(r, kind, i)
+                    if kw.get("merge") == "lerp":  # Streaming DiLoCo: θ ← α·θ_local + (1 − α)·θ̃
+                        alpha = kw.get("merge_alpha", 0.0)
+                        t.copy_(alpha * t + (1 - alpha) * mean)
+                        continue
                     t.sub_(snaps[r]).add_(mean)
                     if kind == "v":
                         t.clamp_min_(0)
@@ -634,7 +645,7 @@ def test_streaming_sync_equals_simulation_and_bytes(streaming_results, label, kw
         got = res[rank][label]
         for a, b in zip(got["params"], want[rank]):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-13, msg=label)
-        assert got["hashes"] == [h[rank] for h in want_hashes] or tau > 0 or kw.get("outer"), label
+        assert got["hashes"] == [h[rank] for h in want_hashes] or tau > 0 or kw.get("outer") or kw.get("merge"), label
         assert got["in_flight"] == (1 if tau else 0)  # the last step's sync is still on the wire
         assert got["replica_local"]
         # one fused collective per step at most; bytes per period as the byte formula says
@@ -647,7 +658,7 @@ def test_streaming_sync_equals_simulation_and_bytes(streaming_results, label, kw
         assert got["bytes"] == pytest.approx(per_step * STREAM_STEPS), label
         # replicas_in_sync: only with a single offset and no delay (never here after step 1)
         assert not any(got["in_sync"]), label
-    if tau == 0:  # right after a fragment's x merges, the replicas agree on it exactly
+    if tau == 0 and kw.get("merge_alpha", 0.0) == 0.0:  # right after a fragment's x merges, the replicas agree on it
         for n in range(1, STREAM_STEPS + 1):
             for i, f in enumerate(frag):
                 merged = (n - f * K_x // F) % K_x == 0
@@ -871,9 +882,15 @@ def test_overlapped_merge_options():
     with pytest.raises(ConfigError, match=r"^\[commopt.local\] merge = 'eager' with sync_delay = 1: allowed is "
                        r"sync_delay = 0 with merge = \"delayed\" or \"eager\""):
         local_adaptive(p, Kx=4, Ku=(4,), Kv=4, merge="eager", sync_delay=1)
-    with pytest.raises(ConfigError, match=r"^\[commopt.local\] merge = 'lerp': allowed is one of 'additive', "
-                       r"'delayed', 'eager'$"):
-        resolve("DiLoCo", {"merge": "lerp"})
+    with pytest.raises(ConfigError, match=r"^\[commopt.local\] merge = 'streaming': allowed is one of 'additive', "
+                       r"'lerp', 'delayed', 'eager'$"):
+        resolve("DiLoCo", {"merge": "streaming"})
+    with pytest.raises(ConfigError, match=r"^\[commopt.local\] merge_alpha = 0.5 with merge = 'eager': merge_alpha is "
+                       r"read only by merge = \"lerp\""):
+        resolve("DiLoCo", {"merge": "eager", "merge_alpha": 0.5})
+    with pytest.raises(ConfigError, match=r"^\[commopt.local\] merge_alpha = 1.5"):
+        resolve("DiLoCo", {"merge": "lerp", "merge_alpha": 1.5})
+    assert resolve("DiLoCo", {"merge": "lerp", "merge_alpha": 0.5}).options.merge_alpha == 0.5
     for name in ("DiLoCo", "LocalAdam", "DES-LOC", "MT-DAO"):  # presets keep the blocking sync
         assert resolve(name).options.merge == "additive"
         assert "merge" not in resolve(name).record()["state_shape"]

@@ -37,6 +37,8 @@ CASES = {
     "fp32": dict(quantization="none"),
     "dct": dict(transform="dct"),
     "sync_delay1": dict(sync_delay=1),
+    "lerp0.25": dict(merge="lerp", merge_alpha=0.25),  # Streaming DiLoCo's merge, at once
+    "sync_delay1/lerp0.5": dict(sync_delay=1, merge="lerp", merge_alpha=0.5),
     "delayed": dict(merge="delayed"),
     "eager": dict(merge="eager"),  # aggregate = mean: the eager share 1/R is exact
     "templar/eager": dict(TEMPLAR, merge="eager"),
@@ -272,7 +274,9 @@ def simulate(case, pieces, anchors_out=None):
                     a = anchors[r][n][index_of(sl)]
                     a.sub_(agg, alpha=alpha)
                     x = params[r][n][index_of(sl)]
-                    if snaps is None:
+                    if cfg.merge == "lerp":  # Streaming DiLoCo: x ← α·x + (1 − α)·x_anchor
+                        x.copy_(cfg.merge_alpha * x + (1 - cfg.merge_alpha) * a)
+                    elif snaps is None:
                         x.copy_(a)
                     else:
                         x.sub_(snaps[(n, sl, r)]).add_(a)
@@ -353,7 +357,8 @@ def _check(results, case):
         o = res["out"][case]
         assert o["states_ok"], (case, rank)
         eager = CASES[case].get("merge") == "eager"
-        assert o["in_sync"] == (CASES[case].get("sync_delay", 0) == 0 and not eager), (case, rank)
+        apart = eager or CASES[case].get("merge_alpha", 0.0) > 0  # each replica keeps something of its own
+        assert o["in_sync"] == (CASES[case].get("sync_delay", 0) == 0 and not apart), (case, rank)
         for n, shard in o["local"].items():
             idx = index_of(o["slices"][n])
             torch.testing.assert_close(shard, ref[res["replica"]][n][idx], atol=5e-8, rtol=1e-6,  # float32 values: round-off only
@@ -368,8 +373,8 @@ def _check(results, case):
         assert o["S_sent"] == pytest.approx(o["formula_S"] * STEPS), (case, o["S_sent"], o["formula_S"])
         assert o["T_sent"] >= o["formula_T"] * STEPS > 0 or o["formula_T"] == 0, (case, o["T_sent"], o["formula_T"])
     assert moved > 1e-3, case
-    half = len(results) // W  # the same shard on the two replicas: bit-identical after a sync (eager: not)
-    for k in range(half if CASES[case].get("merge") != "eager" else 0):
+    half = len(results) // W  # the same shard on the two replicas: bit-identical after a sync (not eager, lerp)
+    for k in range(half if CASES[case].get("merge") not in ("eager", "lerp") else 0):
         for n, shard in results[k]["out"][case]["local"].items():
             assert torch.equal(shard, results[half + k]["out"][case]["local"][n]), (case, k, n)
 
@@ -447,7 +452,10 @@ def test_preset_and_bad_values_are_one_line_config_errors():
         ({"quantization": "3bit"}, r"^\[commopt.sparseloco\] quantization = '3bit'"),
         ({"merge": "eager", "sync_delay": 1}, r"^\[commopt.sparseloco\] merge = 'eager' with sync_delay = 1: allowed is "
                                               r"sync_delay = 0 with merge = \"delayed\" or \"eager\""),
-        ({"merge": "lerp"}, r"^\[commopt.sparseloco\] merge = 'lerp': allowed is one of 'additive', 'delayed', 'eager'$"),
+        ({"merge": "streaming"}, r"^\[commopt.sparseloco\] merge = 'streaming': allowed is one of 'additive', 'lerp', "
+                                 r"'delayed', 'eager'$"),
+        ({"merge_alpha": 0.5}, r"^\[commopt.sparseloco\] merge_alpha = 0.5 with merge = 'additive': merge_alpha is read "
+                               r"only by merge = \"lerp\""),
         ({"error_decay": 1.5}, r"^\[commopt.sparseloco\] error_decay = 1.5"),
     ]:
         with pytest.raises(ConfigError, match=message) as e:

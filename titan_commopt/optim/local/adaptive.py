@@ -25,8 +25,9 @@ everything due at one step goes in one fused all-reduce. Streaming sync (``fragm
 ``sync_delay`` τ; Streaming DiLoCo, Douillard et al. 2025): fragment f of a state with period K is
 due when ``(n − ⌊f·K/F⌋) % K == 0``, so the bytes per period are unchanged and the per-step peak is
 ~1/F of them; with τ > 0 the all-reduce runs during the next τ steps and merges keeping their local
-progress, t ← mean_R(t at issue) + (t − t at issue) (τ below the smallest period > 0). A checkpoint
-first merges what is in flight. F = 1, τ = 0 (the papers' blocking schedule) are the defaults
+progress, t ← t̃ + (t − t at issue) with t̃ = mean_R(t at issue), the outer step's for x (τ below the
+smallest period > 0), or with ``merge = "lerp"`` as Streaming DiLoCo merges (its §2.3, Algorithm 2),
+t ← α·t + (1 − α)·t̃, α = ``merge_alpha``. A checkpoint first merges what is in flight. F = 1, τ = 0 (the papers' blocking schedule) are the defaults
 (docs/benchmarks.md §2 measures the others).
 
 Overlapped outer steps (``merge``; Kale, Douillard, Donchev 2025, "Eager Updates For Overlapped
@@ -164,15 +165,22 @@ class Config:
         "x ← mean_R(x at issue) + (x − x at issue), the same for u and v. 0 = blocking; must be "
         "below the smallest period > 0.", ge=0,
     )
-    merge: Literal["additive", "delayed", "eager"] = option(
+    merge: Literal["additive", "lerp", "delayed", "eager"] = option(
         "additive", "How an R sync lands. additive: blocking with sync_delay = 0, else Streaming DiLoCo's overlap "
-        "merged keeping the local progress (sync_delay above). delayed / eager (Kale, Douillard, Donchev 2025, "
+        "merged keeping the local progress (sync_delay above). lerp: Streaming DiLoCo's merge (Douillard et al. "
+        "2025, §2.3) after sync_delay steps (0: at once), t ← α·t + (1 − α)·t̃, t̃ the synced value (the outer "
+        "step's for x), α = merge_alpha. delayed / eager (Kale, Douillard, Donchev 2025, "
         "arXiv 2502.12996): each sync stays in flight over the whole next period and is applied at the next "
         "sync of that state, on pseudo-gradients Δ = anchor − x (values for u, v); delayed applies the mean "
         "that arrived, Δ̄(t−1) (their naive one-outer-step delay, Algorithm 2), eager that mean with this "
         "replica's stale share replaced by its fresh one, Δ̄(t−1) + (Δ_m(t) − Δ_m(t−1))/M (their eager "
         "update, Algorithm 3). delayed and eager need sync_delay = 0 and keep two more copies of what is "
         "synced (the mean in flight, the share sent).",
+    )
+    merge_alpha: float = option(
+        0.0, "α of merge = \"lerp\": the weight the local value keeps at the merge (Streaming DiLoCo's α; torchft's "
+        "fragment_update_alpha, MaxText's communication_overlapping_alpha). 0 = take the synced value (the local "
+        "steps since the issue dropped), 0.5 = a uniform average, 1 = never synced.", ge=0.0, le=1.0,
     )
 
 
@@ -335,6 +343,9 @@ def check(cfg: Config, hparams: BaseHParams) -> list[str]:
             f"merge = \"delayed\" or \"eager\" (their sync stays in flight for a whole period by itself), or merge = "
             "\"additive\" for a sync_delay"
         ]
+    if cfg.merge != "lerp" and cfg.merge_alpha != 0.0:
+        return [f"[{SECTION}] merge_alpha = {cfg.merge_alpha!r} with merge = {cfg.merge!r}: merge_alpha is read only by "
+                "merge = \"lerp\"; set merge = \"lerp\", or leave merge_alpha unset"]
     positive = [(k, key) for key, k in [("Kx", periods.Kx), ("Kv", periods.Kv)] +
                 [(f"Ku[{j}]", k) for j, k in enumerate(periods.Ku)] if k > 0]
     smallest, key = min(positive, key=lambda period: period[0], default=(0, ""))
@@ -447,6 +458,7 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
         self._wire_dtype = None if cfg.transfer_dtype == "native" else comm.DTYPES[cfg.transfer_dtype]
         self._sync_delay = cfg.sync_delay
         self._merge = cfg.merge
+        self._alpha = cfg.merge_alpha if cfg.merge == "lerp" else None
         self._overlapped = cfg.merge in OVERLAPPED_MERGES
         # An overlapped merge applies pseudo-gradients from an anchor, so averaging keeps one too (outer
         # SGD at lr 1); the Nesterov outer step always has one.
@@ -486,12 +498,13 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
     def replicas_in_sync(self) -> bool:
         """Whether every replica holds the same parameters now: before the first step (the adapter
         broadcasts replica 0's parameters), or right after a step at which every fragment's x was
-        averaged with no delay, or applied after a whole period's delay (``merge = "delayed"``: every
-        replica applies the same mean). With several fragments at different offsets, a ``sync_delay``
+        averaged with no delay (``merge = "lerp"`` too when α = 0), or applied after a whole period's
+        delay (``merge = "delayed"``: every replica applies the same mean). With several fragments at different offsets, a ``sync_delay``
         (local progress is kept at a merge) or ``merge = "eager"`` (each replica applies its own fresh
         share), that never happens after the first step. Read from the checkpointed step counter, so it
         stays right after a resume."""
-        return self._n == 0 or (self._sync_delay == 0 and self._merge != "eager" and self.schedule.all_x_due(self._n))
+        exact = self._merge in ("additive", "delayed") or (self._merge == "lerp" and self._alpha == 0.0)
+        return self._n == 0 or (self._sync_delay == 0 and exact and self.schedule.all_x_due(self._n))
 
     def steps_to_next_sync(self) -> Optional[int]:
         """Steps until the next R sync of any state (x, u_j or v); ``None`` when one period is 1
@@ -632,8 +645,9 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
             return
         if due:
             states = self._due_states(due)
-            if self._sync_delay:
-                self.runtime.start(sync_streaming(states, self._reduce, self._outer), due=n + self._sync_delay)
+            if self._sync_delay or self._alpha is not None:  # lerp at τ = 0: lands by advance(n) below
+                self.runtime.start(sync_streaming(states, self._reduce, self._outer, self._alpha),
+                                   due=n + self._sync_delay)
             else:
                 self.runtime.run(sync_in_place(states, self._reduce, self._outer))
         self.runtime.advance(n)

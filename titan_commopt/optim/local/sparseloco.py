@@ -61,7 +61,8 @@ the sync runs after update n when ``n % H == 0``.
 ``sync_delay`` τ (off by default; it changes the algorithm, as the local-adaptive family's
 streaming sync does): the all-gather issued after update n is completed after update n + τ, the
 next τ inner steps overlapping it; then x_anchor ← x_anchor − α·agg_R(Δ̂) and x ← x_anchor + (x −
-x at issue), keeping the local progress of those τ steps (Streaming DiLoCo's merge). It costs one
+x at issue), keeping the local progress of those τ steps; with ``merge = "lerp"`` Streaming DiLoCo's
+own merge (Douillard et al. 2025, §2.3), x ← a·x + (1 − a)·x_anchor, a = ``merge_alpha``. It costs one
 copy of the parameters in flight. τ < H. ``state_dict`` completes a sync in flight first, so a
 checkpoint holds none and a resumed run continues as the run that saved it.
 
@@ -158,14 +159,20 @@ class Config:
         0, "Steps τ the outer all-gather stays in flight (overlapped with the next τ inner steps) before "
         "the outer step lands, keeping the local progress of those steps: x ← x_anchor + (x − x at issue). "
         "0 = the paper's blocking sync; must be below H. Changes the algorithm.", ge=0)
-    merge: Literal["additive", "delayed", "eager"] = option(
+    merge: Literal["additive", "lerp", "delayed", "eager"] = option(
         "additive", "How the outer step lands. additive: blocking with sync_delay = 0, else after sync_delay "
-        "steps keeping the local progress (sync_delay above). delayed / eager (Kale, Douillard, Donchev 2025, "
+        "steps keeping the local progress (sync_delay above). lerp: Streaming DiLoCo's merge (Douillard et al. "
+        "2025, §2.3) after sync_delay steps (0: at once), x ← α·x + (1 − α)·x_anchor, α = merge_alpha. "
+        "delayed / eager (Kale, Douillard, Donchev 2025, "
         "arXiv 2502.12996): the all-gather stays in flight over the whole next period and is applied after it; "
         "delayed applies the aggregate that arrived, agg(t−1) (their naive one-outer-step delay), eager that "
         "aggregate with this replica's stale share replaced by its fresh one, agg(t−1) + (Δ̂_m(t) − Δ̂_m(t−1))/M "
         "(their eager update; the share 1/M is exact for aggregate = mean without a clip). Need sync_delay = 0; "
         "keep one (delayed) or two (eager) more copies of the parameters as state.")
+    merge_alpha: float = option(
+        0.0, "α of merge = \"lerp\": the weight the local parameters keep at the merge (Streaming DiLoCo's α; "
+        "torchft's fragment_update_alpha). 0 = take the new anchor (the local steps since the issue dropped).",
+        ge=0.0, le=1.0)
     lr: float = option(
         -1.0, "Initial inner learning rate; negative = [optimizer] lr × lr_scale. Wins over lr_scale (and "
         "over the preset's lr_scale) when set.")
@@ -201,6 +208,9 @@ def check(cfg: Config, hparams: Optional[BaseHParams] = None) -> list[str]:
         return [f"[{SECTION}] merge = {cfg.merge!r} with sync_delay = {cfg.sync_delay}: allowed is sync_delay = 0 with "
                 "merge = \"delayed\" or \"eager\" (their sync stays in flight for a whole period by itself), or merge = "
                 "\"additive\" for a sync_delay"]
+    if cfg.merge != "lerp" and cfg.merge_alpha != 0.0:
+        return [f"[{SECTION}] merge_alpha = {cfg.merge_alpha!r} with merge = {cfg.merge!r}: merge_alpha is read only by "
+                "merge = \"lerp\"; set merge = \"lerp\", or leave merge_alpha unset"]
     if cfg.sync_delay >= cfg.H:
         return [f"[{SECTION}] sync_delay = {cfg.sync_delay}: allowed is an integer >= 0 below H = {cfg.H} "
                 "(a sync must land before the next one is issued)"]
@@ -421,6 +431,7 @@ class SparseLoCo(LocalSteps, CommOptimizer):
         super().__init__(trainable(named_params), topology, options, defaults, ledger=ledger)
         self.cfg = cfg
         self.H, self._sync_delay, self._merge = cfg.H, cfg.sync_delay, cfg.merge
+        self._alpha = cfg.merge_alpha if cfg.merge == "lerp" else None
         self._quantizer = StatisticalQuantizer(BINS, cfg.quant_range) if cfg.quantization == "2bit" else None
         self._replicate = topology.replicate if topology.replicated else None
         self._codecs: dict[tuple, ShardCodec] = {}
@@ -460,9 +471,10 @@ class SparseLoCo(LocalSteps, CommOptimizer):
 
     # ---- hooks the torchtitan adapter reads ---------------------------------------------------------
     def replicas_in_sync(self) -> bool:
-        """Right after a blocking or delayed outer step (and before the first step) every replica holds
-        the anchor; an eager one applies each replica's own fresh share."""
-        return self._n == 0 or (self._sync_delay == 0 and self._merge != "eager" and self._n % self.H == 0)
+        """Right after a blocking or delayed outer step, or a lerp at α = 0 (and before the first step)
+        every replica holds the anchor; an eager one applies each replica's own fresh share."""
+        exact = self._merge in ("additive", "delayed") or (self._merge == "lerp" and self._alpha == 0.0)
+        return self._n == 0 or (self._sync_delay == 0 and exact and self._n % self.H == 0)
 
     def steps_to_next_sync(self) -> Optional[int]:
         if not self.topology.replicated or self.H == 1:
@@ -591,12 +603,15 @@ class SparseLoCo(LocalSteps, CommOptimizer):
         live, send, _ = self._compress()
         if not live:
             return
-        snapshots = [local(pc.p).clone() for pc, _, _ in live] if streaming else None  # x at issue
+        additive = streaming and self._alpha is None
+        snapshots = [local(pc.p).clone() for pc, _, _ in live] if additive else None  # x at issue
         payloads = yield comm.all_gather(send, R, self._replicate, async_op=True, ledger=self.ledger)
         for i, (pc, agg) in enumerate(self._aggregates(live, payloads)):
             x, anchor = local(pc.p), local(self.state[pc.p]["outer_anchor"])
             anchor.sub_(agg, alpha=self.cfg.outer_lr)  # x_anchor ← x_anchor − α·agg_R(Δ̂)
-            if streaming:
+            if self._alpha is not None:
+                x.lerp_(anchor, 1.0 - self._alpha)  # x ← α·x + (1 − α)·x_anchor (weight 1: the anchor itself)
+            elif additive:
                 x.sub_(snapshots[i]).add_(anchor)  # x ← x_anchor + (x − x at issue)
             else:
                 x.copy_(anchor)

@@ -130,9 +130,13 @@ def sync_in_place(due: DueStates, reduce: Reduce, outer: Optional[OuterStep]) ->
     _outer_steps(due.tensors, due, outer)
 
 
-def sync_streaming(due: DueStates, reduce: Reduce, outer: Optional[OuterStep]) -> Task:
-    """The all-reduce of a snapshot, issued now; when resumed (``sync_delay`` steps later):
-    t ← mean_R(t at issue) + (t − t at issue), the outer step applied to the snapshot's mean first."""
+def sync_streaming(due: DueStates, reduce: Reduce, outer: Optional[OuterStep], alpha: Optional[float] = None) -> Task:
+    """The all-reduce of a snapshot, issued now; when resumed (``sync_delay`` steps later), with
+    t̃ = mean_R(t at issue) (the outer step applied to it for parameters):
+
+    - ``alpha`` None (``merge = "additive"``): t ← t̃ + (t − t at issue), the local progress kept;
+    - ``alpha`` = α (``merge = "lerp"``, Streaming DiLoCo's merge, Douillard et al. 2025 §2.3):
+      t ← α·t + (1 − α)·t̃ (α = 0: the local progress since the issue dropped, the global fragment taken)."""
     snapshots = [t.clone() for t in due.tensors]  # the price of the overlap: one copy of what is sent
     pending = reduce(snapshots)
     try:
@@ -140,6 +144,12 @@ def sync_streaming(due: DueStates, reduce: Reduce, outer: Optional[OuterStep]) -
     except GeneratorExit:  # dropped by a load: its collective still has to complete
         pending.wait()
         raise
+    if alpha is not None:
+        yield pending  # snapshots := mean_R(snapshots)
+        _outer_steps(snapshots, due, outer)
+        # lerp(t, t̃, 1 − α) = α·t + (1 − α)·t̃; torch's lerp returns t̃ itself at weight 1 (α = 0)
+        torch._foreach_lerp_(due.tensors, snapshots, 1.0 - alpha)
+        return
     # Before the wait: the all-reduce writes the mean into the snapshots only when waited for.
     torch._foreach_sub_(due.tensors, snapshots)  # the local progress since the issue
     yield pending  # snapshots := mean_R(snapshots)
