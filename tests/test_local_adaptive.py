@@ -36,10 +36,10 @@ F64 = torch.float64
 HP = BaseHParams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
 
 
-def local_adaptive(params, topology=None, *, ledger=None, hparams=HP, **options):
-    """LocalAdaptive over ``params`` (named p0, p1, … in order) with the ``[commopt.local]``
+def local_adaptive(params, topology=None, *, ledger=None, hparams=HP, names=None, **options):
+    """LocalAdaptive over ``params`` (named p0, p1, … in order, or ``names``) with the ``[commopt.local]``
     ``options`` set (the family defaults, which are LocalAdam's preset, elsewhere)."""
-    named = [(f"p{i}", p) for i, p in enumerate(params)]
+    named = list(zip(names or [f"p{i}" for i in range(len(params))], params))
     return la.LocalAdaptive(named, topology or Topology.single(), resolve("LocalAdam", options, hparams),
                             ledger=ledger)
 
@@ -275,6 +275,13 @@ def test_fragments_schedule_and_options():
     assert local_sync.partition([100, 10, 60, 50, 5], 2) == [0, 0, 1, 1, 0]  # 115 and 110 elements
     assert local_sync.partition([7, 7, 7], 3) == [0, 1, 2]
     assert local_sync.offsets(32, 1) == [0] and local_sync.offsets(32, 4) == [0, 8, 16, 24] and local_sync.offsets(2, 4) == [0, 0, 1, 1]
+    # strided (Streaming DiLoCo): block k in fragment k mod F, the parameters outside a block round-robin
+    names = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.ffn_norm.weight", "layers.1.w",
+             "layers.2.w", "layers.13.w", "norm.weight", "output.weight", "l1.weight"]
+    assert [local_sync.block_index(n) for n in names] == [None, 0, 0, 1, 2, 13, None, None, None]
+    assert local_sync.strided_partition(names, 3) == [0, 0, 0, 1, 2, 1, 1, 2, 0]
+    assert local_adaptive([torch.zeros(2, requires_grad=True) for _ in names], names=names, fragments=3,
+                          fragment_layout="strided").schedule.fragment_of == [0, 0, 0, 1, 2, 1, 1, 2, 0]
     p = [torch.zeros(3, requires_grad=True) for _ in range(2)]
     assert local_adaptive(p, fragments=5).schedule.fragments == 2  # at most one fragment per parameter
     with pytest.raises(ConfigError, match=r"sync_delay = 4: allowed is an integer >= 0 below the smallest period > 0, "
@@ -527,9 +534,22 @@ STREAM_CONFIGS = [  # (label, optimizer kwargs)
                                     outer_momentum=0.9, fragments=3, sync_delay=2, merge="lerp", merge_alpha=0.5)),
     ("adam/F3/tau1/lerp0", dict(base="adam", beta1=(0.9,), Ku=(4,), Kv=8, Kx=4, weight_decay=0.1, fragments=3,
                                 sync_delay=1, merge="lerp")),
+    # Streaming DiLoCo's strided fragments: blocks 0, 2 in fragment 0, block 1 in 1, the loose ones round-robin
+    # (by size the same parameters would go [0, 0, 1, 0, 1])
+    ("adam/F2/tau1/strided", dict(base="adam", beta1=(0.9,), Ku=(4,), Kv=8, Kx=4, fragments=2, sync_delay=1,
+                                  fragment_layout="strided", names=["layers.1.w", "layers.0.w", "emb.weight",
+                                                                    "layers.2.w", "out.weight"])),
     ("adam/F3/tau0/lerp0.25", dict(base="adam", beta1=(0.9,), Ku=(4,), Kv=8, Kx=4, weight_decay=0.1, fragments=3,
                                    sync_delay=0, merge="lerp", merge_alpha=0.25)),
 ]
+
+
+def _stream_fragments(kw):
+    """Each parameter's fragment: balanced by size, or for the strided layout, by hand from the names."""
+    if kw.get("fragment_layout") == "strided":
+        assert kw["fragments"] == 2 and kw["names"] == ["layers.1.w", "layers.0.w", "emb.weight", "layers.2.w", "out.weight"]
+        return [1, 0, 0, 0, 1]  # blocks 1, 0 → k mod 2, emb (loose 0), block 2, out (loose 1)
+    return local_sync.partition([math.prod(s) for s in STREAM_SHAPES], kw["fragments"])
 
 
 def _stream_grads(replica, step):
@@ -548,7 +568,7 @@ def _simulate_streaming(kw):
     F, tau, K_x = kw["fragments"], kw["sync_delay"], kw["Kx"]
     params = [[t.clone().requires_grad_() for t in _stream_init()] for _ in range(2)]
     opts = [local_adaptive(ps, **dict(kw, outer="average", fragments=1, sync_delay=0)) for ps in params]
-    frag = local_sync.partition([math.prod(s) for s in STREAM_SHAPES], F)
+    frag = _stream_fragments(kw)
     anchors = [t.clone() for t in _stream_init()]
     bufs = [torch.zeros_like(t) for t in anchors]
     kinds = [(f"u{j}", k) for j, k in enumerate(kw["Ku"])] + [("v", kw.get("Kv", 0)), ("x", K_x)]
@@ -640,7 +660,7 @@ def test_streaming_sync_equals_simulation_and_bytes(streaming_results, label, kw
     res = streaming_results
     want, want_hashes = _simulate_streaming(dict(kw, lr=1e-2))
     F, tau, K_x = kw["fragments"], kw["sync_delay"], kw["Kx"]
-    frag = local_sync.partition([math.prod(s) for s in STREAM_SHAPES], F)
+    frag = _stream_fragments(kw)
     for rank in range(2):
         got = res[rank][label]
         for a, b in zip(got["params"], want[rank]):

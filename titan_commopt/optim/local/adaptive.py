@@ -24,7 +24,7 @@ Schedule: after update n (1-based) a state with period K is due when ``n % K == 
 everything due at one step goes in one fused all-reduce. Streaming sync (``fragments`` F,
 ``sync_delay`` τ; Streaming DiLoCo, Douillard et al. 2025): fragment f of a state with period K is
 due when ``(n − ⌊f·K/F⌋) % K == 0``, so the bytes per period are unchanged and the per-step peak is
-~1/F of them; with τ > 0 the all-reduce runs during the next τ steps and merges keeping their local
+~1/F of them; fragments are balanced by size, or strided by block as the paper's (``fragment_layout``); with τ > 0 the all-reduce runs during the next τ steps and merges keeping their local
 progress, t ← t̃ + (t − t at issue) with t̃ = mean_R(t at issue), the outer step's for x (τ below the
 smallest period > 0), or with ``merge = "lerp"`` as Streaming DiLoCo merges (its §2.3, Algorithm 2),
 t ← α·t + (1 − α)·t̃, α = ``merge_alpha``. A checkpoint first merges what is in flight. F = 1, τ = 0 (the papers' blocking schedule) are the defaults
@@ -85,6 +85,7 @@ from titan_commopt.topology import R, S, T, Topology
 
 from .. import updates
 from ..base import CommOptimizer
+from ..base import named_params as params_by_name
 from ..common import LR_SCALE_HELP, BaseHParams, local
 from ..family import Bytes, Family, PeriodicSyncs, Resolved, ShardShape
 from .global_model import anchors_swapped_in, replica_mean_swapped_in
@@ -158,6 +159,12 @@ class Config:
         1, "Streaming sync: parameters (with their states) split into this many fragments, balanced "
         "by size; each is synced once per period at its own offset (fragment f of a state with "
         "period K when (step − ⌊f·K/F⌋) % K == 0). 1 = everything at once.", ge=1,
+    )
+    fragment_layout: Literal["size", "strided"] = option(
+        "size", "How parameters are split into fragments: size = greedy by size, balanced in elements; strided = "
+        "Streaming DiLoCo's strided fragments (Douillard et al. 2025, §2.2: fragment p holds blocks p, p + F, …): "
+        "the block k of a parameter (the first integer in its name, layers.<k>.) in fragment k mod F, the "
+        "parameters outside a block (embeddings, final norm, output) round-robin in their order.",
     )
     sync_delay: int = option(
         0, "Streaming sync: steps τ a fragment's all-reduce stays in flight (overlapped with the "
@@ -397,6 +404,7 @@ def settings(resolved: Resolved) -> dict[str, Any]:
     o, p = resolved.options, resolve_periods(resolved.options, resolved.hparams)
     return {"Kx": p.Kx, "Ku": list(p.Ku), "Kv": p.Kv, "transfer_dtype": o.transfer_dtype,
             **({"fragments": o.fragments} if o.fragments > 1 else {}),
+            **({"fragment_layout": o.fragment_layout} if o.fragments > 1 and o.fragment_layout != "size" else {}),
             **({"merge": o.merge} if o.merge != "additive" else {})}
 
 
@@ -475,7 +483,9 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
                 if p.requires_grad:
                     self._init_state(p, len(group["betas1"]))
                     self._params.append((group, p))
-        self.schedule = SyncSchedule(self.periods, [p.numel() for _, p in self._params], cfg.fragments)
+        names = [name for _, name, p in params_by_name(self.param_groups) if p.requires_grad]
+        self.schedule = SyncSchedule(self.periods, [p.numel() for _, p in self._params], cfg.fragments,
+                                     names if cfg.fragment_layout == "strided" else None)
         # [commopt] kernels, decided once: the fused Triton update (update_triton.py) for every local step
         # but plain Adam's, which torch's fused AdamW kernel already makes in one pass.
         self._fused_update = (

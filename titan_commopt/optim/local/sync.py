@@ -12,6 +12,7 @@ in DiLoCo", arXiv 2502.12996: ``merge`` = ``"delayed"`` / ``"eager"``). The math
 ``adaptive.py``'s module docstring.
 """
 
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -21,7 +22,8 @@ from titan_commopt import comm
 from titan_commopt.overlap import Task
 
 __all__ = ["Periods", "SyncSchedule", "DueStates", "OverlapEntry", "offsets", "partition", "sync_in_place",
-           "sync_streaming", "sync_overlapped", "eager_pseudo_gradient", "OVERLAPPED_MERGES"]
+           "sync_streaming", "sync_overlapped", "eager_pseudo_gradient", "OVERLAPPED_MERGES", "strided_partition",
+           "block_index"]
 
 # One step's due tensors → their R mean, written back in place when the returned Pending is waited for.
 Reduce = Callable[[list[torch.Tensor]], "comm.Pending[None]"]
@@ -71,16 +73,44 @@ def partition(sizes: Sequence[int], fragments: int) -> list[int]:
     return out
 
 
+_BLOCK = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def block_index(name: str) -> Optional[int]:
+    """The block a parameter belongs to: the first integer component of its name (``layers.3.attention.
+    wq.weight`` → 3; torch's ``ModuleList`` / ``ModuleDict`` of numbered blocks), ``None`` outside one."""
+    found = _BLOCK.search(name)
+    return int(found.group(1)) if found else None
+
+
+def strided_partition(names: Sequence[str], fragments: int) -> list[int]:
+    """Fragment of each parameter, strided as Streaming DiLoCo's fragments (Douillard et al. 2025, §2.2,
+    Fig. 2: fragment p holds the blocks p, p + F, p + 2F, …, which it finds slightly better than
+    consecutive ones): block k (:func:`block_index`) in fragment k mod F; parameters outside a
+    numbered block (embeddings, final norm, output) round-robin over the fragments in their order.
+    Deterministic from the names alone, hence the same on every replica."""
+    out, loose = [], 0
+    for name in names:
+        k = block_index(name)
+        if k is None:
+            k, loose = loose, loose + 1
+        out.append(k % fragments)
+    return out
+
+
 class SyncSchedule:
     """Fragment f of a state with period K is due after update n when ``(n − ⌊f·K/F⌋) % K == 0``.
 
     ``sizes``: the elements of each parameter (in the optimizer's order); they are split into at most
-    ``fragments`` fragments (at most one per parameter)."""
+    ``fragments`` fragments (at most one per parameter): balanced by size (:func:`partition`), or, given
+    the parameters' ``names``, strided by block (:func:`strided_partition`)."""
 
-    def __init__(self, periods: Periods, sizes: Sequence[int], fragments: int) -> None:
+    def __init__(self, periods: Periods, sizes: Sequence[int], fragments: int,
+                 names: Optional[Sequence[str]] = None) -> None:
         self.periods = periods
         self.fragments = max(1, min(fragments, len(sizes)))
-        self.fragment_of = partition(sizes, self.fragments)
+        self.fragment_of = (partition(sizes, self.fragments) if names is None
+                            else strided_partition(names, self.fragments))
         self._offsets = [(kind, period, offsets(period, self.fragments)) for kind, period in periods.kinds()
                          if period > 0]
 
