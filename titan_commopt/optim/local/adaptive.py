@@ -393,7 +393,7 @@ def periodic(resolved: Resolved) -> Optional[PeriodicSyncs]:
     def due_alone(subset: tuple[int, ...]) -> Config:
         on = {states[i][0] for i in subset}
         return dataclasses.replace(options, Kx=int("Kx" in on), Kv=int("Kv" in on), sync_delay=0, merge="additive",
-                                   Ku=[int(("Ku", j) in on) for j in range(len(p.Ku))])
+                                   merge_alpha=0.0, Ku=[int(("Ku", j) in on) for j in range(len(p.Ku))])
 
     return PeriodicSyncs(tuple(k for _, k in states), due_alone, exact=options.fragments == 1)
 

@@ -374,7 +374,7 @@ def periodic(resolved: Resolved) -> Optional[PeriodicSyncs]:
     options = resolved.options
     if options.H > 1:
         return PeriodicSyncs((options.H,), lambda subset: dataclasses.replace(options, H=1, sync_delay=0,
-                                                                               merge="additive"))
+                                                                               merge="additive", merge_alpha=0.0))
     return None
 
 
