@@ -547,7 +547,8 @@ STREAM_CONFIGS = [  # (label, optimizer kwargs)
 def _stream_fragments(kw):
     """Each parameter's fragment: balanced by size, or for the strided layout, by hand from the names."""
     if kw.get("fragment_layout") == "strided":
-        assert kw["fragments"] == 2 and kw["names"] == ["layers.1.w", "layers.0.w", "emb.weight", "layers.2.w", "out.weight"]
+        assert kw["fragments"] == 2
+        assert kw["names"] == ["layers.1.w", "layers.0.w", "emb.weight", "layers.2.w", "out.weight"]
         return [1, 0, 0, 0, 1]  # blocks 1, 0 → k mod 2, emb (loose 0), block 2, out (loose 1)
     return local_sync.partition([math.prod(s) for s in STREAM_SHAPES], kw["fragments"])
 
@@ -917,7 +918,17 @@ def test_overlapped_merge_options():
     assert resolve("DiLoCo", {"merge": "eager"}).record()["state_shape"]["merge"] == "eager"
     # averaging keeps an anchor under an overlapped merge; the Nesterov momentum only where it steps
     opt = local_adaptive(p, Kx=4, Ku=(0,), Kv=8, merge="delayed")
-    assert set(opt.state[p[0]]) == {"step", "exp_avg", "exp_avg_sq", "outer_anchor", "inflight_x", "inflight_exp_avg_sq"}
+    assert set(opt.state[p[0]]) == {"step", "exp_avg", "exp_avg_sq", "outer_anchor", "inflight_x",
+                                    "inflight_exp_avg_sq"}
+    # one replica that averages syncs nothing: its model is x itself, not the anchor that never moves
+    q = [torch.ones(3, dtype=F64, requires_grad=True)]
+    opt = local_adaptive(q, Kx=2, Ku=(2,), Kv=2, merge="eager")
+    for _ in range(3):
+        q[0].grad = torch.ones(3, dtype=F64)
+        opt.step()
+    x = q[0].detach().clone()
+    with opt.global_params():
+        assert torch.equal(q[0], x) and not torch.equal(x, torch.ones(3, dtype=F64))
 
 
 # ---- 2x2 HSDP (dp_replicate=2, fsdp=2) == single-process simulation of the two replicas ----------

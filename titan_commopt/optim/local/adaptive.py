@@ -24,11 +24,13 @@ Schedule: after update n (1-based) a state with period K is due when ``n % K == 
 everything due at one step goes in one fused all-reduce. Streaming sync (``fragments`` F,
 ``sync_delay`` τ; Streaming DiLoCo, Douillard et al. 2025): fragment f of a state with period K is
 due when ``(n − ⌊f·K/F⌋) % K == 0``, so the bytes per period are unchanged and the per-step peak is
-~1/F of them; fragments are balanced by size, or strided by block as the paper's (``fragment_layout``); with τ > 0 the all-reduce runs during the next τ steps and merges keeping their local
-progress, t ← t̃ + (t − t at issue) with t̃ = mean_R(t at issue), the outer step's for x (τ below the
-smallest period > 0), or with ``merge = "lerp"`` as Streaming DiLoCo merges (its §2.3, Algorithm 2),
-t ← α·t + (1 − α)·t̃, α = ``merge_alpha``. A checkpoint first merges what is in flight. F = 1, τ = 0 (the papers' blocking schedule) are the defaults
-(docs/benchmarks.md §2 measures the others).
+~1/F of them; fragments are balanced by size, or strided by block as the paper's
+(``fragment_layout``). With τ > 0 the all-reduce runs during the next τ steps and merges keeping
+their local progress, t ← t̃ + (t − t at issue) with t̃ = mean_R(t at issue), the outer step's for x
+(τ below the smallest period > 0), or with ``merge = "lerp"`` as Streaming DiLoCo merges (its §2.3,
+Algorithm 2), t ← α·t + (1 − α)·t̃, α = ``merge_alpha``. A checkpoint first merges what is in flight.
+F = 1, τ = 0 (the papers' blocking schedule) are the defaults (docs/benchmarks.md §2 measures the
+others).
 
 Overlapped outer steps (``merge``; Kale, Douillard, Donchev 2025, "Eager Updates For Overlapped
 Communication and Computation in DiLoCo", arXiv 2502.12996). The sync of a state issued at update n
@@ -38,9 +40,9 @@ sends its pseudo-gradient Δ_m = a_m − x_m (a_m its replica's anchor, x after 
 applied; with ``outer = "average"`` too, as outer SGD at lr 1: x ← a − Δ̃), a state (u_j, v) its
 value. At update n on replica m, with Δ̄(t−1) the mean that arrived and Δ_m(t−1) what m sent then:
 
-    delayed:  Δ̃ = Δ̄(t−1)                                  # their Algorithm 2, the naive 1-outer-step delay
-    eager:    Δ̃ = Δ̄(t−1) + (Δ_m(t) − Δ_m(t−1))/M          # their Algorithm 3: (1/M)·(Δ_m(t) + Σ_{m'≠m} Δ_m'(t−1))
-    x ← OuterOpt(a_m, Δ̃); a_m ← x                           # a state: t ← Δ̃ on its values (v kept >= 0)
+    delayed:  Δ̃ = Δ̄(t−1)                              # their Algorithm 2, the naive 1-outer-step delay
+    eager:    Δ̃ = Δ̄(t−1) + (Δ_m(t) − Δ_m(t−1))/M      # their Algorithm 3, = (1/M)·(Δ_m(t) + Σ_{m'≠m} Δ_m'(t−1))
+    x ← OuterOpt(a_m, Δ̃); a_m ← x                       # a state: t ← Δ̃ on its values (v kept >= 0)
 
 then Δ_m(t) is sent. Before the first sync the means and shares are zero (a sync of nothing at update
 0). Eager replicas differ slightly (each applied its own fresh share), also in their anchors and
@@ -472,7 +474,8 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
         # SGD at lr 1); the Nesterov outer step always has one.
         self._anchored = (nesterov or self._overlapped) and self.periods.Kx > 0
         self._outer_delta = (
-            partial(_nesterov_outer_delta, lr=cfg.outer_lr, momentum=cfg.outer_momentum) if nesterov else _average_outer_delta
+            partial(updates.nesterov_outer_delta_, lr=cfg.outer_lr, momentum=cfg.outer_momentum) if nesterov
+            else _average_outer_delta
         )
         self.start_step_counter()
         # Eager state: DCP's _init_optim_state would otherwise run a dummy zero-grad step (lr 0) on
@@ -509,10 +512,10 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
         """Whether every replica holds the same parameters now: before the first step (the adapter
         broadcasts replica 0's parameters), or right after a step at which every fragment's x was
         averaged with no delay (``merge = "lerp"`` too when α = 0), or applied after a whole period's
-        delay (``merge = "delayed"``: every replica applies the same mean). With several fragments at different offsets, a ``sync_delay``
-        (local progress is kept at a merge) or ``merge = "eager"`` (each replica applies its own fresh
-        share), that never happens after the first step. Read from the checkpointed step counter, so it
-        stays right after a resume."""
+        delay (``merge = "delayed"``: every replica applies the same mean). With several fragments at
+        different offsets, a ``sync_delay`` (local progress is kept at a merge) or ``merge = "eager"``
+        (each replica applies its own fresh share), that never happens after the first step. Read from
+        the checkpointed step counter, so it stays right after a resume."""
         exact = self._merge in ("additive", "delayed") or (self._merge == "lerp" and self._alpha == 0.0)
         return self._n == 0 or (self._sync_delay == 0 and exact and self.schedule.all_x_due(self._n))
 
@@ -532,7 +535,7 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
         ``self.ledger``)."""
         params = [p for _, p in self._params]
         ledger = ledger if ledger is not None else self.ledger
-        if self._anchored:
+        if self._anchored and self._syncs:  # (averaging on one replica syncs nothing: x is the model)
             anchors = [self.state[p]["outer_anchor"] for p in params]
             if self._merge == "eager" and self._replicate is not None:
                 with replica_mean_swapped_in(params, self._replicate, wire_dtype=self._wire_dtype, ledger=ledger,
@@ -702,12 +705,8 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
                                      ledger=self.ledger, async_op=True)
 
 
-def _nesterov_outer_delta(x: torch.Tensor, anchor: torch.Tensor, buf: Optional[torch.Tensor], delta: torch.Tensor, *,
-                          lr: float, momentum: float) -> None:
-    updates.nesterov_outer_delta_(x, anchor, buf, delta, lr=lr, momentum=momentum)
-
-
-def _average_outer_delta(x: torch.Tensor, anchor: torch.Tensor, buf: Optional[torch.Tensor], delta: torch.Tensor) -> None:
+def _average_outer_delta(x: torch.Tensor, anchor: torch.Tensor, buf: Optional[torch.Tensor],
+                         delta: torch.Tensor) -> None:
     """``outer = "average"`` as an outer step on a pseudo-gradient: SGD at lr 1, x ← a − Δ̃ (with the
     blocking merge's Δ̄ = a − mean_R(x) and equal anchors, x ← mean_R(x))."""
     x.copy_(anchor).sub_(delta)

@@ -581,7 +581,8 @@ class SparseLoCo(LocalSteps, CommOptimizer):
         offset, updates_sent = 0, []
         for pc, (vals, idx), st in live:
             codec, e = pc.codec, local(self.state[pc.p]["error_feedback"])
-            sent = codec.from_chunks(codec.write(vals, idx, send[offset: offset + codec.nbytes], *st), e.dtype)  # Δ̂ = Q(Top-k(e))
+            chunks = codec.write(vals, idx, send[offset: offset + codec.nbytes], *st)  # Δ̂ = Q(Top-k(e)), chunk-major
+            sent = codec.from_chunks(chunks, e.dtype)
             e.sub_(sent)  # e ← e − Δ̂
             updates_sent.append(sent)
             offset += codec.nbytes
