@@ -115,6 +115,36 @@ def test_muloco_2bit_sends_every_value_in_two_bits():
     assert sparseloco_r_bytes(shards, resolved, 2).sent == (4096 * 2 // 8 + 4 * 4) / resolved.options.H
 
 
+@pytest.mark.parametrize("name,options", [("Muon", {}), ("MuLoCo", {"Kx": 2}), ("MuLoCo-2bit", {"H": 2})])
+def test_a_checkpoint_loaded_into_a_fresh_optimizer_resumes_exactly(name, options):
+    """Three steps, a state dict (as a checkpoint keeps it), a fresh (eager) optimizer loads it: the next
+    steps equal the uninterrupted optimizer's, parameters and state, bit for bit."""
+    import copy
+
+    def build():
+        model = _mlp()
+        return model, make(name, model.named_parameters(), hparams=HP, **options)
+
+    def train(model, opt, steps):
+        for step in steps:
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+            model.zero_grad()
+            model(x).pow(2).sum().backward()
+            opt.step()
+
+    model, opt = build()
+    train(model, opt, range(3))
+    saved = copy.deepcopy(opt.state_dict())
+    twin, fresh = build()
+    twin.load_state_dict(model.state_dict())
+    fresh.load_state_dict(saved)
+    train(model, opt, range(3, 6))
+    train(twin, fresh, range(3, 6))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    a, b = opt.state_dict()["state"], fresh.state_dict()["state"]
+    assert a.keys() == b.keys() and all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])
+
+
 # ---- on six gloo processes -------------------------------------------------------------------------------
 D, H, V = 12, 24, 16
 
