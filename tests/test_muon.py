@@ -11,7 +11,6 @@ MuLoCo and MuLoCo-2bit on HSDP 2 × 3 equal their unsharded runs on the same two
 the formulas'.
 """
 
-import math
 
 import pytest
 import torch

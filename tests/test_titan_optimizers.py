@@ -47,7 +47,8 @@ def test_optimizer_trains_through_torchtitan_hsdp(tmp_path_factory, name):
     assert len(values) == HSDP_STEPS and all(math.isfinite(v) for v in values)
     assert values[-1] < values[0]
     ratio = tb["comm/R_ratio_vs_adamw_hsdp"][-1][1]
-    assert 0 < ratio < 1 or (family_of(name).key == "muon" and ratio == pytest.approx(1.0)), ratio
+    # Muon: AdamW-HSDP's gradient bytes, plus the replica check's fingerprints over R (every step here)
+    assert 0 < ratio < 1 or (family_of(name).key == "muon" and 1 <= ratio < 1.01), ratio
     assert tb["commopt/skipped_steps"][-1][1] == 0
     assert_ledger_is_the_comm_report(tb, name, HSDP_STEPS, EXTRA.get(name))
     # the resolved options, once, as text: what the run trained with and where each value came from
@@ -83,5 +84,6 @@ def test_optimizer_trains_through_torchtitan_replicas_x_tp(tmp_path, name):
     assert values[-1] < values[0]
     assert tb["comm/R_sent_bytes_total"][-1][1] > 0
     ratio = tb["comm/R_ratio_vs_adamw_hsdp"][-1][1]
-    assert 0 < ratio < 1 or (family_of(name).key == "muon" and ratio == pytest.approx(1.0)), ratio
+    # Muon: AdamW-HSDP's gradient bytes, plus the replica check's fingerprints over R (every step here)
+    assert 0 < ratio < 1 or (family_of(name).key == "muon" and 1 <= ratio < 1.01), ratio
     assert tb["commopt/skipped_steps"][-1][1] == 0

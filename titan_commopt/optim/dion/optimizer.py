@@ -49,7 +49,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn

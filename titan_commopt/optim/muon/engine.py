@@ -16,7 +16,6 @@ task of the optimizer's runtime: a batch computes while the others' pieces are o
 of every batch is made from shapes once (cached per set of members); no host synchronization.
 """
 
-import math
 from typing import Any, Optional, Sequence
 
 import torch
@@ -87,14 +86,3 @@ class MuonMatrices:
         orthogonal = yield from scatter(plan, whole, ledger)
         updates.muon_descend_multi_(xs, list(orthogonal.unbind(0)), lr=group["lr"], ratio=lr_ratio(self.rule, m, n),
                                     weight_decay=group["weight_decay"])
-
-    def flops(self) -> int:
-        """Newton–Schulz flops of one step over all matrices (every rank's share together): per
-        iteration 4·a²·b + 2·a³ for an m×n matrix, a = min(m, n), b = max(m, n)."""
-        total = 0
-        for p, cut in self.cuts.items():
-            m, n = p.shape[-2:]
-            a, b = min(m, n), max(m, n)
-            stack = math.prod(p.shape[:-2])
-            total += stack * len(self.schedule) * (4 * a * a * b + 2 * a ** 3)
-        return total
