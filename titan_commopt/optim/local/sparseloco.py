@@ -205,7 +205,8 @@ PRESET_SOURCES: dict[str, str] = {
     "the routed AdamW L2-3 β = 0.9, 0.99 at the Muon lr L28-31) with 4 bins (2 bits) from the paper's sweep "
     "(jobs/muloco_paper/inner_sweep_distributed_quantized_streaming.py L234: (0.9, 4)); every replica's dequantized "
     "payload averaged (quantized_outer_sgd.py L1246-1249). Our quantizer is their `statistical` one, per tensor "
-    "(quantized_outer_sgd.py L263-306), over every value (topk = chunk² keeps each chunk whole: no top-k, no "
+    "(quantized_outer_sgd.py L263-306: bins of width range·σ/bins around the mean, each decoded to the mean of "
+    "its members, as their code does it, not the ±range σ its docstring reads), over every value (topk = chunk² keeps each chunk whole: no top-k, no "
     "indices). Differences, not offered: the sweep's row-wise statistics (L282), its dense embeddings and norms "
     "(L279, L283) and its re-quantized aggregate (L280); the shipped config's compressor_type = \"topk\" (L50), "
     "which leaves its bins unused. lr_scale = 1, to be measured by our study (as MuLoCo's: docs/options.md)",

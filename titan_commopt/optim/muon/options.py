@@ -5,9 +5,13 @@ cross-field rules, the learning-rate factor of each matrix, and the param groups
 Where the references differ, the default is MuLoCo's code (facebookresearch/MuLoCo, whose Muon is
 microsoft/dion's): undamped momentum, no Nesterov, its five Newton–Schulz triples in bfloat16,
 lr·√(fan_out/fan_in). The other readings are options: torch.optim.Muon's (lerp momentum, Nesterov,
-Keller Jordan's triple, √max(1, m/n) or 0.2·√max(m, n)). One difference is taken, not offered:
-the Frobenius norm is clamped at ``muon_eps`` (torch's ``norm.clamp(eps)``) where MuLoCo divides by
-``norm + eps``; for a matrix of norm ν the two differ by a relative ε/ν, far below bfloat16's 2⁻⁸.
+Keller Jordan's triple, √max(1, m/n) or 0.2·√max(m, n)). Differences taken, not offered, each below
+bfloat16's rounding (2⁻⁸): the Frobenius norm is clamped at ``muon_eps`` (torch's ``norm.clamp(eps)``)
+where MuLoCo divides by ``norm + eps`` (a relative ε/ν for a matrix of norm ν); each iteration runs
+torch's fused ``addmm`` whichever the coefficients (MuLoCo's code: separate products and sums); the
+update η·r·O is added in the parameter's dtype (MuLoCo's code multiplies O by η·r in bfloat16 first).
+A 3-D parameter is a stack of matrices, each orthogonalized alone (MuLoCo's configs flatten it to one
+matrix, ``flatten = True``).
 """
 
 import math
