@@ -237,7 +237,9 @@ def exchange_bytes(shards: Sequence[ShardShape], is_matrix, itemsize: int) -> di
     ``shards`` (``is_matrix(shard)``: routed to Muon; all of them stepping), batched and owned as the
     optimizer batches and owns them, ``itemsize`` bytes per element on the wire. The cut of a shard
     is read from ``ShardShape.sharded`` (its mesh dims of size > 1 on dims 0 and 1 of a 2-D matrix,
-    ``mesh_sizes``: their sizes) with even-first pieces as torch's ``Shard`` makes them."""
+    ``mesh_sizes``: their sizes) with pieces as torch's ``Shard`` makes them (a strided split has the
+    same pieces where it divides evenly). A 3-D stack moves nothing where only its stack dim is split;
+    one that TP cuts on a matrix dim is exchanged but not priced (``ShardShape`` sees dims 0 and 1)."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
