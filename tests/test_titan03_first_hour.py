@@ -85,6 +85,29 @@ def test_override_key_at_the_family_default_wins_over_the_preset():
     assert resolve_config(commopt(default_adamw(), name="FlexDeMo")).options.chunk == 32
 
 
+# the Muon names (issue 41): a key each preset sets, typed at its family's default, on both 0.3 routes
+MUON_NAMES = [("Muon", "muon", "muon_momentum", "0.95", 0.95), ("MuLoCo", "local", "outer_momentum", "0.9", 0.9),
+              ("MuLoCo-2bit", "sparseloco", "outer_momentum", "0.0", 0.0)]
+
+
+@pytest.mark.parametrize("name, table, key, typed, value", MUON_NAMES, ids=[n[0] for n in MUON_NAMES])
+def test_muon_names_typed_value_at_the_family_default_wins_in_the_config_module_and_the_override(
+        name, table, key, typed, value):
+    from torchtitan.components.optimizer import default_adamw
+
+    from titan_commopt.titan.tt03.container import resolve_config
+    from titan_commopt.titan.tt03.overrides import commopt
+
+    preset = resolve_config(parse("--optimizer.name", name).optimizer)
+    assert getattr(preset.options, key) != value and key in preset.preset_keys()
+    module = resolve_config(parse("--optimizer.name", name, f"--optimizer.commopt.{table}.{key}", typed).optimizer)
+    overridden = resolve_config(commopt(default_adamw(), name=name, **{key: value}))
+    for resolved in (module, overridden):
+        assert resolved.name == name and getattr(resolved.options, key) == value and key in resolved.user_set
+        others = set(resolved.family.presets[name]) - {key}
+        assert all(getattr(resolved.options, k) == resolved.family.presets[name][k] for k in others)
+
+
 @pytest.fixture(scope="module")
 def typed_chunk_run(tmp_path_factory, cache):
     dump = tmp_path_factory.mktemp("typed_chunk")
@@ -122,6 +145,8 @@ def one_line(capsys, call) -> str:
     (["--optimizer.commopt.demo.sign_before_sync", "false"],
      "--optimizer.commopt.demo.sign_before_sync false: a switch"),
     (["--metrics.enable-tensorboard", "true"], "--metrics.no-enable-tensorboard (false)"),
+    (["--optimizer.commopt.local.outer", "adam"], "--optimizer.commopt.local.outer = 'adam': allowed is one of 'average'"),
+    (["--optimizer.commopt.local.outer=adam"], "--optimizer.commopt.local.outer = 'adam': allowed is one of"),
 ])
 def test_bad_command_line_value_is_one_line(capsys, args, expected):
     assert expected in one_line(capsys, lambda: parse(*args))
@@ -134,6 +159,30 @@ def test_override_negative_lr_is_one_line(capsys):
 
     line = one_line(capsys, lambda: commopt(default_adamw(), name="FlexDeMo", lr=-0.001))
     assert f"override {OVERRIDE}.commopt: lr = -0.001: allowed is a finite number >= 0" in line
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--optimizer.name", "MuLoCo", "--optimizer.commopt.local.muon_ns_steps", "7"],
+     "[commopt.local] muon_ns_steps = 7: allowed is 5"),
+    (["--optimizer.name", "Muon", "--optimizer.commopt.muon.muon_momentum", "1.0"], "muon_momentum = 1.0"),
+    (["--optimizer.name", "MuLoCo-2bit", "--optimizer.commopt.sparseloco.muon_lr_rule", "spectral"],
+     "--optimizer.commopt.sparseloco.muon_lr_rule = 'spectral': allowed is one of 'spectral_norm', 'original'"),
+])
+def test_muon_names_bad_command_line_value_is_one_line(capsys, args, expected):
+    assert expected in one_line(capsys, lambda: parse(*args))
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({"name": "MuLoCo", "muon_ns_steps": 7}, "muon_ns_steps = 7"),
+    ({"name": "Muon", "muon_dtype": "fp16"}, "muon_dtype = 'fp16'"),
+    ({"name": "MuLoCo-2bit", "muon_momentm": 0.9}, "muon_momentm"),
+])
+def test_muon_names_bad_override_is_one_line(capsys, options, expected):
+    from torchtitan.components.optimizer import default_adamw
+
+    from titan_commopt.titan.tt03.overrides import commopt
+
+    assert expected in one_line(capsys, lambda: commopt(default_adamw(), **options))
 
 
 def test_unknown_config_name_lists_only_config_functions(capsys):

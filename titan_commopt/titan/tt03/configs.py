@@ -54,7 +54,7 @@ from .building import command_line_being_parsed, looking_up_a_config
 from .container import CommOptimizers, refuse, show_preset
 from .cpu import apply_cpu_fixes
 from .metrics import CommMetricsProcessor
-from .preflight import CommOptTrainer, ours, switch_problems
+from .preflight import CommOptTrainer, choice_problems, ours, switch_problems
 from .validate import GlobalModelValidator, with_global_model_validation
 
 quiet_known_noise()  # torchtitan's CPU and offline-tokenizer warnings (``platform/console.py``)
@@ -134,12 +134,13 @@ def _llama3_8b(name: str, commopt: Optional[Any] = None, lr: float = 1e-4) -> Tr
 
 def _checked(cfg: Trainer.Config) -> CommOptTrainer.Config:
     """``cfg`` as a config whose Trainer runs our pre-flight checks (``preflight.py``), after the
-    command line being parsed is checked for what tyro would refuse without naming the key. Colour
+    command line being parsed is checked for what tyro would refuse without naming the key, or in a box
+    of several lines (a value given a switch, a value outside a ``Literal``'s). Colour
     codes only where the output is a terminal (``python -m titan_commopt.run`` sends it to files)."""
     if not sys.stdout.isatty():
         cfg.metrics.disable_color_printing = True
     args = command_line_being_parsed()
-    problems = [] if args is None else switch_problems(cfg, args)
+    problems = [] if args is None else switch_problems(cfg, args) + choice_problems(cfg, args)
     if problems:
         refuse(ConfigError("\n".join(problems)))
     return ours(cfg)
