@@ -321,3 +321,31 @@ def test_another_name_of_the_family_takes_its_own_preset():
 
     resolved = resolve_config(parse("--optimizer.name", "DeMo").optimizer)
     assert resolved.user_set == frozenset() and resolved.options == resolve("DeMo").options
+
+
+# ---- 4. the 8B config functions train what the 8B TOMLs train ------------------------------------
+EIGHT_B = ("llama3_8b_flexdemo", "llama3_8b_diloco", "llama3_8b_dion", "llama3_8b_des_loc", "llama3_8b_mt_dao",
+           "llama3_8b_muon", "llama3_8b_muloco", "llama3_8b_muloco_2bit")
+
+
+@pytest.mark.parametrize("function", EIGHT_B)
+def test_8b_config_function_is_its_toml(function):
+    """``--config llama3_8b_<x>`` and ``train_configs/llama3_8b_<x>.toml``: the same optimizer, ``[optimizer]``
+    values, warm-up, keys of the family's table and mesh (a value changed in one of them only fails here)."""
+    import tomli
+
+    from titan_commopt.titan.tt03 import configs
+    from titan_commopt.titan.tt03.container import resolve_config
+
+    assert set(EIGHT_B) == {n for n in configs.CONFIG_FUNCTIONS if n.startswith("llama3_8b_")}
+    toml = tomli.loads((ROOT / "train_configs" / f"{function}.toml").read_text())
+    cfg = getattr(configs, function)()
+    resolved = resolve_config(cfg.optimizer)
+    assert resolved.name == toml["optimizer"]["name"]
+    for key in ("lr", "weight_decay", "eps"):
+        assert getattr(cfg.optimizer, key) == toml["optimizer"][key], key
+    assert cfg.lr_scheduler.warmup_steps == toml["lr_scheduler"]["warmup_steps"]
+    table = toml["commopt"][resolved.family.key]
+    assert table and all(getattr(resolved.options, k) == v for k, v in table.items()), table
+    for key in ("data_parallel_replicate_degree", "data_parallel_shard_degree"):
+        assert getattr(cfg.parallelism, key) == toml["parallelism"][key], key
