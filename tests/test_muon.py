@@ -18,7 +18,8 @@ from torch import nn
 
 from titan_commopt import comm
 from titan_commopt.optim import BaseHParams, ShardShape, build_optimizer, make, resolve
-from titan_commopt.optim.local.adaptive import local_s_bytes
+from titan_commopt.optim.common import local
+from titan_commopt.optim.local.adaptive import local_s_bytes, moment_key
 from titan_commopt.optim.local.sparseloco import sparseloco_r_bytes, sparseloco_s_bytes
 from titan_commopt.optim.muon import muon_r_bytes, muon_s_bytes
 from titan_commopt.optim.muon.layout import exchange_bytes
@@ -262,7 +263,8 @@ def _muon_on(mesh, replica, replicas):
 
 
 def _local_family_on(mesh, replica, name, options):
-    """MuLoCo / MuLoCo-2bit on HSDP against their unsharded runs on the same replicas (R groups)."""
+    """MuLoCo / MuLoCo-2bit on HSDP against their unsharded runs on the same replicas (R groups); for the
+    local engine, also each step's Muon momenta M (this rank's shards), to compare across replicas."""
     topology = Topology.from_mesh(mesh)
     model, reference = _shard(_block(), mesh), _block()
     resolved = resolve(name, options, HP)
@@ -270,7 +272,8 @@ def _local_family_on(mesh, replica, name, options):
     opt = build_optimizer(list(model.named_parameters()), topology, resolved, ledger=ledger)
     unsharded = Topology(replicate=mesh.get_group("dp_replicate"))
     ref = build_optimizer(list(reference.named_parameters()), unsharded, resolved, ledger=comm.CommLedger())
-    steps = 4
+    steps, momenta = 4, []
+    matrices = [p for group in opt.param_groups if group["algorithm"] == "muon" for p in group["params"]]
     for step in range(steps):
         grads = _grads(replica, step)
         _set_grads(model, grads)
@@ -279,10 +282,12 @@ def _local_family_on(mesh, replica, name, options):
         opt.step()
         ref.step()
         ledger.end_step()
+        if resolved.family.key == "local":
+            momenta.append([local(opt.state[p][moment_key(0)]).clone() for p in matrices])
     shards = [ShardShape.of(n, p) for n, p in model.named_parameters()]
     formula = local_s_bytes if resolved.family.key == "local" else sparseloco_s_bytes
     r_formula = resolved.family.r_bytes
-    return {"compare": _compare(model, reference),
+    return {"compare": _compare(model, reference), "momenta": momenta,
             "bytes": _ledger_vs_formulas(ledger, steps, shards, resolved, 2, formula, r_formula)}
 
 
@@ -300,6 +305,8 @@ def _six(rank, world):
         if label == "hsdp 2x3":
             out["MuLoCo"] = _local_family_on(mesh, replica, "MuLoCo", {"Kx": 2})
             out["MuLoCo-2bit"] = _local_family_on(mesh, replica, "MuLoCo-2bit", {"H": 2})
+            # DES-LOC's schedule with a Muon base: M averaged over R every Ku = 2 steps, x and Adam's v every 4
+            out["MuLoCo Ku"] = _local_family_on(mesh, replica, "MuLoCo", {"Kx": 4, "Ku": [2], "Kv": 4})
     return out
 
 
@@ -308,7 +315,8 @@ def six():
     return run_distributed(_six, 6)
 
 
-@pytest.mark.parametrize("case", ["hsdp 2x3", "hsdp 3x2", "tp 2, 3 replicas", "fsdp 3 x tp 2", "MuLoCo", "MuLoCo-2bit"])
+@pytest.mark.parametrize("case", ["hsdp 2x3", "hsdp 3x2", "tp 2, 3 replicas", "fsdp 3 x tp 2", "MuLoCo", "MuLoCo-2bit",
+                                  "MuLoCo Ku"])
 def test_sharded_equals_unsharded_and_the_ledger_the_formulas(six, case):
     for rank, result in enumerate(six):
         exact, worst = result[case]["compare"]
@@ -319,3 +327,12 @@ def test_sharded_equals_unsharded_and_the_ledger_the_formulas(six, case):
             assert measured == pytest.approx(formula, rel=1e-12), (rank, case, role)
     moved = [result[case]["bytes"][role][0] for result in six for role in ("S", "T")]
     assert sum(moved) > 0  # every case exchanges pieces within the replicas
+
+
+def test_the_muon_momentum_is_averaged_over_r_on_its_ku_period(six):
+    """base = "muon" with Ku = [2]: after steps 2 and 4 the two replicas hold the same M (bit for bit, on
+    every shard), after steps 1 and 3 their own (they step on different gradients)."""
+    for shard in range(3):  # ranks shard and shard + 3: the same FSDP piece on replicas 0 and 1
+        mine, theirs = six[shard]["MuLoCo Ku"]["momenta"], six[shard + 3]["MuLoCo Ku"]["momenta"]
+        agree = [all(torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(mine, theirs)]
+        assert agree == [False, True, False, True], (shard, agree)
