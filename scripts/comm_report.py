@@ -11,7 +11,8 @@ rank 0's FSDP2 shards (``ShardShape.fsdp``: dim 0 split over ``--shard``); S byt
 estimate the training container records (all-gather of the parameters in forward and backward + gradient reduce-scatter). AdamW-HSDP
 = the fp32 all-reduce of the local gradient shard over R; AdamW-DDP = the same for the full
 gradient (|S| = 1), the unit the DeMo/Dion papers report. The S column is FSDP2's own traffic plus
-a family's priced S sums (``Family.s_bytes``: SparseLoCo's quantizer statistics); Dion's distributed
+a family's priced S sums (``Family.s_bytes``: SparseLoCo's quantizer statistics, the Muon step's
+gathers and scatters of whole matrices in Muon, MuLoCo and MuLoCo-2bit); Dion's distributed
 orthogonalization adds S collectives of its own (in the ledger, not here).
 
 Dtypes: ``--param-dtype`` is torchtitan's ``[training] mixed_precision_param`` (the dtype FSDP2

@@ -50,6 +50,16 @@ BAD = [
     ("MT-DAO", "[commopt.local]\nomega = [0.7, 0.6]\nKu = [8, 8]\nbeta1 = [0.9, 0.99]", [], ["omega = [0.7, 0.6]", "sum <= 1"]),
     ("DES-LOC", "[commopt.local]\nbeta1 = [1.5]", [], ["beta1 = [1.5]", "[0, 1)"]),
     ("DES-LOC", "[commopt.local]\nkx = 4", [], ["unknown key 'kx'", "did you mean 'Kx'"]),
+    # the Muon step's keys, in each table that has them ([commopt.muon], [commopt.local], [commopt.sparseloco])
+    ("Muon", "[commopt.muon]\nmuon_dtype = 'fp16'", [], ["[commopt.muon] muon_dtype = 'fp16'", "'bf16', 'fp32'"]),
+    ("Muon", "[commopt.muon]\nmuon_momentm = 0.9", [], ["unknown key 'muon_momentm'", "did you mean 'muon_momentum'"]),
+    ("Muon", "[commopt.muon]\nscalar_beta1 = 1.5", [], ["[commopt.muon] scalar_beta1 = 1.5", "< 1"]),
+    ("MuLoCo", "[commopt.local]\nmuon_ns_steps = 7", [], ["[commopt.local] muon_ns_steps = 7", "allowed is 5"]),
+    ("MuLoCo", "", ["--commopt.local.muon_lr_rule", "spectral"],
+     ["muon_lr_rule = 'spectral' (from --commopt.local.muon_lr_rule)", "'spectral_norm'"]),
+    ("MuLoCo", "[commopt.local]\nswitch_at = 5", [], ["[commopt.local] switch_at = 5", "base = \"muon\" is 0"]),
+    ("MuLoCo-2bit", "", ["--commopt.sparseloco.muon_momentum", "1.0"], ["[commopt.sparseloco] muon_momentum = 1.0", "< 1"]),
+    ("MuLoCo-2bit", "[commopt.sparseloco]\ninner = 'muonn'", [], ["inner = 'muonn'", "'adamw', 'muon'"]),
     # incompatible combinations with torchtitan settings
     ("Dion", "", ["--optimizer.early_step_in_backward"], ["early_step_in_backward = True", "'Dion'"]),
     ("DES-LOC", "", ["--parallelism.pipeline_parallel_degree", "2"], ["pipeline_parallel_degree = 2", "not supported"]),
@@ -100,6 +110,12 @@ def test_good_config_passes(tmp_path):
     ("MT-DAO", "[commopt.local]\nbase = \"adam\"", [], "base", "adam"),
     ("DES-LOC", "[commopt.local]\nclip = \"none\"", [], "clip", "none"),
     ("DiLoCo", "", ["--commopt.local.outer", "average"], "outer", "average"),
+    # each new name, a key its preset sets typed at the family's default (TOML and command line)
+    ("Muon", "[commopt.muon]\nmuon_momentum = 0.95", [], "muon_momentum", 0.95),
+    ("MuLoCo", "", ["--commopt.local.outer_momentum", "0.9"], "outer_momentum", 0.9),
+    ("MuLoCo", "[commopt.local]\nKx = 32", [], "Kx", 32),
+    ("MuLoCo-2bit", "[commopt.sparseloco]\nouter_momentum = 0.0", [], "outer_momentum", 0.0),
+    ("MuLoCo-2bit", "", ["--commopt.sparseloco.H", "15"], "H", 15),
 ])
 def test_a_key_the_user_sets_beats_the_preset_even_at_the_default(tmp_path, name, table, cli, key, value):
     path = tmp_path / "job.toml"

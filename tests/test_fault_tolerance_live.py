@@ -15,7 +15,7 @@
   or plain ``torchrun``) is SIGKILLed leaves by itself instead of heartbeating on as a zombie group;
   two failures at different times, one while the relaunched group applies its heal, one group
   relaunched twice: no committed step lost, the three end on the same parameters, nothing left over.
-- Every family a short run (2 groups x 1 process; torchtitan's own AdamW through its FSDP hook, 2 x 2).
+- Every family a short run (2 groups x 1 process; MuLoCo, the local-step engine with its Muon step, too; torchtitan's own AdamW through its FSDP hook, 2 x 2).
 - Bad input: one line each, exit status 2 (an unreachable lighthouse after a bounded wait)."""
 
 import os
@@ -218,6 +218,8 @@ SHORT = {  # name: (steps, [commopt] check_replicas_every); the local-step famil
     "Dion": (4, 2),
     "DES-LOC": (8, 2),  # EXTRA: parameters every 2 steps, the states every 4 and 8
     "SparseLoCo": (4, 2),  # its preset's H = 2
+    "Muon": (4, 2),  # the gradient averaged over the quorum every step, as AdamW-HSDP's
+    "MuLoCo": (8, 4),  # EXTRA: an outer step every 4 steps; Muon's momentum never synced
 }
 
 

@@ -37,6 +37,8 @@ OPTIONS = {
     "MT-DAO": {"Kx": PERIOD, "Ku": [PERIOD], "Kv": PERIOD, "switch_at": 0},
     "MT-DAO-halflife": {"Kx": PERIOD, "Ku": [2 * PERIOD], "Kv": 2 * PERIOD, "switch_at": 0},
     "SparseLoCo": {"H": PERIOD},
+    "MuLoCo": {"Kx": PERIOD},
+    "MuLoCo-2bit": {"H": PERIOD},
 }
 
 

@@ -3,7 +3,8 @@
 Each optimizer: one uninterrupted 8-step run saving at step 4; the same command resumes from a copy
 of the step-4 checkpoint in a fresh dump folder. Steps 5..8 must give exactly the same losses, and the
 same cumulative bytes (the comm ledger's totals travel with the checkpoint). The uninterrupted runs of
-FlexDeMo and Dion are ``tests/test_titan_optimizers.py``'s HSDP launches (one launch per session).
+FlexDeMo, Dion, MuLoCo and MuLoCo-2bit are ``tests/test_titan_optimizers.py``'s HSDP launches (one launch
+per session).
 """
 
 import shutil
@@ -15,11 +16,15 @@ from tests.titan_utils import ADAMW_HSDP, RESUMABLE, RESUMED, hsdp_args, hsdp_ru
 # One preset per family plus the baseline (each costs two 4-process runs); the local-adaptive family's
 # is DES-LOC with periods short enough to sync within the run, streaming, a fragment in flight, and
 # DiLoCo with eager outer steps, a whole period's sync in flight.
-# FlexDeMo and Dion run with test_titan_optimizers.py's HSDP arguments (its launch is the first run).
+# FlexDeMo, Dion, MuLoCo and MuLoCo-2bit run with test_titan_optimizers.py's HSDP arguments (its launch is the
+# first run).
 CASES = {
     "AdamW": [],
     "FlexDeMo": None,
     "Dion": None,
+    # per-replica Muon momenta, anchors, outer momenta (and MuLoCo-2bit's error feedback), a sync at step 4
+    "MuLoCo": None,
+    "MuLoCo-2bit": None,
     # streaming sync with a fragment in flight at the step-4 checkpoint (merged before saving)
     "DES-LOC streaming": ["--commopt.local.Kx", "4", "--commopt.local.Ku", "4", "--commopt.local.Kv", "4",
                           "--commopt.local.fragments", "2", "--commopt.local.sync_delay", "1"],

@@ -42,6 +42,7 @@ CASES = {
     "delayed": dict(merge="delayed"),
     "eager": dict(merge="eager"),  # aggregate = mean: the eager share 1/R is exact
     "templar/eager": dict(TEMPLAR, merge="eager"),
+    "delayed/outer_momentum0.9": dict(merge="delayed", outer_momentum=0.9, outer_lr=0.7),  # MuLoCo's outer step
     "templar": TEMPLAR,
     # the authors' α = 0.7 in both e and the step (their rule) is our outer_lr = 0.49
     "templar/authors_alpha0.7": dict(TEMPLAR, outer_lr=0.49, authors_alpha=0.7),
@@ -266,13 +267,22 @@ def simulate(case, pieces, anchors_out=None):
     dct = cfg.transform == "dct"
     overlapped = cfg.merge in ("delayed", "eager")
     landed, stale = {}, {}  # overlapped: (n, sl) → the aggregate of the period before; (n, sl, r) → Δ̂_r sent then
+    bufs = {}  # (n, sl, r) → the outer momentum (outer_momentum > 0: Nesterov SGD on the aggregate)
+
+    def outer(a, delta, key):
+        if not cfg.outer_momentum:
+            a.sub_(delta, alpha=alpha)
+            return
+        mu = cfg.outer_momentum
+        bufs[key] = mu * bufs.get(key, torch.zeros_like(delta)) + delta
+        a.sub_(alpha * (delta + mu * bufs[key]))
 
     def land(aggs, snaps):
         with torch.no_grad():
             for (n, sl), agg in aggs.items():
                 for r in range(W):
                     a = anchors[r][n][index_of(sl)]
-                    a.sub_(agg, alpha=alpha)
+                    outer(a, agg, (n, sl, r))
                     x = params[r][n][index_of(sl)]
                     if cfg.merge == "lerp":  # Streaming DiLoCo: x ← α·x + (1 − α)·x_anchor
                         x.copy_(cfg.merge_alpha * x + (1 - cfg.merge_alpha) * a)
@@ -290,7 +300,7 @@ def simulate(case, pieces, anchors_out=None):
                     if cfg.merge == "eager":  # the own stale share out, the fresh one in
                         delta += (fresh[(n, sl, r)] - stale.get((n, sl, r), torch.zeros_like(agg))) / W
                     a = anchors[r][n][index_of(sl)]
-                    a.sub_(delta, alpha=alpha)
+                    outer(a, delta, (n, sl, r))
                     params[r][n][index_of(sl)].copy_(a)
                     stale[(n, sl, r)] = fresh[(n, sl, r)]
                 landed[(n, sl)] = agg

@@ -3,8 +3,9 @@
 Skipped unless torchtitan 0.3 is installed: the normal suite runs on 0.2.2. Run with the 0.3 venv:
 ``PYTHONPATH=. OMP_NUM_THREADS=1 /path/to/venv03/bin/python -m pytest -q tests/test_titan03.py``.
 One torchrun launch per fixture; the assertions read TensorBoard's event files and the console.
-Three launches: the config-module run (FlexDeMo on HSDP 2x2) is the first half of the resume pair,
-the override run is FlexDeMo's R2 x TP2 run. The resumed run also prints every optimizer step
+Five launches: the config-module run (FlexDeMo on HSDP 2x2) is the first half of the resume pair,
+the override run is FlexDeMo's R2 x TP2 run, and MuLoCo on HSDP 2x2 runs the Muon step through the
+config module, its R and S bytes the comm report's, resumed from step 2 exactly (a fifth launch). The resumed run also prints every optimizer step
 (``tests/titan03_step_probe.py``, an override that changes nothing). The other families on HSDP 2x2
 and R2 x TP2, and AdamW through our container against torchtitan's own, run on this line too, in
 ``tests/test_titan_optimizers.py`` and ``tests/test_titan_integration.py`` (marked ``both_lines``).
@@ -149,6 +150,57 @@ def assert_trained_a_few_steps(tb: dict) -> None:
     assert len(values) == FAMILY_STEPS and all(math.isfinite(v) for v in values) and values[-1] < values[0], values
     assert tb["comm/R_sent_bytes_total"][-1] > 0  # the optimizer synced R itself
     assert tb["commopt/skipped_steps"][-1] == 0
+
+
+# ---- MuLoCo through the config module: the Muon step on 0.3, its bytes the comm report's -------------
+MULOCO_STEPS = 4  # two outer steps (Kx = 2)
+
+
+MULOCO = ["--optimizer.name", "MuLoCo", "--optimizer.commopt.local.Kx", "2", "--training.steps", str(MULOCO_STEPS),
+          "--validator.freq", "2", "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "2"]
+
+
+@pytest.fixture(scope="module")
+def muloco(tmp_path_factory, cache):
+    dump = tmp_path_factory.mktemp("muloco")
+    proc = train(cache, dump, MESHES["hsdp_2x2"][0], *MULOCO)
+    return scalars(dump), proc.stdout + proc.stderr, dump
+
+
+@pytest.fixture(scope="module")
+def muloco_resumed(tmp_path_factory, cache, muloco):
+    dump = tmp_path_factory.mktemp("muloco_resumed")
+    shutil.copytree(muloco[2] / "checkpoint" / "step-2", dump / "checkpoint" / "step-2")
+    proc = train(cache, dump, MESHES["hsdp_2x2"][0], *MULOCO)
+    return scalars(dump), proc.stdout + proc.stderr
+
+
+def test_muloco_trains_through_the_config_module_with_the_comm_reports_bytes(muloco):
+    """HSDP 2 x 2: R (the parameters every Kx) and S (FSDP2's traffic plus the Muon step's whole-matrix
+    exchange) per step as ``scripts/comm_report.py`` prices them for this model; the global model (the
+    anchor) evaluated."""
+    from scripts import comm_report
+
+    tb, log, _ = muloco
+    values = losses(tb)
+    assert len(values) == MULOCO_STEPS and all(math.isfinite(v) for v in values) and values[-1] < values[0], values
+    (row,) = comm_report.report("debugmodel", 2, 2, ["MuLoCo"], {"local": {"Kx": 2}}, param_dtype="float32")
+    assert tb["comm/R_sent_bytes_total"][-1] / MULOCO_STEPS == pytest.approx(row["R_sent"], rel=1e-6)
+    assert tb["comm/S_bytes_total"][-1] / MULOCO_STEPS == pytest.approx(row["S_sent"], rel=1e-6)
+    assert row["S_sent"] > comm_report.report("debugmodel", 2, 2, ["DiLoCo"], {"local": {"Kx": 2}},
+                                              param_dtype="float32")[0]["S_sent"]  # the Muon exchange is in it
+    assert tb["commopt/skipped_steps"][-1] == 0 and len(tb["validation_metrics/loss"]) >= 2, sorted(tb)
+    # what it trained with, printed once: the typed period, the preset's Muon base
+    assert log.count("  Kx = 2 (set)") == 1 and log.count("  base = 'muon' (preset)") == 1, log[-4000:]
+
+
+@pytest.mark.parametrize("tag", ["loss_metrics/global_avg_loss", "grad_norm", "comm/R_sent_bytes_total",
+                                 "comm/S_bytes_total"])
+def test_muloco_resume_is_exact(muloco, muloco_resumed, tag):
+    """Steps 3-4 after loading step 2 (an outer step) equal the uninterrupted run's: each replica's
+    parameters, Muon momenta, Adam moments, anchor and outer momentum come back, with the ledger."""
+    assert "Loading the checkpoint" in muloco_resumed[1]
+    assert muloco_resumed[0][tag] == muloco[0][tag][2:]
 
 
 # ---- bad input, help, unsupported torchtitan: no process group --------------------------------

@@ -85,6 +85,29 @@ def test_override_key_at_the_family_default_wins_over_the_preset():
     assert resolve_config(commopt(default_adamw(), name="FlexDeMo")).options.chunk == 32
 
 
+# the Muon names (issue 41): a key each preset sets, typed at its family's default, on both 0.3 routes
+MUON_NAMES = [("Muon", "muon", "muon_momentum", "0.95", 0.95), ("MuLoCo", "local", "outer_momentum", "0.9", 0.9),
+              ("MuLoCo-2bit", "sparseloco", "outer_momentum", "0.0", 0.0)]
+
+
+@pytest.mark.parametrize("name, table, key, typed, value", MUON_NAMES, ids=[n[0] for n in MUON_NAMES])
+def test_muon_names_typed_value_at_the_family_default_wins_in_the_config_module_and_the_override(
+        name, table, key, typed, value):
+    from torchtitan.components.optimizer import default_adamw
+
+    from titan_commopt.titan.tt03.container import resolve_config
+    from titan_commopt.titan.tt03.overrides import commopt
+
+    preset = resolve_config(parse("--optimizer.name", name).optimizer)
+    assert getattr(preset.options, key) != value and key in preset.preset_keys()
+    module = resolve_config(parse("--optimizer.name", name, f"--optimizer.commopt.{table}.{key}", typed).optimizer)
+    overridden = resolve_config(commopt(default_adamw(), name=name, **{key: value}))
+    for resolved in (module, overridden):
+        assert resolved.name == name and getattr(resolved.options, key) == value and key in resolved.user_set
+        others = set(resolved.family.presets[name]) - {key}
+        assert all(getattr(resolved.options, k) == resolved.family.presets[name][k] for k in others)
+
+
 @pytest.fixture(scope="module")
 def typed_chunk_run(tmp_path_factory, cache):
     dump = tmp_path_factory.mktemp("typed_chunk")
@@ -122,6 +145,8 @@ def one_line(capsys, call) -> str:
     (["--optimizer.commopt.demo.sign_before_sync", "false"],
      "--optimizer.commopt.demo.sign_before_sync false: a switch"),
     (["--metrics.enable-tensorboard", "true"], "--metrics.no-enable-tensorboard (false)"),
+    (["--optimizer.commopt.local.outer", "adam"], "--optimizer.commopt.local.outer = 'adam': allowed is one of 'average'"),
+    (["--optimizer.commopt.local.outer=adam"], "--optimizer.commopt.local.outer = 'adam': allowed is one of"),
 ])
 def test_bad_command_line_value_is_one_line(capsys, args, expected):
     assert expected in one_line(capsys, lambda: parse(*args))
@@ -134,6 +159,30 @@ def test_override_negative_lr_is_one_line(capsys):
 
     line = one_line(capsys, lambda: commopt(default_adamw(), name="FlexDeMo", lr=-0.001))
     assert f"override {OVERRIDE}.commopt: lr = -0.001: allowed is a finite number >= 0" in line
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--optimizer.name", "MuLoCo", "--optimizer.commopt.local.muon_ns_steps", "7"],
+     "[commopt.local] muon_ns_steps = 7: allowed is 5"),
+    (["--optimizer.name", "Muon", "--optimizer.commopt.muon.muon_momentum", "1.0"], "muon_momentum = 1.0"),
+    (["--optimizer.name", "MuLoCo-2bit", "--optimizer.commopt.sparseloco.muon_lr_rule", "spectral"],
+     "--optimizer.commopt.sparseloco.muon_lr_rule = 'spectral': allowed is one of 'spectral_norm', 'original'"),
+])
+def test_muon_names_bad_command_line_value_is_one_line(capsys, args, expected):
+    assert expected in one_line(capsys, lambda: parse(*args))
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({"name": "MuLoCo", "muon_ns_steps": 7}, "muon_ns_steps = 7"),
+    ({"name": "Muon", "muon_dtype": "fp16"}, "muon_dtype = 'fp16'"),
+    ({"name": "MuLoCo-2bit", "muon_momentm": 0.9}, "muon_momentm"),
+])
+def test_muon_names_bad_override_is_one_line(capsys, options, expected):
+    from torchtitan.components.optimizer import default_adamw
+
+    from titan_commopt.titan.tt03.overrides import commopt
+
+    assert expected in one_line(capsys, lambda: commopt(default_adamw(), **options))
 
 
 def test_unknown_config_name_lists_only_config_functions(capsys):
@@ -272,3 +321,31 @@ def test_another_name_of_the_family_takes_its_own_preset():
 
     resolved = resolve_config(parse("--optimizer.name", "DeMo").optimizer)
     assert resolved.user_set == frozenset() and resolved.options == resolve("DeMo").options
+
+
+# ---- 4. the 8B config functions train what the 8B TOMLs train ------------------------------------
+EIGHT_B = ("llama3_8b_flexdemo", "llama3_8b_diloco", "llama3_8b_dion", "llama3_8b_des_loc", "llama3_8b_mt_dao",
+           "llama3_8b_muon", "llama3_8b_muloco", "llama3_8b_muloco_2bit")
+
+
+@pytest.mark.parametrize("function", EIGHT_B)
+def test_8b_config_function_is_its_toml(function):
+    """``--config llama3_8b_<x>`` and ``train_configs/llama3_8b_<x>.toml``: the same optimizer, ``[optimizer]``
+    values, warm-up, keys of the family's table and mesh (a value changed in one of them only fails here)."""
+    import tomli
+
+    from titan_commopt.titan.tt03 import configs
+    from titan_commopt.titan.tt03.container import resolve_config
+
+    assert set(EIGHT_B) == {n for n in configs.CONFIG_FUNCTIONS if n.startswith("llama3_8b_")}
+    toml = tomli.loads((ROOT / "train_configs" / f"{function}.toml").read_text())
+    cfg = getattr(configs, function)()
+    resolved = resolve_config(cfg.optimizer)
+    assert resolved.name == toml["optimizer"]["name"]
+    for key in ("lr", "weight_decay", "eps"):
+        assert getattr(cfg.optimizer, key) == toml["optimizer"][key], key
+    assert cfg.lr_scheduler.warmup_steps == toml["lr_scheduler"]["warmup_steps"]
+    table = toml["commopt"][resolved.family.key]
+    assert table and all(getattr(resolved.options, k) == v for k, v in table.items()), table
+    for key in ("data_parallel_replicate_degree", "data_parallel_shard_degree"):
+        assert getattr(cfg.parallelism, key) == toml["parallelism"][key], key

@@ -1,7 +1,8 @@
 """Every optimizer family through torchtitan's Trainer on a 2x2 HSDP mesh and on 2 replicas x 2-way
 tensor parallelism (4 CPU processes each): R left to the optimizer (FSDP2 over fsdp only), loss goes
-down, R bytes below AdamW-HSDP's; on HSDP the ledger's R and S bytes per step equal the comm report's
-formulas, on R x TP the replicas are checked every step where they must agree.
+down, R bytes below AdamW-HSDP's (Muon's are AdamW-HSDP's own: its gradient sync is the baseline's); on
+HSDP the ledger's R and S bytes per step equal the comm report's formulas, on R x TP the replicas are
+checked every step where they must agree.
 
 The names each mesh runs, derived from the registry, and the HSDP launches' arguments are
 ``tests/titan_utils.py``'s. On torchtitan 0.3 (CI's ``-m both_lines`` run, through our TOML runner) one
@@ -47,7 +48,8 @@ def test_optimizer_trains_through_torchtitan_hsdp(tmp_path_factory, name):
     assert len(values) == HSDP_STEPS and all(math.isfinite(v) for v in values)
     assert values[-1] < values[0]
     ratio = tb["comm/R_ratio_vs_adamw_hsdp"][-1][1]
-    assert 0 < ratio < 1, ratio
+    # Muon: AdamW-HSDP's own gradient bytes (ratio 1; the R bytes are held to the formula below)
+    assert 0 < ratio < 1 or (family_of(name).key == "muon" and 1 <= ratio < 1.01), ratio
     assert tb["commopt/skipped_steps"][-1][1] == 0
     assert_ledger_is_the_comm_report(tb, name, HSDP_STEPS, EXTRA.get(name))
     # the resolved options, once, as text: what the run trained with and where each value came from
@@ -82,5 +84,7 @@ def test_optimizer_trains_through_torchtitan_replicas_x_tp(tmp_path, name):
     assert len(values) == steps and all(math.isfinite(v) for v in values)
     assert values[-1] < values[0]
     assert tb["comm/R_sent_bytes_total"][-1][1] > 0
-    assert 0 < tb["comm/R_ratio_vs_adamw_hsdp"][-1][1] < 1
+    ratio = tb["comm/R_ratio_vs_adamw_hsdp"][-1][1]
+    # Muon: AdamW-HSDP's gradient bytes, plus the replica check's fingerprints over R (every step here)
+    assert 0 < ratio < 1 or (family_of(name).key == "muon" and 1 <= ratio < 1.01), ratio
     assert tb["commopt/skipped_steps"][-1][1] == 0

@@ -165,7 +165,9 @@ def job_and_resolved(*args, **kwargs):
 # names need no entry. On torchtitan 0.3 (CI's -m both_lines run) one name per family runs on each
 # mesh: what differs between the lines is the plug-in, which every name of a family goes through alike.
 COVERED_BY = {"DES-LOC-ADOPT": "MT-DAO", "MT-DAO-halflife": "MT-DAO"}
-ONLY_ON = {"DES-LOC": "hsdp", "LocalAdam": "tp", "DiLoCo": "tp"}
+# MuLoCo and MuLoCo-2bit: their families' R paths run on both meshes by other names, and the Muon step
+# on both by Muon; on HSDP, the layout of the users they are for, their bytes are held to the formulas.
+ONLY_ON = {"DES-LOC": "hsdp", "LocalAdam": "tp", "DiLoCo": "tp", "MuLoCo": "hsdp", "MuLoCo-2bit": "hsdp"}
 
 
 def _launched_names() -> list[str]:
@@ -199,11 +201,13 @@ EXTRA = {
     "DES-LOC": {"local": {"Kx": 2, "Ku": [4], "Kv": 8}},
     "MT-DAO": {"local": {"Kx": 4, "Ku": [4], "Kv": 4}},
     "SparseLoCo": {"sparseloco": {"H": 4}},
+    "MuLoCo": {"local": {"Kx": 4}},
+    "MuLoCo-2bit": {"sparseloco": {"H": 4}},
 }
 # tests/test_resume.py resumes these names' HSDP runs from their step-4 checkpoint instead of launching
 # uninterrupted runs of its own (saving a checkpoint sends nothing over R or S, so the HSDP checks hold
 # on it unchanged).
-RESUMED = {"FlexDeMo", "Dion"}
+RESUMED = {"FlexDeMo", "Dion", "MuLoCo", "MuLoCo-2bit"}
 
 
 def hsdp_args(name: str) -> list[str]:

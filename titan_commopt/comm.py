@@ -11,6 +11,8 @@ DES-LOC's "d elements per sync"):
 - all-gather of an n-byte local buffer over W ranks: sent n, received (W-1)·n;
 - reduce-scatter of a W·c-byte buffer over W ranks (c bytes end up on each rank): sent (W-1)·c
   (its contributions to the other ranks' chunks), received (W-1)·c (theirs to its own chunk);
+- all-to-all: sent what this rank sends to the *other* ranks, received what it gets from them (its
+  block to itself is a local copy);
 - broadcast of n bytes: the source sends n, every other rank receives n.
 
 A group of one (``None`` or size 1) is a no-op and records nothing. ``op="mean"`` is the backend's
@@ -50,6 +52,7 @@ __all__ = [
     "all_gather",
     "all_gather_object",
     "reduce_scatter",
+    "all_to_all",
     "broadcast",
     "group_rank",
     "group_size",
@@ -433,6 +436,37 @@ def reduce_scatter(
     return _issue(
         ledger, role, "reduce_scatter", (w - 1) * c, (w - 1) * c, tensor.device,
         lambda a: dist.reduce_scatter_single(out.view(-1), src, dist.ReduceOp.SUM, group=group, async_op=a),
+        lambda: out, async_op,
+    )
+
+
+def all_to_all(
+    tensor: torch.Tensor,
+    send_counts: Sequence[int],
+    recv_counts: Sequence[int],
+    role: str,
+    group: Optional[dist.ProcessGroup],
+    *,
+    ledger: Optional[CommLedger] = None,
+    async_op: bool = False,
+) -> "torch.Tensor | Pending[torch.Tensor]":
+    """Personalized exchange over ``group``: the flat ``tensor`` is cut into blocks of
+    ``send_counts[i]`` elements, block i going to the rank with index i; the result is the blocks
+    received, ``recv_counts[i]`` elements from rank i, concatenated in rank order (uneven counts
+    allowed, zeros too). A group of one returns ``tensor`` itself (its one block is its own)."""
+    if not _active(group):
+        return _finished(tensor, async_op)
+    w, me = dist.get_world_size(group), dist.get_rank(group)
+    if len(send_counts) != w or len(recv_counts) != w:
+        raise ValueError(f"all_to_all: {len(send_counts)} send and {len(recv_counts)} receive counts for {w} ranks")
+    out = torch.empty(sum(recv_counts), dtype=tensor.dtype, device=tensor.device)
+    src = tensor.reshape(-1)
+    size = tensor.element_size()
+    sent = (sum(send_counts) - send_counts[me]) * size
+    recv = (sum(recv_counts) - recv_counts[me]) * size
+    return _issue(
+        ledger, role, "all_to_all", sent, recv, tensor.device,
+        lambda a: dist.all_to_all_single(out, src, list(recv_counts), list(send_counts), group=group, async_op=a),
         lambda: out, async_op,
     )
 

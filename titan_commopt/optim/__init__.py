@@ -34,6 +34,7 @@ FAMILY_MODULES = (
     "local.adaptive",
     "dion",
     "local.sparseloco",
+    "muon",
 )
 
 FAMILIES: dict[str, Family] = {}  # key → family, every registered one

@@ -19,6 +19,11 @@ import torch
 
 from .common import BaseHParams, mesh_dim_role
 
+try:  # FSDP2 over TP shards an already row-sharded dim again: a strided row split
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - older torch
+    _StridedShard = ()  # type: ignore[assignment,misc]
+
 __all__ = ["Family", "Resolved", "ShardShape", "Bytes", "PeriodicSyncs"]
 
 
@@ -45,6 +50,10 @@ class ShardShape:
     tensor dim)`` of every mesh dim of size > 1 that shards the parameter, role ``"T"`` for a mesh dim
     named ``tp`` and ``"S"`` otherwise (as Dion assigns them; its orientation rule reads them).
     ``offset``: where the local shard starts in the parameter, per dim (empty: at the origin).
+    ``mesh_sizes``: the size of each mesh dim of ``sharded``, in the same order (empty: one mesh dim
+    per split tensor dim, its size the split's count). ``strided``: one of them is a ``_StridedShard``
+    (FSDP2 over rows tensor parallelism split first: the local rows are not where ``row_split``'s
+    mixed radix would put them, ``offset`` says where).
     """
 
     fqn: str
@@ -55,6 +64,8 @@ class ShardShape:
     col_split: tuple[int, int] = (0, 1)
     sharded: tuple[tuple[str, int], ...] = ()
     offset: tuple[int, ...] = ()
+    mesh_sizes: tuple[int, ...] = ()
+    strided: bool = False
 
     @property
     def numel(self) -> int:
@@ -77,19 +88,22 @@ class ShardShape:
         if to_local is None:
             return cls(fqn, tuple(p.shape), tuple(p.shape), (0, 1), p.element_size())
         splits = [[0, 1], [0, 1]]
-        sharded = []
+        sharded, sizes, strided = [], [], False
         mesh = p.device_mesh
         for dim, placement in enumerate(p.placements):
             size = mesh.size(dim)
-            if size > 1 and placement.is_shard() and placement.dim in (0, 1):
+            is_strided = isinstance(placement, _StridedShard)
+            if size > 1 and (placement.is_shard() or is_strided) and placement.dim in (0, 1):
+                strided = strided or is_strided
                 split = splits[placement.dim]
                 split[0], split[1] = split[0] * size + mesh.get_local_rank(dim), split[1] * size
                 sharded.append((mesh_dim_role(mesh, dim), placement.dim))
+                sizes.append(size)
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         _, offset = compute_local_shape_and_global_offset(p.shape, mesh, p.placements)
         return cls(fqn, tuple(to_local().shape), tuple(p.shape), tuple(splits[0]), p.element_size(),
-                   tuple(splits[1]), tuple(sharded), tuple(int(o) for o in offset))
+                   tuple(splits[1]), tuple(sharded), tuple(int(o) for o in offset), tuple(sizes), strided)
 
     @classmethod
     def fsdp(cls, fqn: str, shape: Sequence[int], shards: int, rank: int = 0, itemsize: int = 4) -> "ShardShape":
@@ -100,7 +114,8 @@ class ShardShape:
         chunk = math.ceil(shape[0] / shards)
         local = (max(0, min(chunk, shape[0] - rank * chunk)), *shape[1:])
         offset = (min(rank * chunk, shape[0]), *(0 for _ in shape[1:]))
-        return cls(fqn, local, shape, (rank, shards), itemsize, sharded=(("S", 0),), offset=offset)
+        return cls(fqn, local, shape, (rank, shards), itemsize, sharded=(("S", 0),), offset=offset,
+                   mesh_sizes=(shards,))
 
 
 @dataclass(frozen=True)

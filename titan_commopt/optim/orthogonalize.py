@@ -1,5 +1,12 @@
-"""Orthogonalization: Newton–Schulz (Muon's, for DeMo's ``rule = "muon"``) and the row-distributed
-orthonormalization of Dion's P (CholeskyQR2, falling back to Householder QR of the gathered rows).
+"""Orthogonalization: Newton–Schulz (Muon's: the Muon step of ``optim/muon/``, DeMo's ``rule = "muon"``)
+and the row-distributed orthonormalization of Dion's P (CholeskyQR2, falling back to Householder QR of
+the gathered rows).
+
+Newton–Schulz (:func:`orthogonalize_stack`) works on whole matrices, one or a stack of them: the
+owner-gathered matrices of ``optim/muon/`` (``layout.py`` brings each matrix whole to one rank of its
+shard groups). Its iterations are matmuls (torch's, no kernel of ours: a GEMM is what a GPU does
+best): per iteration X Xᵀ (2m²n flops), A² (2m³) and B X (2m²n), 4m²n + 2m³ flops with m <= n
+after the transpose of a tall matrix.
 
 A row-distributed ``P`` (m×r) is held as row blocks ``P_i`` on the ranks of its row ``Groups``
 (see ``shard_groups``); the result keeps that layout. Nothing here ever gathers more than m×r:
@@ -30,25 +37,66 @@ from titan_commopt import comm
 
 from .shard_groups import Groups, sum_over
 
-__all__ = ["newton_schulz", "orthogonalize", "orthonormalizer", "Orthonormalizer", "cholesky_qr2", "gathered_qr"]
+__all__ = [
+    "NS_COEFFICIENTS", "ns_schedule", "orthogonalize_stack", "newton_schulz", "orthogonalize", "orthonormalizer",
+    "Orthonormalizer", "cholesky_qr2", "gathered_qr",
+]
 
 Ledger = Optional[comm.CommLedger]  # where the collectives are counted (None: comm's process-wide ledger)
 
 
+# (a, b, c) of each iteration X ← a·X + (b·A + c·A²)·X, A = X Xᵀ: Keller Jordan's one triple (repeated:
+# torch.optim.Muon's, slope 3.4445 at 0), MuLoCo's five (one per iteration, as dion's Muon it builds on).
+NS_COEFFICIENTS: dict[str, tuple[tuple[float, float, float], ...]] = {
+    "keller": ((3.4445, -4.7750, 2.0315),),
+    "muloco": (
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ),
+}
+
+
+def ns_schedule(coefficients: str, steps: int) -> tuple[tuple[float, float, float], ...]:
+    """The (a, b, c) of every iteration: a fixed triple repeated ``steps`` times, or a schedule of
+    its own (MuLoCo's five triples, whatever ``steps``)."""
+    triples = NS_COEFFICIENTS[coefficients]
+    return triples * steps if len(triples) == 1 else triples
+
+
+def orthogonalize_stack(
+    x: torch.Tensor, schedule: Sequence[tuple[float, float, float]], *, eps: float = 1e-7
+) -> torch.Tensor:
+    """Newton–Schulz of ``x`` (one m×n matrix, or a ``[k, m, n]`` stack: each matrix on its own), a new
+    tensor in ``x``'s dtype (cast first for bfloat16): U f(S) Vᵀ for x = U S Vᵀ, f pushing the
+    singular values towards 1 (not onto it: into about [0.7, 1.2] with Keller's triple).
+
+    torch.optim.Muon's operations in its order: a tall matrix is transposed (X Xᵀ is then the
+    smaller Gram), X / max(‖X‖_F, ε) (the spectral norm is then at most 1), each iteration
+    ``B = addmm(A, A, A, beta=b, alpha=c)``, ``X = addmm(X, B, X, beta=a)``; a stack runs the batched
+    products (``baddbmm``), which give each matrix the same bits as its own ``addmm`` (held by
+    ``tests/test_muon.py``)."""
+    X = x
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:
+        X = X.mT
+    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # σ_max ≤ ‖X‖_F ≤ 1: the iteration converges
+    product = torch.addmm if X.dim() == 2 else torch.baddbmm
+    for a, b, c in schedule:
+        A = X @ X.mT
+        B = product(A, A, A, beta=b, alpha=c)  # b·A + c·A²
+        X = product(X, B, X, beta=a)  # a·X + (b·A + c·A²)·X
+    return X.mT if tall else X
+
+
 def newton_schulz(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Muon's quintic Newton–Schulz orthogonalization of ``x`` viewed as ``(d0, rest)`` (a vector as
-    one row), scaled by Muon's ``sqrt(max(1, rows/cols))``. Approximate by design: it returns
-    U f(S) Vᵀ for ``x = U S Vᵀ``, f pushing the singular values into about [0.7, 1.2] rather than onto
-    1 (Muon's coefficients trade accuracy for speed); the tiniest ones stay small."""
-    a, b, c = 3.4445, -4.7750, 2.0315
+    """DeMo's ``rule = "muon"``: Keller Jordan's Newton–Schulz of ``x`` viewed as ``(d0, rest)`` (a
+    vector as one row), in ``x``'s dtype, scaled by Muon's ``sqrt(max(1, rows/cols))``."""
     X = x.reshape(x.shape[0], -1) if x.ndim >= 2 else x.reshape(1, -1)
     rows, cols = X.shape
-    X = X.T if rows > cols else X  # iterate on the wide side: X Xᵀ is the smaller Gram
-    X = X / (X.norm() + 1e-7)  # spectral norm <= Frobenius norm <= 1, so the iteration converges
-    for _ in range(steps):
-        A = X @ X.T
-        X = a * X + (b * A + c * A @ A) @ X  # X ← p(X Xᵀ) X with p(s) = a + b·s + c·s²
-    X = X.T if rows > cols else X
+    X = orthogonalize_stack(X, ns_schedule("keller", steps))
     return (X * max(1.0, rows / cols) ** 0.5).reshape(x.shape)  # Muon's shape scale
 
 

@@ -26,7 +26,8 @@ from torch import Tensor
 __all__ = [
     "decoupled_decay_", "descend_", "ema_", "ema_sq_", "heavy_ball_", "quasi_hyperbolic",
     "adam_denominator", "adamw_", "qh_adamw_", "adam_direction_", "lion_", "sgdm_", "adopt_",
-    "adamw_multi_", "qh_adamw_multi_", "sgdm_multi_", "adopt_multi_", "is_plain_adam",
+    "adamw_multi_", "qh_adamw_multi_", "sgdm_multi_", "adopt_multi_", "is_plain_adam", "muon_momentum_multi_",
+    "muon_descend_multi_", "nesterov_step_", "nesterov_outer_",
 ]
 
 
@@ -310,17 +311,40 @@ def adopt_multi_(
     torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
 
 
+def muon_momentum_multi_(
+    ms: Tensors, gs: Tensors, *, momentum: float, lerp: bool, nesterov: bool
+) -> list[Tensor]:
+    """Muon's momentum over lists, and what is orthogonalized. M ← μ·M + G (undamped: MuLoCo's, Keller
+    Jordan's) or M ← μ·M + (1 − μ)·G (``lerp``: torch.optim.Muon's ``buf.lerp_(grad, 1 − μ)``); returns
+    M itself, or with ``nesterov`` new tensors G + μ·M (undamped) or G.lerp(M, μ) (torch's)."""
+    if lerp:
+        torch._foreach_lerp_(ms, gs, 1 - momentum)
+        return torch._foreach_lerp(gs, ms, momentum) if nesterov else list(ms)
+    torch._foreach_mul_(ms, momentum)
+    torch._foreach_add_(ms, gs)
+    if not nesterov:
+        return list(ms)
+    look_ahead = torch._foreach_mul(ms, momentum)
+    torch._foreach_add_(look_ahead, gs)
+    return look_ahead
+
+
+def muon_descend_multi_(xs: Tensors, orthogonal: Tensors, *, lr: float, ratio: float, weight_decay: float) -> None:
+    """x ← x·(1 − η·λ) − η·r·O: the decay at the base lr η, the orthogonalized O (any dtype: added in
+    x's) at η·r, r the matrix's shape factor (torch.optim.Muon's and MuLoCo's order)."""
+    _decay_multi_(xs, lr, weight_decay)
+    torch._foreach_add_(xs, orthogonal, alpha=-(lr * ratio))
+
+
+def nesterov_step_(anchor: Tensor, delta: Tensor, buf: Tensor, *, lr: float, momentum: float) -> None:
+    """The outer Nesterov step on a pseudo-gradient Δ (``delta``, overwritten), as torch's SGD with
+    Nesterov: b ← μ·b + Δ; x_anchor ← x_anchor − η·(Δ + μ·b)."""
+    buf.mul_(momentum).add_(delta)  # b ← μ b + Δ
+    anchor.sub_(delta.add_(buf, alpha=momentum), alpha=lr)  # x_anchor ← x_anchor − η(Δ + μ b)
+
+
 def nesterov_outer_(x: Tensor, anchor: Tensor, buf: Tensor, *, lr: float, momentum: float) -> None:
     """DiLoCo's outer step on ``x`` = mean_R(x), with ``anchor`` = x at the previous outer step and
     ``buf`` the outer momentum; the anchor moves to the new x."""
-    nesterov_outer_delta_(x, anchor, buf, anchor - x, lr=lr, momentum=momentum)  # Δ = x_anchor − mean_R(x)
-
-
-def nesterov_outer_delta_(x: Tensor, anchor: Tensor, buf: Tensor, delta: Tensor, *, lr: float,
-                          momentum: float) -> None:
-    """DiLoCo's outer step on a pseudo-gradient ``delta`` given as such (the overlapped merges build
-    it from means of pseudo-gradients, not from a mean of parameters); ``delta`` is used up (it
-    holds Δ + μ·b after). x ← anchor − η(Δ + μ b) after b ← μ b + Δ; the anchor moves to the new x."""
-    buf.mul_(momentum).add_(delta)  # b ← μ b + Δ
-    x.copy_(anchor).sub_(delta.add_(buf, alpha=momentum), alpha=lr)  # x ← anchor − η(Δ + μ b)
-    anchor.copy_(x)
+    nesterov_step_(anchor, anchor - x, buf, lr=lr, momentum=momentum)  # Δ = x_anchor − mean_R(x)
+    x.copy_(anchor)

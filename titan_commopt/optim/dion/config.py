@@ -7,6 +7,7 @@ from typing import Any, Literal
 from titan_commopt.options import option
 
 from ..common import LR_SCALE_HELP
+from ..routing import EMBED_NAMES, HEAD_NAMES
 
 __all__ = ["Config", "PRESETS", "PRESET_SOURCES"]
 
@@ -46,10 +47,8 @@ class Config:
         "1 with AdamW.",
         ge=0.0,
     )
-    embed_names: str = option(
-        "tok_embeddings,embed_tokens,wte", "Comma-separated module names routed as embeddings."
-    )
-    head_names: str = option("output,lm_head", "Comma-separated module names routed as the output head.")
+    embed_names: str = option(EMBED_NAMES, "Comma-separated module names routed as embeddings.")
+    head_names: str = option(HEAD_NAMES, "Comma-separated module names routed as the output head.")
     colnorm_eps: float = option(1e-8, "ε added to the column norms of R (as microsoft/dion).", ge=0.0)
     seed: int = option(0, "Seed of the initial Q (identical on every rank).", ge=0)
     orientation: Literal["reference", "paper"] = option(

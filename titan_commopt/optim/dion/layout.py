@@ -18,6 +18,7 @@ from titan_commopt.compress.packing import WIRE_DTYPES, ValueCodec
 from titan_commopt.compress.replicators import DeMoReplicator
 from titan_commopt.topology import T, Topology
 
+from .. import routing
 from ..family import Bytes, Resolved, ShardShape
 from ..shard_groups import Groups, mesh_dim_group
 from .config import Config
@@ -34,25 +35,12 @@ __all__ = [
 
 KINDS = ("dion", "embed", "head", "scalar")  # what route() returns, in the order param groups are made
 
-_WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module"}
-
-
-def _names(csv: str) -> set[str]:
-    return {s.strip() for s in csv.split(",") if s.strip()}
-
 
 def route(fqn: str, ndim: int, cfg: Config) -> str:
-    """``"dion"``, ``"embed"``, ``"head"`` or ``"scalar"`` for a parameter, by FQN and rank.
-
-    Embedding and head are found by module name (any dotted component), because by shape they are
-    indistinguishable from block matrices.
-    """
-    parts = [p for p in fqn.split(".")[:-1] if p not in _WRAPPERS]
-    if _names(cfg.head_names).intersection(parts):
-        return "head"
-    if _names(cfg.embed_names).intersection(parts):
-        return "embed"
-    return "dion" if ndim == 2 else "scalar"
+    """``"dion"``, ``"embed"``, ``"head"`` or ``"scalar"`` for a parameter: the shared rule
+    (``optim/routing.py``), its 2-D matrices run by Dion."""
+    kind = routing.route(fqn, ndim, cfg.embed_names, cfg.head_names)
+    return "dion" if kind == "matrix" else kind
 
 
 def demo_synced(kind: str, cfg: Config) -> bool:
@@ -233,7 +221,7 @@ def dion_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_siz
             m, n = s.shape
             r = dion_rank(m, n, cfg)
             if compressed(m, n, r, cfg):
-                if transposed(m, n, s.sharded, cfg.orientation):
+                if transposed(m, n, s.sharded, cfg.orientation) and not s.strided:  # as layout_of
                     elements = (r_slice(s.local[1], s.row_split)[1] + r_slice(s.local[0], s.col_split)[1]) * r
                 else:
                     elements = (s.local[0] + r_slice(s.local[1], s.row_split)[1]) * r

@@ -49,7 +49,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -65,6 +65,7 @@ from ..base import named_params as params_with_names
 from ..common import BaseHParams, local, replica_grad
 from ..family import Family, Resolved
 from ..orthogonalize import orthonormalizer
+from ..routing import named_pairs
 from ..shard_groups import group_key, sum_over
 from .config import PRESET_SOURCES, PRESETS, Config
 from .layout import (
@@ -79,24 +80,12 @@ logger = logging.getLogger(__name__)
 
 
 # ---- routing into param groups -------------------------------------------------------------------
-def _named(named_params: Iterable[Any]) -> Iterator[tuple[str, nn.Parameter]]:
-    """``(fqn, param)`` pairs, given as such or inside param-group dicts of them."""
-    for entry in named_params:
-        if isinstance(entry, dict):
-            if set(entry) - {"params"}:
-                raise ValueError("Dion: param groups are made by routing (fqn, param) pairs; a param-group "
-                                 f"dict carries only 'params', got {sorted(entry)}")
-            yield from entry["params"]
-        else:
-            yield entry
-
-
 def _route_groups(named_params: Iterable[Any], cfg: Config, hparams: BaseHParams) -> tuple[list[dict], dict]:
     """Dion's param groups from ``(fqn, param)`` pairs (:func:`route`): the block matrices at the lr,
     the scalar optimizer's parameters at ``lr × scalar_lr_scale`` (embedding and head without weight
     decay, the head with its own lr factor). Also the routed pairs by kind, for the log."""
     routed: dict[str, list[tuple[str, nn.Parameter]]] = {kind: [] for kind in KINDS}
-    for fqn, p in _named(named_params):
+    for fqn, p in named_pairs(named_params, "Dion"):
         routed[route(fqn, p.ndim, cfg)].append((fqn, p))
     scalar_lr = hparams.lr * cfg.scalar_lr_scale
     head_scale = cfg.head_lr_scale

@@ -90,22 +90,29 @@ from ..base import CommOptimizer
 from ..base import named_params as params_by_name
 from ..common import LR_SCALE_HELP, BaseHParams, local
 from ..family import Bytes, Family, PeriodicSyncs, Resolved, ShardShape
+from ..muon.engine import MuonMatrices
+from ..muon.layout import muon_shard_bytes
+from ..muon.options import MuonOptions, is_muon_matrix, muon_problems, routed_groups
 from .global_model import anchors_swapped_in, replica_mean_swapped_in
 from .steps import LocalSteps, column_chunks, chunk_limit, trainable
 from .update import fused_local_update, gradient_clip, local_update
 from .sync import (OVERLAPPED_MERGES, DueStates, OverlapEntry, Periods, SyncSchedule, sync_in_place,
                    sync_overlapped, sync_streaming)
 
-__all__ = ["Config", "PRESETS", "LocalAdaptive", "FAMILY", "check", "resolve_periods", "local_r_bytes", "moment_key"]
+__all__ = ["Config", "PRESETS", "LocalAdaptive", "FAMILY", "check", "resolve_periods", "local_r_bytes", "local_s_bytes",
+           "moment_key"]
 
 SECTION = "commopt.local"
 
 
 @dataclass
-class Config:
-    """``[commopt.local]``: the DES-LOC / MT-DAO engine (also LocalAdam and DiLoCo presets)."""
+class _Own:
+    """``[commopt.local]``'s keys besides the Muon step's (``base = "muon"``)."""
 
-    base: Literal["adam", "adopt", "sgdm"] = option("adam", "Local base optimizer.")
+    base: Literal["adam", "adopt", "sgdm", "muon"] = option(
+        "adam", "Local base optimizer. muon: Muon on the hidden matrices (the muon_* keys; M is u_0, synced every "
+        "Ku[0]; no second moment), Adam on the parameters routed around them (embed_names, head_names, norms, "
+        "biases: β1 = beta1's one entry, v synced every Kv).")
     beta1: list[float] = option(
         [], "β1_j of the N first momenta; [] = one momentum per Ku entry with [optimizer] beta1 "
         "(e.g. [0.9, 0.999] for two momenta).", kind=list,
@@ -193,6 +200,11 @@ class Config:
     )
 
 
+@dataclass
+class Config(MuonOptions, _Own):
+    """``[commopt.local]``: the DES-LOC / MT-DAO engine (also LocalAdam, DiLoCo and MuLoCo presets)."""
+
+
 # Presets are the authors' published settings; lr_scale (the study's best lr ÷ AdamW-HSDP's best,
 # docs/benchmarks.md §8; 1 where they coincide) is the one value our study sets: the lr is always tuned.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -230,6 +242,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     # outer lr 0.7 and momentum 0.9 (the Config defaults).
     "DiLoCo": {"base": "adam", "Kx": 32, "Ku": [0], "Kv": 0, "outer": "nesterov", "outer_lr": 0.7,
                "outer_momentum": 0.9},
+    # MuLoCo: DiLoCo with Muon as the inner optimizer, as its authors ran it for the worker count nearest two
+    # sites (K = 1: outer lr 0.7, momentum 0.6, H = 30), their Muon (μ 0.9, undamped, no Nesterov, MuLoCo's
+    # Newton–Schulz in bf16, √(fan_out/fan_in)) and their AdamW of the routed parameters (β 0.9, 0.99, at the
+    # Muon lr).
+    "MuLoCo": {"base": "muon", "Kx": 30, "Ku": [0], "Kv": 0, "outer": "nesterov", "outer_lr": 0.7,
+               "outer_momentum": 0.6, "beta1": [0.9], "beta2": 0.99, "muon_momentum": 0.9,
+               "muon_momentum_form": "undamped", "muon_nesterov": False, "muon_coefficients": "muloco",
+               "muon_dtype": "bf16", "muon_lr_rule": "spectral_norm", "scalar_lr_scale": 1.0, "lr_scale": 1.0},
 }
 
 
@@ -260,6 +280,20 @@ PRESET_SOURCES: dict[str, str] = {
     "longer than our CPU runs). lr_scale: our study's (docs/benchmarks.md §8). Alternative, from our "
     "small-model study (0.2 M parameters, 500 steps, docs/benchmarks.md §8.1): outer_momentum = 0.5 (+13 % of "
     "AdamW-HSDP's training loss where 0.9 was +33 %)",
+    "MuLoCo": "MuLoCo (Thérien et al. 2025, arXiv 2505.23725) at K = 1, the worker count of their tables nearest "
+    "our two sites (the other is K = 16): bentherien/muloco-1 33cc333 muloco-1.md L67-69 (outer lr 0.7, outer "
+    "momentum 0.6, H = 30 = Kx; also muloco/pytorch/muloco.py L270-272) with DiLoCo's never-synced states "
+    "(Ku = [0], Kv = 0). Muon and the routed AdamW as their torchtitan runs configure them "
+    "(facebookresearch/MuLoCo 475bbf4, torchtitan/config/diloco/2x_4gpu_muloco.py L12-15: μ = 0.9, Nesterov "
+    "off, spectral_norm; L2-3: β = 0.9, 0.99; L28-31: every lr factor 1, AdamW at the Muon lr; the Newton–Schulz "
+    "of experiments/dion_optimizer/muon.py L714-720, bf16, undamped momentum L623-624). Warm-up 500 steps "
+    "(jobs/muloco_paper/diloco_muloco_no-compression_h100.py L329): [lr_scheduler] warmup_steps, set in "
+    "train_configs/llama3_8b_muloco.toml. Weight decay: [optimizer]'s (theirs is rescaled with the run's length, "
+    "same file L331). lr_scale = 1, to be measured by our study: at the study's AdamW lr (0.027) it lands in "
+    "the authors' K = 1 Muon range 0.016–0.063 (muloco-1.md L66); their Muon ÷ AdamW at 3.1 B K = 16, 0.015625 ÷ "
+    "0.000691 ≈ 22.6 (same file L280, L285), belongs to a 3 B model's AdamW lr. Alternatives: K = 16's outer "
+    "lr 1.0 and momentum 0.9 (L280); MuLoCo1's μ = 0.95 (muloco.py L273); their 3-D experts flattened to one "
+    "matrix (flatten = True, 2x_4gpu_muloco.py L16) where ours orthogonalizes each expert",
 }
 
 
@@ -319,12 +353,23 @@ def resolve_periods(cfg: Config, hparams: BaseHParams) -> Periods:
 
 
 def check(cfg: Config, hparams: BaseHParams) -> list[str]:
-    """The family's cross-field rules (list lengths, Σω, periods, sync_delay, merge), no collectives: the
-    first problem found, as one line. Each value's kind has passed the generic validator."""
+    """The family's cross-field rules (list lengths, Σω, periods, sync_delay, merge, the Muon base's one
+    momentum), no collectives: the first problem found, as one line. Each value's kind has passed the
+    generic validator."""
     ku, om = list(cfg.Ku), list(cfg.omega)
     n = len(ku)
     if n == 0:
         return [f"[{SECTION}] Ku = []: allowed is one period per first momentum (N >= 1)"]
+    if cfg.base == "muon":
+        if n != 1 or list(cfg.omega) != [1.0]:
+            return [f"[{SECTION}] Ku = {ku!r}, omega = {om!r}: allowed with base = \"muon\" is one momentum (one Ku "
+                    "entry, omega = [1.0]): Muon's M, and the routed parameters' Adam u_0"]
+        if cfg.switch_at != 0:
+            return [f"[{SECTION}] switch_at = {cfg.switch_at!r}: allowed with base = \"muon\" is 0 (MT-DAO's switch "
+                    "changes the momenta of an adaptive base)"]
+        problems = muon_problems(cfg, SECTION)
+        if problems:
+            return problems
     b1 = list(cfg.beta1) or [hparams.beta1] * n
     for key, values, allowed, ok in (
         ("beta1", b1, "numbers in [0, 1)", lambda v: 0.0 <= v < 1.0),
@@ -369,18 +414,36 @@ def check(cfg: Config, hparams: BaseHParams) -> list[str]:
 
 
 def local_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_size: int) -> Bytes:
-    """R payload per rank per step: d·(1/Kx + Σ_j 1/K_j + 1/Kv)·bytes, all-reduce (sent =
-    received); d = the local shard's elements, bytes = the transfer dtype's (the parameter's for
-    ``native``); a period of 0 (never) adds nothing. Fragments and ``sync_delay`` move syncs in time,
-    not their bytes."""
+    """R payload per rank per step: (d·(1/Kx + Σ_j 1/K_j) + d_v/Kv)·bytes, all-reduce (sent =
+    received); d = the local shard's elements, d_v those of the parameters that keep a second moment
+    (all of them, but none with sgdm and only those routed to Adam with muon), bytes = the transfer
+    dtype's (the parameter's for ``native``); a period of 0 (never) adds nothing. Fragments and
+    ``sync_delay`` move syncs in time, not their bytes."""
     if replicate_size <= 1:
         return Bytes()
-    periods = resolve_periods(resolved.options, resolved.hparams)
+    cfg = resolved.options
+    periods = resolve_periods(cfg, resolved.hparams)
     inv = lambda k: 1.0 / k if k > 0 else 0.0  # noqa: E731
-    per_element = inv(periods.Kx) + sum(inv(k) for k in periods.Ku) + inv(periods.Kv)
-    dtype = resolved.options.transfer_dtype
-    total = sum(s.numel * (s.itemsize if dtype == "native" else comm.DTYPES[dtype].itemsize) for s in shards)
-    return Bytes(total * per_element, total * per_element)
+    dtype = cfg.transfer_dtype
+    size = lambda s: s.numel * (s.itemsize if dtype == "native" else comm.DTYPES[dtype].itemsize)  # noqa: E731
+    total = sum(size(s) for s in shards) * (inv(periods.Kx) + sum(inv(k) for k in periods.Ku))
+    total += sum(size(s) for s in shards if _has_second_moment(cfg, s.fqn, s.shape)) * inv(periods.Kv)
+    return Bytes(total, total)
+
+
+def local_s_bytes(shards: Sequence[ShardShape], resolved: Resolved, role: str = "S") -> Bytes:
+    """S (or T) payload per rank per step of the family's own collectives that are priced: the Muon
+    step's exchanges with ``base = "muon"`` (``muon/layout.muon_shard_bytes``), none otherwise."""
+    if resolved.options.base != "muon":
+        return Bytes()
+    return muon_shard_bytes(shards, resolved.options, role)
+
+
+def _has_second_moment(cfg: Config, fqn: str, shape: Sequence[int]) -> bool:
+    """Whether a parameter keeps v: every one but with sgdm, and with muon the ones routed to Adam."""
+    if cfg.base == "muon":
+        return not is_muon_matrix(fqn, tuple(shape), cfg)
+    return cfg.base != "sgdm"
 
 
 def periodic(resolved: Resolved) -> Optional[PeriodicSyncs]:
@@ -447,16 +510,21 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
             lr=hp.lr, betas1=_betas1(cfg, hp), omegas=tuple(float(w) for w in cfg.omega), beta2=_beta2(cfg, hp),
             eps=_table_or(cfg.eps, hp.eps), weight_decay=_table_or(cfg.weight_decay, hp.weight_decay),
         )
-        super().__init__(trainable(named_params), topology, options, defaults, ledger=ledger)
+        params = trainable(named_params)
+        if cfg.base == "muon":  # the hidden matrices step by Muon, the rest by Adam (optim/routing.py)
+            params = routed_groups(params, cfg, options.name, lr=hp.lr, muon={}, adamw={})
+        super().__init__(params, topology, options, defaults, ledger=ledger)
         self.periods = resolve_periods(cfg, hp)
         # Global, not per group: read with the checkpointed step counter, a resume switches at the same
         # update; param_groups saved before the switch existed still load.
         self.switch_at = hp.warmup_steps if cfg.switch_at == "warmup" else int(cfg.switch_at)
         self._base_beta1 = float(hp.beta1)  # u_0's β before the switch
         self._corrects_switch = cfg.base == "adam" and cfg.bias_correction
-        self._local_update = local_update(cfg.base, adopt_clip=cfg.adopt_clip, bias_correction=cfg.bias_correction)
-        self._base = cfg.base
+        adaptive_base = "adam" if cfg.base == "muon" else cfg.base  # what the parameters routed around Muon run
+        self._local_update = local_update(adaptive_base, adopt_clip=cfg.adopt_clip, bias_correction=cfg.bias_correction)
+        self._base = adaptive_base
         self._has_v = cfg.base != "sgdm"
+        self.muon = MuonMatrices(self.param_groups, topology, cfg) if cfg.base == "muon" else None
         self._clip = gradient_clip(cfg.clip, cfg.clip_threshold)
         self._clip_by_norm = cfg.clip == "norm"
         self._clip_threshold = cfg.clip_threshold
@@ -474,7 +542,7 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
         # SGD at lr 1); the Nesterov outer step always has one.
         self._anchored = (nesterov or self._overlapped) and self.periods.Kx > 0
         self._outer_delta = (
-            partial(updates.nesterov_outer_delta_, lr=cfg.outer_lr, momentum=cfg.outer_momentum) if nesterov
+            partial(_nesterov_outer_delta, lr=cfg.outer_lr, momentum=cfg.outer_momentum) if nesterov
             else _average_outer_delta
         )
         self.start_step_counter()
@@ -484,7 +552,7 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
-                    self._init_state(p, len(group["betas1"]))
+                    self._init_state(p, group)
                     self._params.append((group, p))
         names = [name for _, name, p in params_by_name(self.param_groups) if p.requires_grad]
         self.schedule = SyncSchedule(self.periods, [p.numel() for _, p in self._params], cfg.fragments,
@@ -494,8 +562,8 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
         self._fused_update = (
             fused_local_update(cfg.base, adopt_clip=cfg.adopt_clip, bias_correction=cfg.bias_correction,
                                clip=cfg.clip, clip_threshold=cfg.clip_threshold)
-            if use_triton(options.kernels, {local(p).device for _, p in self._params})
-            else None
+            if cfg.base != "muon" and use_triton(options.kernels, {local(p).device for _, p in self._params})
+            else None  # muon: Newton–Schulz is matmuls (torch's), its Adam parameters plain Adam (torch's fused)
         )
         if self._fused_update is not None:
             from .update_triton import takes  # Triton is imported only where it runs
@@ -551,32 +619,30 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
                 yield
 
     # ---- state -----------------------------------------------------------------------------------
-    def _init_state(self, p: torch.Tensor, n_moments: int) -> dict:
+    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]
         if not state:
             zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
             state["step"] = self._step_t
-            for j in range(n_moments):
-                state[moment_key(j)] = zeros()
-            if self._has_v:
-                state["exp_avg_sq"] = zeros()
+            for key in self._row_states(group):
+                state[key] = zeros()
             if self._anchored:
                 # x at the last sync: the outer step's pseudo-gradient is anchor − mean_R(x)
                 state["outer_anchor"] = p.detach().clone()
             if self._outer is not None and self.periods.Kx > 0:
                 state["outer_buf"] = zeros()
             if self._overlapped:  # zeros: the sync of nothing at update 0 (sync.sync_overlapped)
-                for key in self._overlap_keys(n_moments):
+                for key in self._overlap_keys(group):
                     state[f"inflight_{key}"] = zeros()
                     if self._merge == "eager":
                         state[f"sent_{key}"] = zeros()
         return state
 
-    def _overlap_keys(self, n_moments: int) -> list[str]:
-        """The synced tensors of a parameter (x, u_j, v with a period > 0) under an overlapped merge."""
-        keys = ["x"] if self.periods.Kx > 0 else []
-        keys += [moment_key(j) for j, k in enumerate(self.periods.Ku[:n_moments]) if k > 0]
-        return keys + (["exp_avg_sq"] if self._has_v and self.periods.Kv > 0 else [])
+    def _overlap_keys(self, group: dict) -> list[str]:
+        """The synced tensors of a parameter (x, and of its row's states u_j, v those with a period > 0)
+        under an overlapped merge."""
+        period = {moment_key(j): k for j, k in enumerate(self.periods.Ku)} | {"exp_avg_sq": self.periods.Kv}
+        return (["x"] if self.periods.Kx > 0 else []) + [key for key in self._row_states(group) if period[key] > 0]
 
     # ---- step ------------------------------------------------------------------------------------
     def _clip_scale(self, grads: list[torch.Tensor], params: list[torch.Tensor]) -> torch.Tensor:
@@ -602,7 +668,14 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
             return loss
         n = work.n
         scale = self._clip_scale([g for _, g in work.grads], [p for p, _ in work.grads]) if self._clip_by_norm else None
+        matrices = []
         for group, rows in work.groups:
+            if group.get("algorithm") == "muon":  # after the clip, Muon's step (muon/engine.py) below
+                stepping = [p for p in group["params"] if p.grad is not None]
+                gs = [row[1] for row in rows]
+                gs = self._clip(gs, scale) if self._clip is not None else gs
+                matrices += [(group, p, g, row[2]) for p, g, row in zip(stepping, gs, rows)]
+                continue
             hp, corrections = self._hparams(group, n)
             fused = self._fused_update is not None and not (
                 self._base == "adam" and updates.is_plain_adam(len(hp["betas1"]), hp["omegas"], corrections)
@@ -618,11 +691,16 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
                 if self._clip is not None:
                     gs = self._clip(gs, scale)
                 self._local_update(xs, gs, moments, vs, group, hp, n, corrections)
+        if self.muon is not None:
+            self.muon.step(matrices, self.runtime, self.ledger)
         self._sync(n)
         return loss
 
     def _row_states(self, group: dict) -> list[str]:
-        """The states of a row, after x and g: the first momenta u_j, then v (none for sgdm)."""
+        """The states of a row, after x and g: the first momenta u_j, then v (none for sgdm, none for
+        Muon's matrices: their one momentum u_0 is Muon's M)."""
+        if group.get("algorithm") == "muon":
+            return [moment_key(0)]
         return [moment_key(j) for j in range(len(group["betas1"]))] + (["exp_avg_sq"] if self._has_v else [])
 
     def _hparams(self, group: dict, n: int) -> tuple[dict, Optional[list[float]]]:
@@ -672,7 +750,7 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
             for j in range(len(group["betas1"])):
                 if f in due.get(f"u{j}", ()):
                     out.tensors.append(local(state[moment_key(j)]))
-            if f in due.get("v", ()):
+            if f in due.get("v", ()) and "exp_avg_sq" in state:
                 out.second_moments.append(len(out.tensors))
                 out.tensors.append(local(state["exp_avg_sq"]))
             if f in due.get("x", ()):
@@ -689,7 +767,7 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
             state = self.state[p]
             keyed = [(moment_key(j), f"u{j}") for j in range(len(group["betas1"]))] + [("exp_avg_sq", "v"), ("x", "x")]
             for key, kind in keyed:
-                if f not in due.get(kind, ()):
+                if f not in due.get(kind, ()) or (key != "x" and key not in state):  # Muon's matrices: no v
                     continue
                 x = key == "x"
                 out.append(OverlapEntry(
@@ -705,6 +783,14 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
                                      ledger=self.ledger, async_op=True)
 
 
+def _nesterov_outer_delta(x: torch.Tensor, anchor: torch.Tensor, buf: Optional[torch.Tensor], delta: torch.Tensor, *,
+                          lr: float, momentum: float) -> None:
+    """DiLoCo's outer step on a pseudo-gradient built from means of pseudo-gradients (``delta``, used
+    up); x takes the new anchor."""
+    updates.nesterov_step_(anchor, delta, buf, lr=lr, momentum=momentum)
+    x.copy_(anchor)
+
+
 def _average_outer_delta(x: torch.Tensor, anchor: torch.Tensor, buf: Optional[torch.Tensor],
                          delta: torch.Tensor) -> None:
     """``outer = "average"`` as an outer step on a pseudo-gradient: SGD at lr 1, x ← a − Δ̃ (with the
@@ -716,14 +802,16 @@ def _average_outer_delta(x: torch.Tensor, anchor: torch.Tensor, buf: Optional[to
 # ---- the family ------------------------------------------------------------------------------------
 def state_shape(resolved: Resolved) -> dict[str, Any]:
     """What shapes the checkpointed state: the base (which moments, what they mean), the number of
-    first momenta, the Nesterov outer state (Kx > 0), per-replica parameters (Kx != 1) and an
-    overlapped merge's state."""
+    first momenta, the Nesterov outer state (Kx > 0), per-replica parameters (Kx != 1), with
+    ``base = "muon"`` the routing (which parameters keep a second moment), and an overlapped merge's
+    state."""
     cfg, periods = resolved.options, resolve_periods(resolved.options, resolved.hparams)
     return {
         "base": cfg.base,
         "Ku (number of first momenta)": len(periods.Ku),
         "outer": cfg.outer if periods.Kx > 0 else "none (Kx = 0)",
         "Kx": 1 if periods.Kx == 1 else "not 1 (parameters kept per replica)",
+        **({"embed_names": cfg.embed_names, "head_names": cfg.head_names} if cfg.base == "muon" else {}),
         # the mean in flight and the share sent are state (the additive merge keeps none: left out, so
         # checkpoints written before the option existed still resume)
         **({"merge": cfg.merge} if cfg.merge in OVERLAPPED_MERGES else {}),
@@ -741,6 +829,7 @@ FAMILY = Family(
     periodic=periodic,
     settings=settings,
     preset_sources=PRESET_SOURCES,
+    s_bytes=local_s_bytes,
     summary="parameters every Kx, first moments every K_j, second moment every Kv steps (DES-LOC, MT-DAO, "
-    "Local Adam, DiLoCo)",
+    "Local Adam, DiLoCo; MuLoCo with a Muon base)",
 )

@@ -54,7 +54,14 @@ replica decodes the same bytes in the same order and sums the replicas in replic
 right after a sync; between syncs parameters, AdamW moments and error feedback are per replica
 (``params_replica_local``; a checkpoint keeps each replica's copy).
 
-AdamW's moments and step count persist across syncs (as DiLoCo's inner optimizer). The step counter
+The inner optimizer (``inner``): AdamW (torch's fused kernel), or MuLoCo's Muon on the hidden
+matrices (``optim/muon/engine.py``: Newton–Schulz of each whole matrix on its owner rank of S/T) with
+AdamW on the parameters routed around them (``optim/routing.py``). The outer step (``outer_momentum``
+μ > 0, MuLoCo's quantized outer SGD: Nesterov momentum on top of the error feedback) is then
+b ← μ·b + agg_R(Δ̂); x_anchor ← x_anchor − α·(agg_R(Δ̂) + μ·b). MuLoCo-2bit keeps every value of
+each chunk (``topk`` = ``chunk``², no indices): 2 bits per value plus 4 float32 levels per shard.
+
+AdamW's moments (Muon's momentum) and the step count persist across syncs (as DiLoCo's inner optimizer). The step counter
 is a Python int (every parameter's ``state["step"]`` is one shared CPU scalar tensor holding it);
 the sync runs after update n when ``n % H == 0``.
 
@@ -112,6 +119,9 @@ from ..base import named_params as params_by_name
 from ..common import LR_SCALE_HELP, BaseHParams, local
 from ..family import Bytes, Family, PeriodicSyncs, Resolved, ShardShape
 from ..shard_groups import Groups, sharding_groups, sum_over
+from ..muon.engine import MuonMatrices
+from ..muon.layout import muon_shard_bytes
+from ..muon.options import MuonOptions, muon_problems, routed_groups
 from .global_model import anchors_swapped_in, replica_mean_swapped_in
 from .sync import eager_pseudo_gradient
 from .steps import LocalSteps, chunk_limit, column_chunks, trainable
@@ -127,10 +137,15 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Config:
-    """``[commopt.sparseloco]``."""
+class _Own:
+    """``[commopt.sparseloco]``'s keys besides the Muon step's (``inner = "muon"``)."""
 
-    H: int = option(15, "Inner AdamW steps between two outer steps (syncs).", ge=1)
+    H: int = option(15, "Inner steps between two outer steps (syncs).", ge=1)
+    inner: Literal["adamw", "muon"] = option(
+        "adamw", "Inner optimizer: AdamW, or Muon on the hidden matrices (the muon_* keys) with AdamW on the "
+        "parameters routed around them (embed_names, head_names, norms, biases; MuLoCo's).")
+    beta1: float = option(-1.0, "The inner AdamW's β1; negative = [optimizer] beta1.", lt=1.0)
+    beta2: float = option(-1.0, "The inner AdamW's β2; negative = [optimizer] beta2.", lt=1.0)
     chunk: int = option(64, "Chunk size per dim (compress/dct.py's chunker: 64 → 64×64 = 4096 values of a "
                         "matrix, 64 of a vector).", ge=1)
     topk: int = option(64, "Values kept per chunk (of the error feedback, largest magnitude).", ge=1)
@@ -146,8 +161,12 @@ class Config:
         "transform = dct it keeps min(topk, L), as that code does).")
     error_decay: float = option(0.95, "Error-feedback decay β: e ← β·e + Δ.", ge=0.0, le=1.0)
     outer_lr: float = option(
-        1.0, "Outer learning rate α: x_anchor ← x_anchor − α·agg_R(Δ̂). Both authors' codes also scale Δ "
-        "by their outer lr a in the error feedback, a² in effect: their a is outer_lr = a² here.", gt=0.0)
+        1.0, "Outer learning rate α: x_anchor ← x_anchor − α·agg_R(Δ̂). Both authors' codes (and MuLoCo's) also "
+        "scale Δ by their outer lr a in the error feedback, a² in effect: their a is outer_lr = a² here.", gt=0.0)
+    outer_momentum: float = option(
+        0.0, "Nesterov momentum μ of the outer step on the aggregate (MuLoCo's quantized outer SGD, on top of the "
+        "error feedback): b ← μ·b + agg_R(Δ̂); x_anchor ← x_anchor − α·(agg_R(Δ̂) + μ·b). 0 = the paper's plain "
+        "step, no momentum state.", ge=0.0, lt=1.0)
     aggregate: Literal["mean", "senders"] = option(
         "mean", "Per coordinate, the mean of what the replicas sent over all R replicas (mean, the paper's "
         "(1/R)·Σ) or over the replicas that sent that coordinate (senders, both authors' codes).")
@@ -179,12 +198,26 @@ class Config:
     lr_scale: float = option(1.0, LR_SCALE_HELP, gt=0.0)
 
 
+@dataclass
+class Config(MuonOptions, _Own):
+    """``[commopt.sparseloco]``."""
+
+
 # The preset is SparseLoCo as Templar runs it; lr_scale (the study's best inner lr ÷ AdamW-HSDP's best,
 # docs/benchmarks.md §8) is the one value our study sets: the lr is always tuned.
 PRESETS: dict[str, dict[str, Any]] = {
     "SparseLoCo": {"H": 30, "chunk": 64, "topk": 64, "transform": "none", "quantization": "2bit",
                    "quant_range": 6.0, "topk_rule": "even", "error_decay": 0.95, "outer_lr": 1.0,
                    "aggregate": "senders", "clip": "median_norm", "lr_scale": 1.0},
+    # MuLoCo's 2-bit outer wire: Muon inside, every value of the error-fed pseudo-gradient in 2 bits (no
+    # top-k: each chunk keeps all its values, no indices on the wire), the replicas' mean, their Nesterov
+    # outer SGD on top (their outer lr a = 0.8 is outer_lr = a² here, as SparseLoCo's).
+    "MuLoCo-2bit": {"inner": "muon", "H": 30, "chunk": 64, "topk": 4096, "topk_rule": "min", "transform": "none",
+                    "quantization": "2bit", "quant_range": 6.0, "error_decay": 0.9, "outer_lr": 0.64,
+                    "outer_momentum": 0.9, "aggregate": "mean", "clip": "none", "beta1": 0.9, "beta2": 0.99,
+                    "muon_momentum": 0.9, "muon_momentum_form": "undamped", "muon_nesterov": False,
+                    "muon_coefficients": "muloco", "muon_dtype": "bf16", "muon_lr_rule": "spectral_norm",
+                    "scalar_lr_scale": 1.0, "lr_scale": 1.0},
 }
 
 PRESET_SOURCES: dict[str, str] = {
@@ -197,11 +230,33 @@ PRESET_SOURCES: dict[str, str] = {
     "docs/benchmarks.md §6): H = 2 with every value of a chunk (topk = 4096; 32× fewer bytes) ended +1.1 % of "
     "AdamW-HSDP's training loss; the paper's plain mean and no clip (aggregate = \"mean\", clip = \"none\", "
     "topk_rule = \"min\")",
+    "MuLoCo-2bit": "MuLoCo (Thérien et al. 2025, arXiv 2505.23725) with its statistical 2-bit outer wire and error "
+    "feedback, as facebookresearch/MuLoCo 475bbf4 configures it for two workers "
+    "(torchtitan/config/diloco/2x_4gpu_muloco_quantized_outer.py: L37 outer lr a = 0.8, whose square is our "
+    "outer_lr as SparseLoCo's (its error feedback takes a too: e ← 0.9·e + a·Δ, "
+    "torchtitan/components/quantized_outer_sgd.py L1193-1195); L41-42 Nesterov momentum 0.9 on top of the error "
+    "feedback; L39 error decay 0.9; L45 range 6 σ; L91 H = 30; Muon L12-15 μ = 0.9, Nesterov off, spectral_norm, "
+    "the routed AdamW L2-3 β = 0.9, 0.99 at the Muon lr L28-31) with 4 bins (2 bits) from the paper's sweep "
+    "(jobs/muloco_paper/inner_sweep_distributed_quantized_streaming.py L234: (0.9, 4)); every replica's dequantized "
+    "payload averaged (quantized_outer_sgd.py L1246-1249). Our quantizer is their `statistical` one, per tensor "
+    "(quantized_outer_sgd.py L263-306: bins of width range·σ/bins around the mean, each decoded to the mean of "
+    "its members, as their code does it, not the ±range σ its docstring reads), over every value (topk = chunk² keeps each chunk whole: no top-k, no "
+    "indices). Differences, not offered: the sweep's row-wise statistics (L282), its dense embeddings and norms "
+    "(L279, L283) and its re-quantized aggregate (L280); the shipped config's compressor_type = \"topk\" (L50), "
+    "which leaves its bins unused. lr_scale = 1, to be measured by our study (as MuLoCo's: docs/options.md)",
 }
 
 
 def check(cfg: Config, hparams: Optional[BaseHParams] = None) -> list[str]:
     """Cross-field rules of ``[commopt.sparseloco]``, one line per problem."""
+    hparams = hparams or BaseHParams()
+    for key, fallback in (("beta1", hparams.beta1), ("beta2", hparams.beta2)):
+        value = fallback if getattr(cfg, key) < 0 else getattr(cfg, key)
+        if not 0.0 <= value < 1.0:
+            return [f"[{SECTION}] {key} = {getattr(cfg, key)!r}: allowed is a number in [0, 1) (negative: "
+                    f"[optimizer] {key}, {fallback!r} here, which is not)"]
+    if cfg.inner == "muon" and muon_problems(cfg, SECTION):
+        return muon_problems(cfg, SECTION)
     if cfg.topk > cfg.chunk ** 2:
         return [f"[{SECTION}] topk = {cfg.topk}: allowed is at most chunk^2 = {cfg.chunk ** 2} (chunk = {cfg.chunk})"]
     if cfg.merge in ("delayed", "eager") and cfg.sync_delay:
@@ -384,6 +439,7 @@ def settings(resolved: Resolved) -> dict[str, Any]:
     return {"H": o.H, "chunk": o.chunk, "topk": o.topk, "transform": o.transform, "quantization": o.quantization,
             **({"topk_rule": o.topk_rule} if o.topk_rule != "min" else {}),
             **({"clip": o.clip} if o.clip != "none" else {}),
+            **({"inner": o.inner} if o.inner != "adamw" else {}),
             **({"sync_delay": o.sync_delay} if o.sync_delay else {}),
             **({"merge": o.merge} if o.merge != "additive" else {})}
 
@@ -399,12 +455,16 @@ def statistics_floats(cfg: Config) -> int:
 def sparseloco_s_bytes(shards: Sequence[ShardShape], resolved: Resolved, role: str = "S") -> Bytes:
     """The quantizer's (and the clip's) statistics over the shard groups, per rank per step: an
     all-reduce (sent = received) of :func:`statistics_floats` float64 per tensor sharded over a mesh
-    dim of ``role`` (every such tensor, an empty local shard included), per sync ÷ H. Not part of
-    FSDP2's traffic (``traffic.fsdp_traffic``): the training ledger records it beside it."""
+    dim of ``role`` (every such tensor, an empty local shard included), per sync ÷ H; with ``inner =
+    "muon"`` plus the Muon step's exchanges of every step. Not part of FSDP2's traffic
+    (``traffic.fsdp_traffic``): the training ledger records it beside it."""
     cfg = resolved.options
     per_sync = 8 * statistics_floats(cfg) * sum(
         sum(1 for r, _ in s.sharded if r == role) for s in shards)
-    return Bytes(per_sync / cfg.H, per_sync / cfg.H)
+    statistics = Bytes(per_sync / cfg.H, per_sync / cfg.H)
+    if cfg.inner == "muon":  # and every inner step's Muon exchanges (muon/layout.py)
+        return statistics + muon_shard_bytes(shards, cfg, role)
+    return statistics
 
 
 @dataclass
@@ -419,17 +479,24 @@ class _Piece:
 
 class SparseLoCo(LocalSteps, CommOptimizer):
     """SparseLoCo on one replica's shards (see the module docstring). Per-parameter state:
-    ``step`` (shared), ``exp_avg``, ``exp_avg_sq`` (AdamW's), ``outer_anchor`` (x at the last outer
-    step), ``error_feedback`` (e); all but ``step`` DTensors like their parameter."""
+    ``step`` (shared), ``exp_avg``, ``exp_avg_sq`` (AdamW's; with ``inner = "muon"`` a matrix has
+    Muon's ``momentum_buffer`` instead), ``outer_anchor`` (x at the last outer step),
+    ``error_feedback`` (e), ``outer_buf`` (b, with ``outer_momentum`` > 0); all but ``step``
+    DTensors like their parameter."""
 
     params_replica_local = True  # parameters differ across replicas between syncs
 
     def __init__(self, named_params: Any, topology: Topology, options: Resolved, *,
                  ledger: Optional["comm.CommLedger"] = None) -> None:
         cfg, hp = options.options, options.hparams
-        defaults = dict(lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay)
-        super().__init__(trainable(named_params), topology, options, defaults, ledger=ledger)
+        betas = (hp.beta1 if cfg.beta1 < 0 else cfg.beta1, hp.beta2 if cfg.beta2 < 0 else cfg.beta2)
+        defaults = dict(lr=hp.lr, betas=betas, eps=hp.eps, weight_decay=hp.weight_decay)
+        params = trainable(named_params)
+        if cfg.inner == "muon":  # the hidden matrices step by Muon, the rest by AdamW (optim/routing.py)
+            params = routed_groups(params, cfg, options.name, lr=hp.lr, muon={}, adamw={})
+        super().__init__(params, topology, options, defaults, ledger=ledger)
         self.cfg = cfg
+        self.muon = MuonMatrices(self.param_groups, topology, cfg) if cfg.inner == "muon" else None
         self.H, self._sync_delay, self._merge = cfg.H, cfg.sync_delay, cfg.merge
         self._alpha = cfg.merge_alpha if cfg.merge == "lerp" else None
         self._quantizer = StatisticalQuantizer(BINS, cfg.quant_range) if cfg.quantization == "2bit" else None
@@ -438,8 +505,8 @@ class SparseLoCo(LocalSteps, CommOptimizer):
         self.start_step_counter()
         self._pieces: list[_Piece] = []
         off_grid = []
-        for _, name, p in params_by_name(self.param_groups):
-            self._init_state(p)
+        for group, name, p in params_by_name(self.param_groups):
+            self._init_state(p, group)
             shard, x = ShardShape.of(name, p), local(p)
             chunks, on_grid = chunk_grid(shard, cfg.chunk)
             codec = self._codec(x, chunks) if x.numel() else None
@@ -455,19 +522,27 @@ class SparseLoCo(LocalSteps, CommOptimizer):
                 options.name, len(off_grid), sum(pc.codec is not None for pc in self._pieces),
                 "; ".join(off_grid[:3]))
 
-    def _init_state(self, p: torch.Tensor) -> None:
+    def _init_state(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]
         if state:
             return
         zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
         state["step"] = self._step_t
-        state["exp_avg"], state["exp_avg_sq"] = zeros(), zeros()
+        for key in self._row_states(group):
+            state[key] = zeros()
         state["outer_anchor"] = p.detach().clone()
         state["error_feedback"] = zeros()
+        if self.cfg.outer_momentum > 0:
+            state["outer_buf"] = zeros()
         if self._merge in ("delayed", "eager"):  # zeros: the sync of nothing at update 0
             state["inflight_update"] = zeros()
             if self._merge == "eager":
                 state["sent_update"] = zeros()
+
+    @staticmethod
+    def _row_states(group: dict) -> list[str]:
+        """The inner optimizer's states of a parameter (after x and g in a step's row)."""
+        return ["momentum_buffer"] if group.get("algorithm") == "muon" else ["exp_avg", "exp_avg_sq"]
 
     # ---- hooks the torchtitan adapter reads ---------------------------------------------------------
     def replicas_in_sync(self) -> bool:
@@ -500,15 +575,22 @@ class SparseLoCo(LocalSteps, CommOptimizer):
     # ---- step -------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        loss, work = self.begin_local_step(closure, lambda group: ["exp_avg", "exp_avg_sq"])
+        loss, work = self.begin_local_step(closure, self._row_states)
         if work is None:
             return loss
         n = work.n
+        matrices = []
         for group, rows in work.groups:
+            if group.get("algorithm") == "muon":  # inner Muon (muon/engine.py), below
+                stepping = [p for p in group["params"] if p.grad is not None]
+                matrices += [(group, p, row[1], row[2]) for p, row in zip(stepping, rows)]
+                continue
             b1, b2 = group["betas"]
             for xs, gs, ms, vs in column_chunks(rows, chunk_limit(rows[0][0].device)):
                 updates.adamw_multi_(xs, gs, ms, vs, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
                                      weight_decay=group["weight_decay"], step=n, fused=True)  # inner AdamW
+        if self.muon is not None:
+            self.muon.step(matrices, self.runtime, self.ledger)
         if self._merge in ("delayed", "eager"):
             # The all-gather issued a period ago lands first (its aggregate into inflight_update), then this
             # period's outer step applies it and issues its own, landing by the next period's end.
@@ -597,6 +679,16 @@ class SparseLoCo(LocalSteps, CommOptimizer):
             yield pc, codec.from_chunks(codec.aggregate(payloads[:, offset: offset + codec.nbytes]), anchor.dtype)
             offset += codec.nbytes
 
+    def _outer_update(self, state: dict, delta: torch.Tensor) -> None:
+        """The outer step on the anchor from an aggregate ``delta`` (used up): SGD, x_anchor ← x_anchor −
+        α·delta, or with an outer momentum MuLoCo's Nesterov SGD."""
+        anchor = local(state["outer_anchor"])
+        if self.cfg.outer_momentum > 0:  # MuLoCo's: Nesterov SGD on the aggregate
+            updates.nesterov_step_(anchor, delta, local(state["outer_buf"]), lr=self.cfg.outer_lr,
+                                   momentum=self.cfg.outer_momentum)
+        else:
+            anchor.sub_(delta, alpha=self.cfg.outer_lr)  # x_anchor ← x_anchor − α·agg_R(Δ̂)
+
     def _outer_step(self, streaming: bool):
         """One sync, a task of :attr:`runtime`: Δ, e and the payload of every shard now
         (:meth:`_compress`), the all-gather, then the outer step (for ``streaming``, keeping the
@@ -609,7 +701,7 @@ class SparseLoCo(LocalSteps, CommOptimizer):
         payloads = yield comm.all_gather(send, R, self._replicate, async_op=True, ledger=self.ledger)
         for i, (pc, agg) in enumerate(self._aggregates(live, payloads)):
             x, anchor = local(pc.p), local(self.state[pc.p]["outer_anchor"])
-            anchor.sub_(agg, alpha=self.cfg.outer_lr)  # x_anchor ← x_anchor − α·agg_R(Δ̂)
+            self._outer_update(self.state[pc.p], agg)
             if self._alpha is not None:
                 x.lerp_(anchor, 1.0 - self._alpha)  # x ← α·x + (1 − α)·x_anchor (weight 1: the anchor itself)
             elif additive:
@@ -630,8 +722,8 @@ class SparseLoCo(LocalSteps, CommOptimizer):
         for (pc, _, _), fresh in zip(live, updates_sent):
             st = self.state[pc.p]
             x, anchor, landed = local(pc.p), local(st["outer_anchor"]), local(st["inflight_update"])
-            delta = eager_pseudo_gradient(landed, local(st["sent_update"]), fresh, replicas) if eager else landed
-            anchor.sub_(delta, alpha=self.cfg.outer_lr)  # x_anchor ← x_anchor − α·Δ̃
+            delta = eager_pseudo_gradient(landed, local(st["sent_update"]), fresh, replicas) if eager else landed.clone()
+            self._outer_update(st, delta)  # x_anchor ← x_anchor − α·Δ̃ (or MuLoCo's Nesterov on Δ̃)
             x.copy_(anchor)
             if eager:
                 local(st["sent_update"]).copy_(fresh)
@@ -641,11 +733,16 @@ class SparseLoCo(LocalSteps, CommOptimizer):
 
 
 def state_shape(resolved: Resolved) -> dict[str, Any]:
-    """The state is the same for every option value (AdamW's moments, anchor, error feedback) but an
-    overlapped merge, which adds the aggregate in flight (and the share sent)."""
-    merge = resolved.options.merge
-    return {"state": "exp_avg, exp_avg_sq, outer_anchor, error_feedback (per replica)",
-            **({"merge": merge} if merge in ("delayed", "eager") else {})}
+    """What shapes the state: the inner optimizer (and its routing: which parameters keep Muon's
+    momentum, which AdamW's moments), whether the outer step keeps a momentum, and an overlapped merge,
+    which adds the aggregate in flight (and the share sent)."""
+    cfg = resolved.options
+    return {
+        "inner": cfg.inner,
+        **({"embed_names": cfg.embed_names, "head_names": cfg.head_names} if cfg.inner == "muon" else {}),
+        "outer_momentum": "none (0)" if cfg.outer_momentum == 0 else "kept (> 0)",
+        **({"merge": cfg.merge} if cfg.merge in ("delayed", "eager") else {}),
+    }
 
 
 FAMILY = Family(
@@ -660,6 +757,7 @@ FAMILY = Family(
     settings=settings,
     preset_sources=PRESET_SOURCES,
     s_bytes=sparseloco_s_bytes,
-    summary="H local AdamW steps, then chunked top-k of the error-fed pseudo-gradient in 2-bit values, one "
-    "all-gather, outer SGD on their aggregate (SparseLoCo)",
+    summary="H local AdamW (or Muon) steps, then chunked top-k of the error-fed pseudo-gradient in 2-bit values, "
+    "one all-gather, outer SGD on their aggregate (SparseLoCo; MuLoCo's 2-bit wire: every value, Muon inside, "
+    "Nesterov outer momentum)",
 )

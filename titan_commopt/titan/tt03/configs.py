@@ -18,7 +18,8 @@ stays a command-line flag, the optimizer's options included: ``--optimizer.name 
 - ``cpu_debugmodel_adamw``: the same with torchtitan's own optimizer config and container (AdamW,
   HSDP syncs R): the baseline, and a stock config for ``--override.imports``;
 - ``llama3_8b_flexdemo``, ``llama3_8b_diloco``, ``llama3_8b_dion``, ``llama3_8b_des_loc``,
-  ``llama3_8b_mt_dao``: llama3 8B on GPUs, as ``train_configs/llama3_8b_*.toml``
+  ``llama3_8b_mt_dao``, ``llama3_8b_muon``, ``llama3_8b_muloco``, ``llama3_8b_muloco_2bit``: llama3 8B
+  on GPUs, as ``train_configs/llama3_8b_*.toml``
   (2 replicas × 8-way FSDP, seq 8192, bf16 parameters, fp32 reduce, ``hf_assets_path =
   ./assets/hf/Llama-3.1-8B``, dataset c4; ``--validator.enable`` evaluates the global model on
   c4's validation split).
@@ -54,14 +55,15 @@ from .building import command_line_being_parsed, looking_up_a_config
 from .container import CommOptimizers, refuse, show_preset
 from .cpu import apply_cpu_fixes
 from .metrics import CommMetricsProcessor
-from .preflight import CommOptTrainer, ours, switch_problems
+from .preflight import CommOptTrainer, choice_problems, ours, switch_problems
 from .validate import GlobalModelValidator, with_global_model_validation
 
 quiet_known_noise()  # torchtitan's CPU and offline-tokenizer warnings (``platform/console.py``)
 
 __all__ = [
     "commopt_optimizer", "apply_cpu_fixes", "with_comm_metrics", "cpu_debugmodel", "cpu_debugmodel_adamw", "llama3_8b_flexdemo",
-    "llama3_8b_diloco", "llama3_8b_dion", "llama3_8b_des_loc", "llama3_8b_mt_dao", "stock",
+    "llama3_8b_diloco", "llama3_8b_dion", "llama3_8b_des_loc", "llama3_8b_mt_dao", "llama3_8b_muon", "llama3_8b_muloco",
+    "llama3_8b_muloco_2bit", "stock",
 ]
 
 
@@ -116,9 +118,12 @@ def cpu_debugmodel_adamw() -> Trainer.Config:
     return _cpu(None)
 
 
-def _llama3_8b(name: str, commopt: Optional[Any] = None, lr: float = 1e-4) -> Trainer.Config:
+def _llama3_8b(name: str, lr: float = 1e-4, *, weight_decay: float = 0.1, warmup_steps: int = 200,
+               **tables: dict[str, Any]) -> Trainer.Config:
+    """llama3 8B with optimizer ``name``; ``tables``: the keys of ``[commopt.<family>]`` set as the 8B TOML
+    sets them, each kept even where it equals the family default (a TOML's keys are: ``set_keys``)."""
     cfg = _llama3.llama3_8b()
-    cfg.lr_scheduler.warmup_steps = 200
+    cfg.lr_scheduler.warmup_steps = warmup_steps
     cfg.training.max_norm = 1.0
     cfg.training.mixed_precision_param = "bfloat16"
     cfg.training.mixed_precision_reduce = "float32"
@@ -128,18 +133,22 @@ def _llama3_8b(name: str, commopt: Optional[Any] = None, lr: float = 1e-4) -> Tr
     cfg.checkpoint.enable = True
     cfg.debug.seed = 42
     cfg.dump_folder = f"./outputs/llama3_8b_{name}"
-    cfg.optimizer = show_preset(commopt_optimizer(name, commopt, lr=lr, warmup_steps=200, implementation="foreach"))
+    set_keys = tuple(key for table in tables.values() for key in table)
+    cfg.optimizer = show_preset(commopt_optimizer(name, _options(**tables), lr=lr, weight_decay=weight_decay,
+                                                  warmup_steps=warmup_steps, implementation="foreach",
+                                                  set_keys=set_keys))
     return _checked(with_global_model_validation(with_comm_metrics(cfg)))  # --validator.enable: the global model
 
 
 def _checked(cfg: Trainer.Config) -> CommOptTrainer.Config:
     """``cfg`` as a config whose Trainer runs our pre-flight checks (``preflight.py``), after the
-    command line being parsed is checked for what tyro would refuse without naming the key. Colour
+    command line being parsed is checked for what tyro would refuse without naming the key, or in a box
+    of several lines (a value given a switch, a value outside a ``Literal``'s). Colour
     codes only where the output is a terminal (``python -m titan_commopt.run`` sends it to files)."""
     if not sys.stdout.isatty():
         cfg.metrics.disable_color_printing = True
     args = command_line_being_parsed()
-    problems = [] if args is None else switch_problems(cfg, args)
+    problems = [] if args is None else switch_problems(cfg, args) + choice_problems(cfg, args)
     if problems:
         refuse(ConfigError("\n".join(problems)))
     return ours(cfg)
@@ -153,23 +162,37 @@ def _options(**tables: dict[str, Any]) -> Any:
 
 
 def llama3_8b_flexdemo() -> Trainer.Config:
-    return _llama3_8b("FlexDeMo", _options(demo={"lr": 1e-4}))
+    return _llama3_8b("FlexDeMo", demo={"lr": 1e-4})
 
 
 def llama3_8b_diloco() -> Trainer.Config:
-    return _llama3_8b("DiLoCo", _options(local={"lr": 3e-4}), lr=3e-4)
+    return _llama3_8b("DiLoCo", local={"lr": 3e-4}, lr=3e-4)
 
 
 def llama3_8b_dion() -> Trainer.Config:
-    return _llama3_8b("Dion", _options(dion={"lr": 1e-2}), lr=1e-2)
+    return _llama3_8b("Dion", dion={"lr": 1e-2}, lr=1e-2)
 
 
 def llama3_8b_des_loc() -> Trainer.Config:
-    return _llama3_8b("DES-LOC", _options(local={"lr": 3e-4}), lr=3e-4)
+    return _llama3_8b("DES-LOC", local={"lr": 3e-4}, lr=3e-4)
 
 
 def llama3_8b_mt_dao() -> Trainer.Config:
-    return _llama3_8b("MT-DAO", _options(local={"lr": 3e-4, "switch_at": 0}), lr=3e-4)
+    return _llama3_8b("MT-DAO", local={"lr": 3e-4, "switch_at": 0}, lr=3e-4)
+
+
+# The Muon names as train_configs/llama3_8b_{muon,muloco,muloco_2bit}.toml: the Muon lr 1e-2 in the family's
+# table (the routed AdamW parameters at it too), MuLoCo's weight decay 0.01 and warm-up of 500 steps.
+def llama3_8b_muon() -> Trainer.Config:
+    return _llama3_8b("Muon", muon={"lr": 1e-2}, lr=3e-4, weight_decay=0.01, warmup_steps=500)
+
+
+def llama3_8b_muloco() -> Trainer.Config:
+    return _llama3_8b("MuLoCo", local={"lr": 1e-2}, lr=3e-4, weight_decay=0.01, warmup_steps=500)
+
+
+def llama3_8b_muloco_2bit() -> Trainer.Config:
+    return _llama3_8b("MuLoCo-2bit", sparseloco={"lr": 1e-2}, lr=3e-4, weight_decay=0.01, warmup_steps=500)
 
 
 # ---- torchtitan's stock configs, made to run here; the names torchtitan may list ------------------

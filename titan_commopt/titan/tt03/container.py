@@ -72,11 +72,13 @@ def _given(family: Family, config: "CommOptimizers.Config") -> dict[str, Any]:
 def show_preset(config: "CommOptimizers.Config") -> "CommOptimizers.Config":
     """``config`` with its optimizer's preset written into its family's table where that holds the
     family default, so that ``--help`` shows the values the run would use. They still count as not
-    set (``shown_preset``): another name of the family (``--optimizer.name DeMo``) takes its own."""
+    set (``shown_preset``): another name of the family (``--optimizer.name DeMo``) takes its own. A key
+    in ``set_keys`` keeps its value (set on purpose to the family default, as MT-DAO's 8B ``switch_at = 0``)."""
     if owns_replicate_sync(config.name):
         family = family_of(config.name)
         table, defaults = getattr(config.commopt, family.key), family.options()
-        preset = {k: v for k, v in family.presets[config.name].items() if getattr(table, k) == getattr(defaults, k)}
+        preset = {k: v for k, v in family.presets[config.name].items()
+                  if getattr(table, k) == getattr(defaults, k) and k not in config.set_keys}
         setattr(config.commopt, family.key, replace(table, **preset))
         config.shown_preset = config.name
     return config

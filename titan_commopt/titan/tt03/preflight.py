@@ -25,7 +25,8 @@ Trainer: there our override's checks run when torchtitan applies it, after the p
 
 import os
 import sys
-from dataclasses import dataclass, fields
+import typing
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Optional
 
 from torchtitan.trainer import Trainer
@@ -46,7 +47,7 @@ from .validate import validating_on_training_text, validator_problems
 
 __all__ = [
     "CommOptTrainer", "ours", "preflight", "config_problems", "override_problems",
-    "fault_tolerance_problems", "switch_problems",
+    "fault_tolerance_problems", "switch_problems", "choice_problems",
 ]
 
 
@@ -170,6 +171,37 @@ def switch_problems(config: Any, args: list[str]) -> list[str]:
         out.append(f"{arg if eq else flag + ' ' + value}: a switch on torchtitan 0.3's command line, which takes no "
                    f"value: --{dotted} (true) or --{negated} (false); underscores work too")
     return out
+
+
+def choice_problems(config: Any, args: list[str]) -> list[str]:
+    """A field of a fixed set of values (a ``Literal``, as ``--optimizer.commopt.local.outer``) given
+    another on the command line: tyro's own error is a box of several lines."""
+    out = []
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if not flag.startswith("--"):
+            continue
+        if not eq:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                continue
+            value = args[i + 1]
+        choices = _choices(config, flag[2:].replace("-", "_").split("."))
+        if choices and value not in [str(c) for c in choices]:
+            out.append(f"{flag} = {value!r}: allowed is one of {', '.join(repr(c) for c in choices)}")
+    return out
+
+
+def _choices(config: Any, path: list[str]) -> tuple:
+    """The values a ``Literal`` field at ``path`` of ``config`` allows; empty for any other field."""
+    *parents, key = path
+    parent = _walk(config, parents)
+    if parent is None or not is_dataclass(parent):
+        return ()
+    try:
+        hint = typing.get_type_hints(type(parent)).get(key)
+    except (NameError, TypeError):  # an annotation that does not resolve here: tyro will say what it says
+        return ()
+    return typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else ()
 
 
 def _walk(config: Any, path: list[str]) -> Any:
