@@ -1,5 +1,7 @@
 """DES-LOC / MT-DAO engine (``titan_commopt.optim.local.adaptive``): the exact special cases of
-ALGORITHMS.md §3-§4, replica consistency at syncs, HSDP == single-process simulation, R bytes.
+ALGORITHMS.md §3-§4, replica consistency at syncs, HSDP == single-process simulation, R bytes; the
+streaming merges (additive, Streaming DiLoCo's lerp, strided fragments) and the overlapped outer steps
+(Kale et al.'s delayed and eager) == single-process simulations of their formulas on 2 gloo processes.
 
 Gradient convention of the FSDP test: gloo lacks AVG reduce-scatter, so FSDP2 is told to SUM over S
 (``set_force_sum_reduction_for_comms`` plus ``set_gradient_divide_factor(1.0)``, since the
