@@ -200,5 +200,8 @@ def test_an_r_collective_in_flight_across_steps_is_refused_under_fault_tolerance
     assert line.startswith("[commopt.demo] overlap = true:")
     (line,) = in_flight_problems(SETTINGS, resolve("LocalAdam", {"fragments": 2, "sync_delay": 1}))
     assert line.startswith("[commopt.local] sync_delay = 1:")
+    (line,) = in_flight_problems(SETTINGS, resolve("DiLoCo", {"merge": "eager"}))
+    assert line.startswith("[commopt.local] merge = 'eager':") and line.endswith('set it to "additive"'), line
+    assert in_flight_problems(SETTINGS, resolve("DiLoCo", {"merge": "additive"})) == []
     assert in_flight_problems(SETTINGS, resolve("FlexDeMo")) == []
     assert in_flight_problems(FtSettings(), resolve("DeMo", {"overlap": True})) == []

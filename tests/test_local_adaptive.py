@@ -1,5 +1,7 @@
 """DES-LOC / MT-DAO engine (``titan_commopt.optim.local.adaptive``): the exact special cases of
-ALGORITHMS.md §3-§4, replica consistency at syncs, HSDP == single-process simulation, R bytes.
+ALGORITHMS.md §3-§4, replica consistency at syncs, HSDP == single-process simulation, R bytes; the
+streaming merges (additive, Streaming DiLoCo's lerp, strided fragments) and the overlapped outer steps
+(Kale et al.'s delayed and eager) == single-process simulations of their formulas on 2 gloo processes.
 
 Gradient convention of the FSDP test: gloo lacks AVG reduce-scatter, so FSDP2 is told to SUM over S
 (``set_force_sum_reduction_for_comms`` plus ``set_gradient_divide_factor(1.0)``, since the
@@ -36,10 +38,10 @@ F64 = torch.float64
 HP = BaseHParams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
 
 
-def local_adaptive(params, topology=None, *, ledger=None, hparams=HP, **options):
-    """LocalAdaptive over ``params`` (named p0, p1, … in order) with the ``[commopt.local]``
+def local_adaptive(params, topology=None, *, ledger=None, hparams=HP, names=None, **options):
+    """LocalAdaptive over ``params`` (named p0, p1, … in order, or ``names``) with the ``[commopt.local]``
     ``options`` set (the family defaults, which are LocalAdam's preset, elsewhere)."""
-    named = [(f"p{i}", p) for i, p in enumerate(params)]
+    named = list(zip(names or [f"p{i}" for i in range(len(params))], params))
     return la.LocalAdaptive(named, topology or Topology.single(), resolve("LocalAdam", options, hparams),
                             ledger=ledger)
 
@@ -275,6 +277,13 @@ def test_fragments_schedule_and_options():
     assert local_sync.partition([100, 10, 60, 50, 5], 2) == [0, 0, 1, 1, 0]  # 115 and 110 elements
     assert local_sync.partition([7, 7, 7], 3) == [0, 1, 2]
     assert local_sync.offsets(32, 1) == [0] and local_sync.offsets(32, 4) == [0, 8, 16, 24] and local_sync.offsets(2, 4) == [0, 0, 1, 1]
+    # strided (Streaming DiLoCo): block k in fragment k mod F, the parameters outside a block round-robin
+    names = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.ffn_norm.weight", "layers.1.w",
+             "layers.2.w", "layers.13.w", "norm.weight", "output.weight", "l1.weight"]
+    assert [local_sync.block_index(n) for n in names] == [None, 0, 0, 1, 2, 13, None, None, None]
+    assert local_sync.strided_partition(names, 3) == [0, 0, 0, 1, 2, 1, 1, 2, 0]
+    assert local_adaptive([torch.zeros(2, requires_grad=True) for _ in names], names=names, fragments=3,
+                          fragment_layout="strided").schedule.fragment_of == [0, 0, 0, 1, 2, 1, 1, 2, 0]
     p = [torch.zeros(3, requires_grad=True) for _ in range(2)]
     assert local_adaptive(p, fragments=5).schedule.fragments == 2  # at most one fragment per parameter
     with pytest.raises(ConfigError, match=r"sync_delay = 4: allowed is an integer >= 0 below the smallest period > 0, "
@@ -472,7 +481,7 @@ def _two_rank_world(rank, world):
     """Every 2-process check of this file in one spawn: two replicas, streaming sync, the norm clip
     over a TP mesh (each on its own optimizers, groups and mesh)."""
     return {"two_replicas": _two_replicas(rank, world), "streaming": _streaming(rank, world),
-            "tp_norm_clip": _tp_norm_clip(rank, world)}
+            "overlapped": _overlapped(rank, world), "tp_norm_clip": _tp_norm_clip(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -522,7 +531,28 @@ STREAM_CONFIGS = [  # (label, optimizer kwargs)
                                    outer_lr=0.7, outer_momentum=0.9, fragments=3, sync_delay=tau)) for tau in (0, 2)],
     ("sgdm/F4/tau1", dict(base="sgdm", beta1=(0.9,), Ku=(3,), Kx=3, weight_decay=0.01, fragments=4,
                           sync_delay=1)),
+    # Streaming DiLoCo's merge, t ← α·t + (1 − α)·t̃
+    ("diloco/F3/tau2/lerp0.5", dict(base="adam", beta1=(0.9,), Ku=(0,), Kv=0, Kx=4, outer="nesterov", outer_lr=0.7,
+                                    outer_momentum=0.9, fragments=3, sync_delay=2, merge="lerp", merge_alpha=0.5)),
+    ("adam/F3/tau1/lerp0", dict(base="adam", beta1=(0.9,), Ku=(4,), Kv=8, Kx=4, weight_decay=0.1, fragments=3,
+                                sync_delay=1, merge="lerp")),
+    # Streaming DiLoCo's strided fragments: blocks 0, 2 in fragment 0, block 1 in 1, the loose ones round-robin
+    # (by size the same parameters would go [0, 0, 1, 0, 1])
+    ("adam/F2/tau1/strided", dict(base="adam", beta1=(0.9,), Ku=(4,), Kv=8, Kx=4, fragments=2, sync_delay=1,
+                                  fragment_layout="strided", names=["layers.1.w", "layers.0.w", "emb.weight",
+                                                                    "layers.2.w", "out.weight"])),
+    ("adam/F3/tau0/lerp0.25", dict(base="adam", beta1=(0.9,), Ku=(4,), Kv=8, Kx=4, weight_decay=0.1, fragments=3,
+                                   sync_delay=0, merge="lerp", merge_alpha=0.25)),
 ]
+
+
+def _stream_fragments(kw):
+    """Each parameter's fragment: balanced by size, or for the strided layout, by hand from the names."""
+    if kw.get("fragment_layout") == "strided":
+        assert kw["fragments"] == 2
+        assert kw["names"] == ["layers.1.w", "layers.0.w", "emb.weight", "layers.2.w", "out.weight"]
+        return [1, 0, 0, 0, 1]  # blocks 1, 0 → k mod 2, emb (loose 0), block 2, out (loose 1)
+    return local_sync.partition([math.prod(s) for s in STREAM_SHAPES], kw["fragments"])
 
 
 def _stream_grads(replica, step):
@@ -541,7 +571,7 @@ def _simulate_streaming(kw):
     F, tau, K_x = kw["fragments"], kw["sync_delay"], kw["Kx"]
     params = [[t.clone().requires_grad_() for t in _stream_init()] for _ in range(2)]
     opts = [local_adaptive(ps, **dict(kw, outer="average", fragments=1, sync_delay=0)) for ps in params]
-    frag = local_sync.partition([math.prod(s) for s in STREAM_SHAPES], F)
+    frag = _stream_fragments(kw)
     anchors = [t.clone() for t in _stream_init()]
     bufs = [torch.zeros_like(t) for t in anchors]
     kinds = [(f"u{j}", k) for j, k in enumerate(kw["Ku"])] + [("v", kw.get("Kv", 0)), ("x", K_x)]
@@ -577,6 +607,10 @@ def _simulate_streaming(kw):
                     anchors[i] = mean.clone()
                 for r in range(2):
                     t = tensor(r, kind, i)
+                    if kw.get("merge") == "lerp":  # Streaming DiLoCo: θ ← α·θ_local + (1 − α)·θ̃
+                        alpha = kw.get("merge_alpha", 0.0)
+                        t.copy_(alpha * t + (1 - alpha) * mean)
+                        continue
                     t.sub_(snaps[r]).add_(mean)
                     if kind == "v":
                         t.clamp_min_(0)
@@ -629,12 +663,12 @@ def test_streaming_sync_equals_simulation_and_bytes(streaming_results, label, kw
     res = streaming_results
     want, want_hashes = _simulate_streaming(dict(kw, lr=1e-2))
     F, tau, K_x = kw["fragments"], kw["sync_delay"], kw["Kx"]
-    frag = local_sync.partition([math.prod(s) for s in STREAM_SHAPES], F)
+    frag = _stream_fragments(kw)
     for rank in range(2):
         got = res[rank][label]
         for a, b in zip(got["params"], want[rank]):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-13, msg=label)
-        assert got["hashes"] == [h[rank] for h in want_hashes] or tau > 0 or kw.get("outer"), label
+        assert got["hashes"] == [h[rank] for h in want_hashes] or tau > 0 or kw.get("outer") or kw.get("merge"), label
         assert got["in_flight"] == (1 if tau else 0)  # the last step's sync is still on the wire
         assert got["replica_local"]
         # one fused collective per step at most; bytes per period as the byte formula says
@@ -647,7 +681,7 @@ def test_streaming_sync_equals_simulation_and_bytes(streaming_results, label, kw
         assert got["bytes"] == pytest.approx(per_step * STREAM_STEPS), label
         # replicas_in_sync: only with a single offset and no delay (never here after step 1)
         assert not any(got["in_sync"]), label
-    if tau == 0:  # right after a fragment's x merges, the replicas agree on it exactly
+    if tau == 0 and kw.get("merge_alpha", 0.0) == 0.0:  # right after a fragment's x merges, the replicas agree on it
         for n in range(1, STREAM_STEPS + 1):
             for i, f in enumerate(frag):
                 merged = (n - f * K_x // F) % K_x == 0
@@ -659,6 +693,244 @@ def test_streaming_checkpoint_with_syncs_in_flight_resumes_identically(streaming
     """diloco/F3/tau2 saved with syncs in flight, resumed on fresh objects on both replicas."""
     for res in streaming_results:
         assert res["resumed_equal"] and res["resumed_n"] == STREAM_STEPS + 7
+
+
+# ---- overlapped outer steps (merge = delayed / eager): a period's sync lands at the next one ----------
+def test_eager_pseudo_gradient_is_the_papers_formula():
+    """Kale et al.'s eager outer gradient, written as their Algorithm 3 reads: replica m's fresh Δ_m(t)
+    and every other replica's stale Δ_m'(t−1), each weighted 1/M."""
+    gen = torch.Generator().manual_seed(5)
+    M = 3
+    stale = [torch.randn(4, 3, generator=gen, dtype=F64) for _ in range(M)]
+    fresh = [torch.randn(4, 3, generator=gen, dtype=F64) for _ in range(M)]
+    mean = sum(stale) / M
+    for m in range(M):
+        want = (fresh[m] + sum(stale[k] for k in range(M) if k != m)) / M
+        inputs = [t.clone() for t in (mean, stale[m], fresh[m])]
+        got = local_sync.eager_pseudo_gradient(*inputs, M)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-15)
+        assert all(torch.equal(a, b) for a, b in zip(inputs, (mean, stale[m], fresh[m])))  # inputs untouched
+        assert not torch.allclose(got, mean) and not torch.allclose(got, fresh[m])
+
+
+OVERLAP_CONFIGS = [  # (label, optimizer kwargs); STREAM_STEPS = 24 ends on a sync of x: it stays in flight
+    *[(f"diloco/{merge}", dict(base="adam", beta1=(0.9,), Ku=(0,), Kv=0, Kx=4, outer="nesterov", outer_lr=0.7,
+                               outer_momentum=0.9, merge=merge)) for merge in ("delayed", "eager")],
+    ("localadam/F3/eager", dict(base="adam", beta1=(0.9,), Ku=(4,), Kv=4, Kx=4, weight_decay=0.1, fragments=3,
+                                merge="eager")),
+    ("desloc-adopt2/F2/delayed", dict(base="adopt", beta1=(0.5, 0.95), omega=(0.3, 0.6), Ku=(3, 6), beta2=0.9,
+                                      Kv=6, Kx=3, eps=1e-6, clip="norm", clip_threshold=0.5, fragments=2,
+                                      merge="delayed")),
+    ("desloc-adopt2/F2/eager", dict(base="adopt", beta1=(0.5, 0.95), omega=(0.3, 0.6), Ku=(3, 6), beta2=0.9,
+                                    Kv=6, Kx=3, eps=1e-6, outer="nesterov", fragments=2, merge="eager")),
+    ("sgdm/eager", dict(base="sgdm", beta1=(0.9,), Ku=(3,), Kx=6, weight_decay=0.01, merge="eager")),
+]
+RESUMED = "desloc-adopt2/F2/eager"  # checkpointed mid-period (update 22) with a sync of every state in flight
+
+
+def _simulate_overlapped(kw):
+    """Kale et al.'s delayed / eager outer steps written out for M = 2 replicas in one process, from the
+    paper's formulas on each replica's own sends (no engine state): local steps by LocalAdaptive with
+    one replica (no syncs), the schedule, the means and the outer steps by hand. A parameter's wire
+    value is Δ_r = a_r − x_r from its replica's anchor a_r, a state's its value; at the sync after
+    update n of a tensor, with s_r what replica r sent at its previous sync (zeros before the first):
+
+        delayed: Δ̃_r = (1/M)·Σ_r' s_r'                   eager: Δ̃_r = (1/M)·(w_r + Σ_{r'≠r} s_r')
+
+    then x_r ← OuterOpt(a_r, Δ̃_r), a_r ← x_r (a state: t_r ← Δ̃_r, v ≥ 0), and s_r ← w_r."""
+    M, F, merge = 2, kw.get("fragments", 1), kw["merge"]
+    params = [[t.clone().requires_grad_() for t in _stream_init()] for _ in range(M)]
+    local_kw = dict(kw, outer="average", fragments=1, merge="additive")
+    opts = [local_adaptive(ps, lr=1e-2, transfer_dtype="native", **local_kw) for ps in params]
+    frag = local_sync.partition([math.prod(s) for s in STREAM_SHAPES], F)
+    anchors = [[t.clone() for t in _stream_init()] for _ in range(M)]
+    bufs = [[torch.zeros_like(t) for t in _stream_init()] for _ in range(M)]
+    kinds = [(f"u{j}", k) for j, k in enumerate(kw["Ku"])] + [("v", kw.get("Kv", 0)), ("x", kw["Kx"])]
+    if kw["base"] == "sgdm":
+        kinds = [(k, K) for k, K in kinds if k != "v"]
+    sent = {}  # (kind, i) → what each replica sent at the previous sync
+
+    def tensor(r, kind, i):
+        st = opts[r].state[params[r][i]]
+        if kind == "x":
+            return params[r][i].data
+        return st["exp_avg_sq"] if kind == "v" else st[la.moment_key(int(kind[1:]))]
+
+    states = []
+    for n in range(1, STREAM_STEPS + 1):
+        for r in range(M):
+            for p, g in zip(params[r], _stream_grads(r, n)):
+                p.grad = g
+            opts[r].step()
+        with torch.no_grad():
+            for kind, K in kinds:
+                for i, f in enumerate(frag):
+                    if not (K > 0 and (n - f * K // F) % K == 0):
+                        continue
+                    live = [tensor(r, kind, i) for r in range(M)]
+                    wire = [anchors[r][i] - live[r] if kind == "x" else live[r].clone() for r in range(M)]
+                    stale = sent.get((kind, i), [torch.zeros_like(w) for w in wire])
+                    for r in range(M):
+                        if merge == "eager":
+                            delta = (wire[r] + sum(stale[q] for q in range(M) if q != r)) / M
+                        else:
+                            delta = sum(stale) / M
+                        if kind != "x":
+                            live[r].copy_(delta.clamp_min(0) if kind == "v" else delta)
+                        elif kw.get("outer") == "nesterov":
+                            mu, lr = kw.get("outer_momentum", 0.9), kw.get("outer_lr", 0.7)  # Config's defaults
+                            bufs[r][i] = mu * bufs[r][i] + delta
+                            live[r].copy_(anchors[r][i] - lr * (delta + mu * bufs[r][i]))
+                            anchors[r][i] = live[r].clone()
+                        else:  # averaging: outer SGD at lr 1
+                            live[r].copy_(anchors[r][i] - delta)
+                            anchors[r][i] = live[r].clone()
+                    sent[(kind, i)] = wire
+        states.append([[p.detach().clone() for p in params[r]] for r in range(M)])
+    return states, anchors
+
+
+def _overlapped(rank, world):
+    import torch.distributed as dist
+
+    topo = Topology(replicate=dist.group.WORLD)
+    out = {}
+    for label, kw in OVERLAP_CONFIGS:
+        ledger = comm.CommLedger()
+        ps = [t.clone().requires_grad_() for t in _stream_init()]
+        opt = local_adaptive(ps, topo, lr=1e-2, transfer_dtype="native", ledger=ledger, **kw)
+        calls, params, in_sync = [], [], []
+        for n in range(1, STREAM_STEPS + 1):
+            for p, g in zip(ps, _stream_grads(rank, n)):
+                p.grad = g
+            opt.step()
+            calls.append(ledger.end_step().get("R_calls", 0))
+            params.append([p.detach().clone() for p in ps])
+            in_sync.append(opt.replicas_in_sync())
+        with opt.global_params(ledger=comm.CommLedger()):
+            global_model = [p.detach().clone() for p in ps]
+        out[label] = dict(params=params, calls=calls, in_sync=in_sync, bytes=ledger.totals["R_sent"],
+                          in_flight=opt.metrics()["syncs_in_flight"], global_model=global_model,
+                          after_eval=[p.detach().clone() for p in ps])
+    # A checkpoint mid-period with syncs in flight: the run that saves, one resumed from it on fresh
+    # objects, and one that never saved take the same steps, bit for bit.
+    kw = dict(OVERLAP_CONFIGS)[RESUMED]
+    runs = {}
+    for name in ("saves", "never"):
+        ps = [t.clone().requires_grad_() for t in _stream_init()]
+        opt = local_adaptive(ps, topo, lr=1e-2, transfer_dtype="native", **kw)
+        for n in range(1, 31):
+            if n == 23 and name == "saves":
+                in_flight = opt.metrics()["syncs_in_flight"]
+                saved = copy.deepcopy(opt.state_dict())
+                qs = [p.detach().clone().requires_grad_() for p in ps]
+                resumed = local_adaptive(qs, topo, lr=1e-2, transfer_dtype="native", **kw)
+                resumed.load_state_dict(saved)
+                runs["resumed"] = (qs, resumed)
+            for p, g in zip(ps, _stream_grads(rank, n)):
+                p.grad = g.clone()
+            opt.step()
+            if "resumed" in runs and name == "saves":
+                qs, resumed = runs["resumed"]
+                for q, g in zip(qs, _stream_grads(rank, n)):
+                    q.grad = g.clone()
+                resumed.step()
+        runs[name] = ps
+    out["checkpoint"] = dict(
+        in_flight_at_save=in_flight, saved_keys=sorted(saved["state"][0]),
+        saves_equals_never=all(torch.equal(p, q) for p, q in zip(runs["saves"], runs["never"])),
+        resumed_equals_never=all(torch.equal(p, q) for p, q in zip(runs["resumed"][0], runs["never"])))
+    return out
+
+
+@pytest.fixture(scope="module")
+def overlapped_results(two_rank_results):
+    return [out["overlapped"] for out in two_rank_results]
+
+
+@pytest.mark.parametrize("label, kw", OVERLAP_CONFIGS, ids=[label for label, _ in OVERLAP_CONFIGS])
+def test_overlapped_outer_steps_equal_the_papers_formulas_and_bytes(overlapped_results, label, kw):
+    """Two processes on gloo == the single-process simulation of the paper's formulas at every step;
+    the overlap moves bytes in time only (the blocking schedule's bytes, one fused all-reduce a step)."""
+    want, anchors = _simulate_overlapped(kw)
+    F = kw.get("fragments", 1)
+    for rank in range(2):
+        got = overlapped_results[rank][label]
+        for n in range(STREAM_STEPS):
+            for a, b in zip(got["params"][n], want[n][rank]):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=f"{label} update {n + 1}")
+        # on the wire: each sync issued less than a period (its fastest due state's) before the end
+        periods = la.resolve_periods(resolve("LocalAdam", kw).options, HP)
+        sched = local_sync.SyncSchedule(periods, [math.prod(s) for s in STREAM_SHAPES], F)
+        kinds = dict(periods.kinds())
+        assert got["in_flight"] == sum(1 for n in range(1, STREAM_STEPS + 1) if sched.due(n)
+                                       and n + min(kinds[k] for k in sched.due(n)) > STREAM_STEPS) >= 1
+        assert max(got["calls"]) == 1, label
+        cfg = la.Config(base=kw["base"], Kx=kw["Kx"], Ku=list(kw["Ku"]), Kv=kw.get("Kv", 0), transfer_dtype="native",
+                        beta1=list(kw["beta1"]), omega=list(kw.get("omega", (1.0,) * len(kw["beta1"]))), fragments=F)
+        shards = [ShardShape(str(i), s, s, itemsize=8) for i, s in enumerate(STREAM_SHAPES)]
+        per_step = la.local_r_bytes(shards, resolve("LocalAdam", dataclasses.asdict(cfg)), 2).sent
+        assert got["bytes"] == pytest.approx(per_step * STREAM_STEPS), label
+        # the global model: the anchor, averaged over R where eager replicas' anchors differ
+        mean_anchor = [(a + b) / 2 for a, b in zip(*anchors)]
+        own_anchor = anchors[rank]
+        for g, a, m in zip(got["global_model"], own_anchor, mean_anchor):
+            torch.testing.assert_close(g, m if kw["merge"] == "eager" else a, rtol=0, atol=1e-12)
+        assert all(torch.equal(a, b) for a, b in zip(got["after_eval"], got["params"][-1]))  # swapped back
+    # eager replicas never agree after the first update; delayed ones right after each sync of every
+    # fragment (update 1: ADOPT's first step only seeds v, so x has not moved anywhere yet)
+    for n in range(1, STREAM_STEPS + 1):
+        same = all(torch.equal(a, b) for a, b in zip(overlapped_results[0][label]["params"][n - 1],
+                                                      overlapped_results[1][label]["params"][n - 1]))
+        all_x = all((n - f * kw["Kx"] // F) % kw["Kx"] == 0 for f in range(F))
+        claimed = overlapped_results[0][label]["in_sync"][n - 1]
+        assert claimed == (kw["merge"] == "delayed" and all_x) and (same or not claimed), (label, n)
+        assert same == claimed or n == 1, (label, n)
+
+
+def test_overlapped_checkpoint_mid_period_changes_nothing(overlapped_results):
+    """A checkpoint with every state's sync in flight completes the all-reduces and keeps their means as
+    state without applying them: the run that saved, a run resumed from it and a run that never saved
+    are bit-identical."""
+    for res in overlapped_results:
+        c = res["checkpoint"]
+        assert c["in_flight_at_save"] == 2  # the syncs issued at updates 21 and 22 (Kx = Ku[0] = 3, F = 2)
+        assert {"inflight_x", "sent_x", "inflight_exp_avg", "sent_exp_avg_1", "inflight_exp_avg_sq",
+                "outer_anchor", "outer_buf"} <= set(c["saved_keys"])
+        assert c["saves_equals_never"] and c["resumed_equals_never"]
+
+
+def test_overlapped_merge_options():
+    p = [torch.zeros(3, requires_grad=True)]
+    with pytest.raises(ConfigError, match=r"^\[commopt.local\] merge = 'eager' with sync_delay = 1: allowed is "
+                       r"sync_delay = 0 with merge = \"delayed\" or \"eager\""):
+        local_adaptive(p, Kx=4, Ku=(4,), Kv=4, merge="eager", sync_delay=1)
+    with pytest.raises(ConfigError, match=r"^\[commopt.local\] merge = 'streaming': allowed is one of 'additive', "
+                       r"'lerp', 'delayed', 'eager'$"):
+        resolve("DiLoCo", {"merge": "streaming"})
+    with pytest.raises(ConfigError, match=r"^\[commopt.local\] merge_alpha = 0.5 with merge = 'eager': merge_alpha is "
+                       r"read only by merge = \"lerp\""):
+        resolve("DiLoCo", {"merge": "eager", "merge_alpha": 0.5})
+    with pytest.raises(ConfigError, match=r"^\[commopt.local\] merge_alpha = 1.5"):
+        resolve("DiLoCo", {"merge": "lerp", "merge_alpha": 1.5})
+    assert resolve("DiLoCo", {"merge": "lerp", "merge_alpha": 0.5}).options.merge_alpha == 0.5
+    for name in ("DiLoCo", "LocalAdam", "DES-LOC", "MT-DAO"):  # presets keep the blocking sync
+        assert resolve(name).options.merge == "additive"
+        assert "merge" not in resolve(name).record()["state_shape"]
+    assert resolve("DiLoCo", {"merge": "eager"}).record()["state_shape"]["merge"] == "eager"
+    # averaging keeps an anchor under an overlapped merge; the Nesterov momentum only where it steps
+    opt = local_adaptive(p, Kx=4, Ku=(0,), Kv=8, merge="delayed")
+    assert set(opt.state[p[0]]) == {"step", "exp_avg", "exp_avg_sq", "outer_anchor", "inflight_x",
+                                    "inflight_exp_avg_sq"}
+    # one replica that averages syncs nothing: its model is x itself, not the anchor that never moves
+    q = [torch.ones(3, dtype=F64, requires_grad=True)]
+    opt = local_adaptive(q, Kx=2, Ku=(2,), Kv=2, merge="eager")
+    for _ in range(3):
+        q[0].grad = torch.ones(3, dtype=F64)
+        opt.step()
+    x = q[0].detach().clone()
+    with opt.global_params():
+        assert torch.equal(q[0], x) and not torch.equal(x, torch.ones(3, dtype=F64))
 
 
 # ---- 2x2 HSDP (dp_replicate=2, fsdp=2) == single-process simulation of the two replicas ----------

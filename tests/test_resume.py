@@ -14,7 +14,8 @@ import pytest
 from tests.titan_utils import ADAMW_HSDP, RESUMABLE, RESUMED, hsdp_args, hsdp_run, losses, run_train, shared_run
 
 # One preset per family plus the baseline (each costs two 4-process runs); the local-adaptive family's
-# is DES-LOC with periods short enough to sync within the run, streaming, a fragment in flight.
+# is DES-LOC with periods short enough to sync within the run, streaming, a fragment in flight, and
+# DiLoCo with eager outer steps, a whole period's sync in flight.
 # FlexDeMo, Dion, MuLoCo and MuLoCo-2bit run with test_titan_optimizers.py's HSDP arguments (its launch is the
 # first run).
 CASES = {
@@ -27,6 +28,9 @@ CASES = {
     # streaming sync with a fragment in flight at the step-4 checkpoint (merged before saving)
     "DES-LOC streaming": ["--commopt.local.Kx", "4", "--commopt.local.Ku", "4", "--commopt.local.Kv", "4",
                           "--commopt.local.fragments", "2", "--commopt.local.sync_delay", "1"],
+    # eager overlapped outer steps: step 3's sync in flight at the step-4 checkpoint (its mean saved, not
+    # applied), applied at step 6 from the loaded state: losses 7 and 8 see it
+    "DiLoCo eager": ["--commopt.local.Kx", "3", "--commopt.local.merge", "eager"],
 }
 
 

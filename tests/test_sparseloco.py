@@ -8,7 +8,8 @@ whole model (the replica's mean gradient), then every H steps, per piece and rep
 Δ = anchor − x, e ← β·e + Δ, the k largest |e| of every chunk, the reference quantizer (mean shift,
 unbiased σ, scale = range·σ/bins, round, clamp, bin means), e ← e − Δ̂; then
 anchor ← anchor − α·mean_r Δ̂ and x ← anchor (``sync_delay``: x ← anchor + (x − x at issue), τ steps
-later).
+later; ``merge`` = delayed / eager: each replica's anchor moves by the aggregate of the period before,
+eager with its own share of it replaced by this period's, Δ̂_r(t) − Δ̂_r(t−1) over R added).
 """
 
 import copy
@@ -36,6 +37,12 @@ CASES = {
     "fp32": dict(quantization="none"),
     "dct": dict(transform="dct"),
     "sync_delay1": dict(sync_delay=1),
+    "lerp0.25": dict(merge="lerp", merge_alpha=0.25),  # Streaming DiLoCo's merge, at once
+    "sync_delay1/lerp0.5": dict(sync_delay=1, merge="lerp", merge_alpha=0.5),
+    "delayed": dict(merge="delayed"),
+    "eager": dict(merge="eager"),  # aggregate = mean: the eager share 1/R is exact
+    "templar/eager": dict(TEMPLAR, merge="eager"),
+    "delayed/outer_momentum0.9": dict(merge="delayed", outer_momentum=0.9, outer_lr=0.7),  # MuLoCo's outer step
     "templar": TEMPLAR,
     # the authors' α = 0.7 in both e and the step (their rule) is our outer_lr = 0.49
     "templar/authors_alpha0.7": dict(TEMPLAR, outer_lr=0.49, authors_alpha=0.7),
@@ -43,6 +50,7 @@ CASES = {
     "fp32/median_norm": dict(quantization="none", clip="median_norm", topk=5),
 }
 MESH_CASES = ["2bit", "dct", "templar"]
+RESUME_CASES = ["2bit", "sync_delay1", "eager"]  # saved after 2H + 1 updates: eager's sync in flight
 
 
 def _resolved(case, **changes):
@@ -90,11 +98,13 @@ def _worker(rank, world, dims, names, cases):
         model, named, opt, ledger, resolved = build(case)
         _train(model, opt, replica, STEPS, rows, cols, ledger)
         in_sync = opt.replicas_in_sync()
-        opt.flush()  # a sync still in flight (sync_delay) lands
+        opt.flush()  # a sync still in flight (sync_delay) lands; an overlapped one only completes
+        with opt.global_params(ledger=comm.CommLedger()):
+            global_model = {n: comm_local(p) for n, p in named}
         out[case] = dict(
             local={n: comm_local(p) for n, p in named}, slices={n: shard_slices(p) if isinstance(p, DTensor) else
                                                               tuple((0, d) for d in p.shape) for n, p in named},
-            in_sync=in_sync, R_sent=ledger.totals.get("R_sent", 0.0),
+            in_sync=in_sync, R_sent=ledger.totals.get("R_sent", 0.0), global_model=global_model,
             formula=resolved.family.r_bytes([ShardShape.of(n, p) for n, p in named], resolved, W).sent,
             S_sent=ledger.totals.get("S_sent", 0.0), T_sent=ledger.totals.get("T_sent", 0.0),
             formula_S=sparseloco_s_bytes([ShardShape.of(n, p) for n, p in named], resolved, "S").sent,
@@ -103,7 +113,7 @@ def _worker(rank, world, dims, names, cases):
                           for k, v in opt.state[p].items() if k != "step") if "tp" in names or "fsdp" in names else True,
         )
     if len(dims) == 1:  # resume: state_dict → new optimizer → load → the same next steps
-        for case in ("2bit", "sync_delay1"):
+        for case in RESUME_CASES:
             model, named, opt, ledger, _ = build(case)
             _train(model, opt, replica, 2 * H + 1, rows, cols, ledger)
             saved = copy.deepcopy(opt.state_dict())
@@ -240,7 +250,7 @@ def reference_aggregate(cfg, sent, L):
     return out
 
 
-def simulate(case, pieces):
+def simulate(case, pieces, anchors_out=None):
     cfg = _resolved(case).options
     hp = _resolved(case).hparams
     # the authors' outer lr (both codes): e ← β·e + α·Δ and x ← x − α·agg; ours at outer_lr = α²
@@ -250,22 +260,50 @@ def simulate(case, pieces):
     inner = [torch.optim.AdamW(m.parameters(), lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
                                weight_decay=hp.weight_decay, fused=True) for m in models]
     params = [dict(m.named_parameters()) for m in models]
-    anchor = {n: p.detach().clone() for n, p in params[0].items()}
+    anchors = [{n: p.detach().clone() for n, p in params[0].items()} for _ in range(W)]  # each replica's
+    anchor = anchors[0]
     err = {(n, sl, r): torch.zeros_like(anchor[n][index_of(sl)]) for n in anchor for sl in pieces[n] for r in range(W)}
     pending = []  # (lands after step, {(n, sl): aggregate}, snapshots)
     dct = cfg.transform == "dct"
+    overlapped = cfg.merge in ("delayed", "eager")
+    landed, stale = {}, {}  # overlapped: (n, sl) → the aggregate of the period before; (n, sl, r) → Δ̂_r sent then
+    bufs = {}  # (n, sl, r) → the outer momentum (outer_momentum > 0: Nesterov SGD on the aggregate)
+
+    def outer(a, delta, key):
+        if not cfg.outer_momentum:
+            a.sub_(delta, alpha=alpha)
+            return
+        mu = cfg.outer_momentum
+        bufs[key] = mu * bufs.get(key, torch.zeros_like(delta)) + delta
+        a.sub_(alpha * (delta + mu * bufs[key]))
 
     def land(aggs, snaps):
         with torch.no_grad():
             for (n, sl), agg in aggs.items():
-                a = anchor[n][index_of(sl)]
-                a.sub_(agg, alpha=alpha)
                 for r in range(W):
+                    a = anchors[r][n][index_of(sl)]
+                    outer(a, agg, (n, sl, r))
                     x = params[r][n][index_of(sl)]
-                    if snaps is None:
+                    if cfg.merge == "lerp":  # Streaming DiLoCo: x ← α·x + (1 − α)·x_anchor
+                        x.copy_(cfg.merge_alpha * x + (1 - cfg.merge_alpha) * a)
+                    elif snaps is None:
                         x.copy_(a)
                     else:
                         x.sub_(snaps[(n, sl, r)]).add_(a)
+
+    def land_overlapped(aggs, fresh):
+        with torch.no_grad():
+            for (n, sl), agg in aggs.items():
+                for r in range(W):
+                    before = landed.get((n, sl), torch.zeros_like(agg))
+                    delta = before.clone()
+                    if cfg.merge == "eager":  # the own stale share out, the fresh one in
+                        delta += (fresh[(n, sl, r)] - stale.get((n, sl, r), torch.zeros_like(agg))) / W
+                    a = anchors[r][n][index_of(sl)]
+                    outer(a, delta, (n, sl, r))
+                    params[r][n][index_of(sl)].copy_(a)
+                    stale[(n, sl, r)] = fresh[(n, sl, r)]
+                landed[(n, sl)] = agg
 
     for t in range(1, STEPS + 1):
         for r in range(W):
@@ -274,7 +312,7 @@ def simulate(case, pieces):
                 p.grad = grads[n]
             inner[r].step()
         if t % cfg.H == 0:
-            aggs, snaps = {}, ({} if cfg.sync_delay else None)
+            aggs, snaps, fresh = {}, ({} if cfg.sync_delay else None), {}
             with torch.no_grad():
                 for n in anchor:
                     shape = tuple(anchor[n].shape)
@@ -284,7 +322,7 @@ def simulate(case, pieces):
                         selected = {}
                         for sl in pieces[n]:
                             x, e = params[r][n][index_of(sl)], err[(n, sl, r)]
-                            e.mul_(cfg.error_decay).add_(anchor[n][index_of(sl)] - x, alpha=ef_scale)  # e ← β e + Δ
+                            e.mul_(cfg.error_decay).add_(anchors[r][n][index_of(sl)] - x, alpha=ef_scale)  # e ← β e + Δ
                             ec = _to_chunks(e, grids[sl], dct)
                             idx = ec.abs().topk(_k(cfg, ec.shape[1]), dim=-1).indices
                             selected[sl] = (idx, ec.gather(-1, idx), ec.shape)
@@ -297,44 +335,56 @@ def simulate(case, pieces):
                             d = deq[at: at + v.numel()].view(v.shape)
                             at += v.numel()
                             dense = torch.zeros(ec_shape).scatter_(-1, idx, d)
-                            err[(n, sl, r)].sub_(_from_chunks(dense.to(anchor[n].dtype), err[(n, sl, r)].shape,
-                                                              grids[sl], dct))  # e ← e − Δ̂
+                            fresh[(n, sl, r)] = _from_chunks(dense.to(anchor[n].dtype), err[(n, sl, r)].shape,
+                                                             grids[sl], dct)
+                            err[(n, sl, r)].sub_(fresh[(n, sl, r)])  # e ← e − Δ̂
                             sent[(sl, r)] = (idx, d, norm)
                     for sl in pieces[n]:
                         L = math.prod(grids[sl])
                         agg = reference_aggregate(cfg, [sent[(sl, r)] for r in range(W)], L)
                         aggs[(n, sl)] = _from_chunks(agg.to(anchor[n].dtype), anchor[n][index_of(sl)].shape,
                                                      grids[sl], dct)
-            pending.append((t + cfg.sync_delay, aggs, snaps))
+            if overlapped:
+                land_overlapped(aggs, fresh)
+            else:
+                pending.append((t + cfg.sync_delay, aggs, snaps))
         while pending and pending[0][0] <= t:
             land(*pending.pop(0)[1:])
     for _, aggs, snaps in pending:  # flush()
         land(aggs, snaps)
+    if anchors_out is not None:  # each replica's anchor: the global model's pieces
+        anchors_out.extend(anchors)
     return [{n: p.detach() for n, p in ps.items()} for ps in params]
 
 
 def _check(results, case):
     pieces = {n: sorted({res["out"][case]["slices"][n] for res in results}) for n in results[0]["out"][case]["slices"]}
-    ref = simulate(case, pieces)
+    anchors = []
+    ref = simulate(case, pieces, anchors)
     start = dict(make_net().named_parameters())
     moved = 0.0
     for rank, res in enumerate(results):
         o = res["out"][case]
         assert o["states_ok"], (case, rank)
-        assert o["in_sync"] == (CASES[case].get("sync_delay", 0) == 0), (case, rank)
+        eager = CASES[case].get("merge") == "eager"
+        apart = eager or CASES[case].get("merge_alpha", 0.0) > 0  # each replica keeps something of its own
+        assert o["in_sync"] == (CASES[case].get("sync_delay", 0) == 0 and not apart), (case, rank)
         for n, shard in o["local"].items():
             idx = index_of(o["slices"][n])
             torch.testing.assert_close(shard, ref[res["replica"]][n][idx], atol=5e-8, rtol=1e-6,  # float32 values: round-off only
                                        msg=lambda m: f"{case} rank {rank} {n}: {m}")
             moved = max(moved, float((shard - start[n].detach()[idx]).abs().max()))
+            # the global model: the anchor (after the flush), the replicas' mean of theirs for eager ones
+            want = sum(a[n] for a in anchors) / W if eager else anchors[res["replica"]][n]
+            torch.testing.assert_close(o["global_model"][n], want[idx], atol=5e-8, rtol=1e-6)
         assert o["R_sent"] > 0 and o["R_sent"] == o["formula"] * STEPS, (case, o["R_sent"], o["formula"])
         # the quantizer's statistics summed over the shard groups: all of S's traffic here (T also
         # carries the sequence-parallel norm's Partial gradient, replica_grad's)
         assert o["S_sent"] == pytest.approx(o["formula_S"] * STEPS), (case, o["S_sent"], o["formula_S"])
         assert o["T_sent"] >= o["formula_T"] * STEPS > 0 or o["formula_T"] == 0, (case, o["T_sent"], o["formula_T"])
     assert moved > 1e-3, case
-    half = len(results) // W  # the same shard on the two replicas: bit-identical after a sync
-    for k in range(half):
+    half = len(results) // W  # the same shard on the two replicas: bit-identical after a sync (not eager, lerp)
+    for k in range(half if CASES[case].get("merge") not in ("eager", "lerp") else 0):
         for n, shard in results[k]["out"][case]["local"].items():
             assert torch.equal(shard, results[half + k]["out"][case]["local"][n]), (case, k, n)
 
@@ -354,7 +404,7 @@ def test_replicate_x_tp_equals_the_papers_algorithm(rt, case):
     _check(rt, case)
 
 
-@pytest.mark.parametrize("case", ["2bit", "sync_delay1"])
+@pytest.mark.parametrize("case", RESUME_CASES)
 def test_resume_continues_identically(r2, case):
     assert all(res["out"][f"resume/{case}"] for res in r2)
 
@@ -410,11 +460,19 @@ def test_preset_and_bad_values_are_one_line_config_errors():
         ({"topk": 20, "chunk": 4}, r"^\[commopt.sparseloco\] topk = 20: allowed is at most chunk\^2 = 16 \(chunk = 4\)$"),
         ({"sync_delay": 2, "H": 2}, r"^\[commopt.sparseloco\] sync_delay = 2: allowed is an integer >= 0 below H = 2"),
         ({"quantization": "3bit"}, r"^\[commopt.sparseloco\] quantization = '3bit'"),
+        ({"merge": "eager", "sync_delay": 1}, r"^\[commopt.sparseloco\] merge = 'eager' with sync_delay = 1: allowed is "
+                                              r"sync_delay = 0 with merge = \"delayed\" or \"eager\""),
+        ({"merge": "streaming"}, r"^\[commopt.sparseloco\] merge = 'streaming': allowed is one of 'additive', 'lerp', "
+                                 r"'delayed', 'eager'$"),
+        ({"merge_alpha": 0.5}, r"^\[commopt.sparseloco\] merge_alpha = 0.5 with merge = 'additive': merge_alpha is read "
+                               r"only by merge = \"lerp\""),
         ({"error_decay": 1.5}, r"^\[commopt.sparseloco\] error_decay = 1.5"),
     ]:
         with pytest.raises(ConfigError, match=message) as e:
             resolve("SparseLoCo", given)
         assert "\n" not in str(e.value)
+    assert cfg.merge == "additive" and "merge" not in resolve("SparseLoCo").record()["state_shape"]
+    assert resolve("SparseLoCo", {"merge": "delayed"}).record()["state_shape"]["merge"] == "delayed"
     with pytest.raises(ConfigError, match="did you mean 'SparseLoCo'"):
         resolve("sparseloco2")
 

@@ -183,13 +183,14 @@ class CommOptimizer(torch.optim.Optimizer):
 
     def snapshot(self) -> Snapshot:
         """The raw state before a step, for :meth:`restore` (the module docstring). A sync parked on
-        :attr:`runtime` across steps (DeMo's ``overlap``, the streaming ``sync_delay``) is a suspended
-        generator that cannot be copied, so there is none: a ``RuntimeError`` (live fault tolerance,
-        the one caller, refuses those options before anything is built)."""
+        :attr:`runtime` across steps (DeMo's ``overlap``, the streaming ``sync_delay``, an overlapped
+        ``merge``) is a suspended generator that cannot be copied, so there is none: a
+        ``RuntimeError`` (live fault tolerance, the one caller, refuses those options before anything
+        is built)."""
         if self.runtime.in_flight:
             raise RuntimeError(
                 f"{type(self).__name__}.snapshot(): {self.runtime.in_flight} R sync(s) in flight across steps "
-                "cannot be copied (overlap / sync_delay)"
+                "cannot be copied (overlap / sync_delay / merge)"
             )
         return Snapshot.take(self, ("state", "param_groups", *self.step_attributes))
 

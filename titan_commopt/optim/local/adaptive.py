@@ -24,10 +24,34 @@ Schedule: after update n (1-based) a state with period K is due when ``n % K == 
 everything due at one step goes in one fused all-reduce. Streaming sync (``fragments`` F,
 ``sync_delay`` τ; Streaming DiLoCo, Douillard et al. 2025): fragment f of a state with period K is
 due when ``(n − ⌊f·K/F⌋) % K == 0``, so the bytes per period are unchanged and the per-step peak is
-~1/F of them; with τ > 0 the all-reduce runs during the next τ steps and merges keeping their local
-progress, t ← mean_R(t at issue) + (t − t at issue) (τ below the smallest period > 0). A checkpoint
-first merges what is in flight. ``sync.py`` holds the schedule and both ways a sync lands; F = 1,
-τ = 0 (the papers' blocking schedule) are the defaults (docs/benchmarks.md §2 measures the others).
+~1/F of them; fragments are balanced by size, or strided by block as the paper's
+(``fragment_layout``). With τ > 0 the all-reduce runs during the next τ steps and merges keeping
+their local progress, t ← t̃ + (t − t at issue) with t̃ = mean_R(t at issue), the outer step's for x
+(τ below the smallest period > 0), or with ``merge = "lerp"`` as Streaming DiLoCo merges (its §2.3,
+Algorithm 2), t ← α·t + (1 − α)·t̃, α = ``merge_alpha``. A checkpoint first merges what is in flight.
+F = 1, τ = 0 (the papers' blocking schedule) are the defaults (docs/benchmarks.md §2 measures the
+others).
+
+Overlapped outer steps (``merge``; Kale, Douillard, Donchev 2025, "Eager Updates For Overlapped
+Communication and Computation in DiLoCo", arXiv 2502.12996). The sync of a state issued at update n
+stays in flight over the whole next period and is applied at its next sync, update n + K, where the
+next one is issued: period p+1's inner steps hide period p's all-reduce. On the wire a parameter
+sends its pseudo-gradient Δ_m = a_m − x_m (a_m its replica's anchor, x after the last outer step it
+applied; with ``outer = "average"`` too, as outer SGD at lr 1: x ← a − Δ̃), a state (u_j, v) its
+value. At update n on replica m, with Δ̄(t−1) the mean that arrived and Δ_m(t−1) what m sent then:
+
+    delayed:  Δ̃ = Δ̄(t−1)                              # their Algorithm 2, the naive 1-outer-step delay
+    eager:    Δ̃ = Δ̄(t−1) + (Δ_m(t) − Δ_m(t−1))/M      # their Algorithm 3, = (1/M)·(Δ_m(t) + Σ_{m'≠m} Δ_m'(t−1))
+    x ← OuterOpt(a_m, Δ̃); a_m ← x                       # a state: t ← Δ̃ on its values (v kept >= 0)
+
+then Δ_m(t) is sent. Before the first sync the means and shares are zero (a sync of nothing at update
+0). Eager replicas differ slightly (each applied its own fresh share), also in their anchors and
+outer momenta; delayed ones apply the same mean and agree right after a sync of every fragment. The
+mean in flight and (eager) the share sent are state (``inflight_<key>``, ``sent_<key>``, key ``x`` or
+the state's): a checkpoint completes the all-reduce and keeps its mean without applying it, so a
+resumed run continues exactly as the run that saved (and as one that never checkpointed). Bytes are
+the blocking schedule's, as with fragments and τ. ``sync.py`` holds the schedule and every way a
+sync lands.
 
 State, on the local FSDP2/TP shard and per replica (checkpoints keep each replica's): ``exp_avg``,
 ``exp_avg_<j>`` (u_j, :func:`moment_key`), ``exp_avg_sq`` (v, none for sgdm), ``outer_anchor`` and
@@ -63,6 +87,7 @@ from titan_commopt.topology import R, S, T, Topology
 
 from .. import updates
 from ..base import CommOptimizer
+from ..base import named_params as params_by_name
 from ..common import LR_SCALE_HELP, BaseHParams, local
 from ..family import Bytes, Family, PeriodicSyncs, Resolved, ShardShape
 from ..muon.engine import MuonMatrices
@@ -71,7 +96,8 @@ from ..muon.options import MuonOptions, is_muon_matrix, muon_problems, routed_gr
 from .global_model import anchors_swapped_in, replica_mean_swapped_in
 from .steps import LocalSteps, column_chunks, chunk_limit, trainable
 from .update import fused_local_update, gradient_clip, local_update
-from .sync import DueStates, Periods, SyncSchedule, sync_in_place, sync_streaming
+from .sync import (OVERLAPPED_MERGES, DueStates, OverlapEntry, Periods, SyncSchedule, sync_in_place,
+                   sync_overlapped, sync_streaming)
 
 __all__ = ["Config", "PRESETS", "LocalAdaptive", "FAMILY", "check", "resolve_periods", "local_r_bytes", "local_s_bytes",
            "moment_key"]
@@ -143,11 +169,34 @@ class _Own:
         "by size; each is synced once per period at its own offset (fragment f of a state with "
         "period K when (step − ⌊f·K/F⌋) % K == 0). 1 = everything at once.", ge=1,
     )
+    fragment_layout: Literal["size", "strided"] = option(
+        "size", "How parameters are split into fragments: size = greedy by size, balanced in elements; strided = "
+        "Streaming DiLoCo's strided fragments (Douillard et al. 2025, §2.2: fragment p holds blocks p, p + F, …): "
+        "the block k of a parameter (the first integer in its name, layers.<k>.) in fragment k mod F, the "
+        "parameters outside a block (embeddings, final norm, output) round-robin in their order.",
+    )
     sync_delay: int = option(
         0, "Streaming sync: steps τ a fragment's all-reduce stays in flight (overlapped with the "
         "next τ steps) before it is merged, keeping the local progress of those steps: "
         "x ← mean_R(x at issue) + (x − x at issue), the same for u and v. 0 = blocking; must be "
         "below the smallest period > 0.", ge=0,
+    )
+    merge: Literal["additive", "lerp", "delayed", "eager"] = option(
+        "additive", "How an R sync lands. additive: blocking with sync_delay = 0, else Streaming DiLoCo's overlap "
+        "merged keeping the local progress (sync_delay above). lerp: Streaming DiLoCo's merge (Douillard et al. "
+        "2025, §2.3) after sync_delay steps (0: at once), t ← α·t + (1 − α)·t̃, t̃ the synced value (the outer "
+        "step's for x), α = merge_alpha. delayed / eager (Kale, Douillard, Donchev 2025, "
+        "arXiv 2502.12996): each sync stays in flight over the whole next period and is applied at the next "
+        "sync of that state, on pseudo-gradients Δ = anchor − x (values for u, v); delayed applies the mean "
+        "that arrived, Δ̄(t−1) (their naive one-outer-step delay, Algorithm 2), eager that mean with this "
+        "replica's stale share replaced by its fresh one, Δ̄(t−1) + (Δ_m(t) − Δ_m(t−1))/M (their eager "
+        "update, Algorithm 3). delayed and eager need sync_delay = 0 and keep two more copies of what is "
+        "synced (the mean in flight, the share sent).",
+    )
+    merge_alpha: float = option(
+        0.0, "α of merge = \"lerp\": the weight the local value keeps at the merge (Streaming DiLoCo's α; torchft's "
+        "fragment_update_alpha, MaxText's communication_overlapping_alpha). 0 = take the synced value (the local "
+        "steps since the issue dropped), 0.5 = a uniform average, 1 = never synced.", ge=0.0, le=1.0,
     )
 
 
@@ -304,7 +353,7 @@ def resolve_periods(cfg: Config, hparams: BaseHParams) -> Periods:
 
 
 def check(cfg: Config, hparams: BaseHParams) -> list[str]:
-    """The family's cross-field rules (list lengths, Σω, periods, sync_delay, the Muon base's one
+    """The family's cross-field rules (list lengths, Σω, periods, sync_delay, merge, the Muon base's one
     momentum), no collectives: the first problem found, as one line. Each value's kind has passed the
     generic validator."""
     ku, om = list(cfg.Ku), list(cfg.omega)
@@ -342,6 +391,15 @@ def check(cfg: Config, hparams: BaseHParams) -> list[str]:
         periods = resolve_periods(cfg, hparams)
     except ConfigError as error:
         return [str(error)]
+    if cfg.merge in OVERLAPPED_MERGES and cfg.sync_delay:
+        return [
+            f"[{SECTION}] merge = {cfg.merge!r} with sync_delay = {cfg.sync_delay!r}: allowed is sync_delay = 0 with "
+            f"merge = \"delayed\" or \"eager\" (their sync stays in flight for a whole period by itself), or merge = "
+            "\"additive\" for a sync_delay"
+        ]
+    if cfg.merge != "lerp" and cfg.merge_alpha != 0.0:
+        return [f"[{SECTION}] merge_alpha = {cfg.merge_alpha!r} with merge = {cfg.merge!r}: merge_alpha is read only by "
+                "merge = \"lerp\"; set merge = \"lerp\", or leave merge_alpha unset"]
     positive = [(k, key) for key, k in [("Kx", periods.Kx), ("Kv", periods.Kv)] +
                 [(f"Ku[{j}]", k) for j, k in enumerate(periods.Ku)] if k > 0]
     smallest, key = min(positive, key=lambda period: period[0], default=(0, ""))
@@ -399,17 +457,20 @@ def periodic(resolved: Resolved) -> Optional[PeriodicSyncs]:
 
     def due_alone(subset: tuple[int, ...]) -> Config:
         on = {states[i][0] for i in subset}
-        return dataclasses.replace(options, Kx=int("Kx" in on), Kv=int("Kv" in on), sync_delay=0,
-                                   Ku=[int(("Ku", j) in on) for j in range(len(p.Ku))])
+        return dataclasses.replace(options, Kx=int("Kx" in on), Kv=int("Kv" in on), sync_delay=0, merge="additive",
+                                   merge_alpha=0.0, Ku=[int(("Ku", j) in on) for j in range(len(p.Ku))])
 
     return PeriodicSyncs(tuple(k for _, k in states), due_alone, exact=options.fragments == 1)
 
 
 def settings(resolved: Resolved) -> dict[str, Any]:
-    """The options behind the bytes: the resolved periods, the wire dtype, the fragments."""
+    """The options behind the bytes: the resolved periods, the wire dtype, the fragments (and an
+    overlapped merge, which moves the bytes in time only)."""
     o, p = resolved.options, resolve_periods(resolved.options, resolved.hparams)
     return {"Kx": p.Kx, "Ku": list(p.Ku), "Kv": p.Kv, "transfer_dtype": o.transfer_dtype,
-            **({"fragments": o.fragments} if o.fragments > 1 else {})}
+            **({"fragments": o.fragments} if o.fragments > 1 else {}),
+            **({"fragment_layout": o.fragment_layout} if o.fragments > 1 and o.fragment_layout != "size" else {}),
+            **({"merge": o.merge} if o.merge != "additive" else {})}
 
 
 def moment_key(j: int) -> str:
@@ -474,6 +535,16 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
         self._replicate = topology.replicate if topology.replicated else None
         self._wire_dtype = None if cfg.transfer_dtype == "native" else comm.DTYPES[cfg.transfer_dtype]
         self._sync_delay = cfg.sync_delay
+        self._merge = cfg.merge
+        self._alpha = cfg.merge_alpha if cfg.merge == "lerp" else None
+        self._overlapped = cfg.merge in OVERLAPPED_MERGES
+        # An overlapped merge applies pseudo-gradients from an anchor, so averaging keeps one too (outer
+        # SGD at lr 1); the Nesterov outer step always has one.
+        self._anchored = (nesterov or self._overlapped) and self.periods.Kx > 0
+        self._outer_delta = (
+            partial(_nesterov_outer_delta, lr=cfg.outer_lr, momentum=cfg.outer_momentum) if nesterov
+            else _average_outer_delta
+        )
         self.start_step_counter()
         # Eager state: DCP's _init_optim_state would otherwise run a dummy zero-grad step (lr 0) on
         # an empty state, advancing the step counter (the sync schedule) and seeding ADOPT's v with 0.
@@ -483,7 +554,9 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
                 if p.requires_grad:
                     self._init_state(p, group)
                     self._params.append((group, p))
-        self.schedule = SyncSchedule(self.periods, [p.numel() for _, p in self._params], cfg.fragments)
+        names = [name for _, name, p in params_by_name(self.param_groups) if p.requires_grad]
+        self.schedule = SyncSchedule(self.periods, [p.numel() for _, p in self._params], cfg.fragments,
+                                     names if cfg.fragment_layout == "strided" else None)
         # [commopt] kernels, decided once: the fused Triton update (update_triton.py) for every local step
         # but plain Adam's, which torch's fused AdamW kernel already makes in one pass.
         self._fused_update = (
@@ -506,10 +579,13 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
     def replicas_in_sync(self) -> bool:
         """Whether every replica holds the same parameters now: before the first step (the adapter
         broadcasts replica 0's parameters), or right after a step at which every fragment's x was
-        averaged with no delay. With several fragments at different offsets, or a ``sync_delay``
-        (local progress is kept at a merge), that never happens after the first step. Read from the
-        checkpointed step counter, so it stays right after a resume."""
-        return self._n == 0 or (self._sync_delay == 0 and self.schedule.all_x_due(self._n))
+        averaged with no delay (``merge = "lerp"`` too when α = 0), or applied after a whole period's
+        delay (``merge = "delayed"``: every replica applies the same mean). With several fragments at
+        different offsets, a ``sync_delay`` (local progress is kept at a merge) or ``merge = "eager"``
+        (each replica applies its own fresh share), that never happens after the first step. Read from
+        the checkpointed step counter, so it stays right after a resume."""
+        exact = self._merge in ("additive", "delayed") or (self._merge == "lerp" and self._alpha == 0.0)
+        return self._n == 0 or (self._sync_delay == 0 and exact and self.schedule.all_x_due(self._n))
 
     def steps_to_next_sync(self) -> Optional[int]:
         """Steps until the next R sync of any state (x, u_j or v); ``None`` when one period is 1
@@ -518,20 +594,28 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
 
     @contextmanager
     def global_params(self, *, ledger: Optional["comm.CommLedger"] = None) -> Iterator[None]:
-        """The global model (``CommOptimizer.global_params``): with the Nesterov outer step, the
-        anchor (x after the last outer step that landed); else the parameters themselves where the
-        replicas hold the same ones (one replica, or right after a sync of every fragment's x), and
-        mean_R(x) anywhere else: what a sync now would make, in ``transfer_dtype``, one all-reduce
-        recorded on ``ledger`` (default: ``self.ledger``)."""
+        """The global model (``CommOptimizer.global_params``): with an anchor (the Nesterov outer step,
+        or an overlapped merge), the anchor (x after the last outer step that landed), averaged over R
+        for ``merge = "eager"`` (each replica's anchor holds its own fresh share; one all-reduce);
+        else the parameters themselves where the replicas hold the same ones (one replica, or right
+        after a sync of every fragment's x), and mean_R(x) anywhere else: what a sync now would make.
+        Averages are in ``transfer_dtype``, one all-reduce recorded on ``ledger`` (default:
+        ``self.ledger``)."""
         params = [p for _, p in self._params]
-        if self._outer is not None and self.periods.Kx > 0:
-            with anchors_swapped_in(params, [self.state[p]["outer_anchor"] for p in params]):
-                yield
+        ledger = ledger if ledger is not None else self.ledger
+        if self._anchored and self._syncs:  # (averaging on one replica syncs nothing: x is the model)
+            anchors = [self.state[p]["outer_anchor"] for p in params]
+            if self._merge == "eager" and self._replicate is not None:
+                with replica_mean_swapped_in(params, self._replicate, wire_dtype=self._wire_dtype, ledger=ledger,
+                                             sources=anchors):
+                    yield
+            else:
+                with anchors_swapped_in(params, anchors):
+                    yield
         elif self._replicate is None or self.replicas_in_sync():
             yield
         else:
-            with replica_mean_swapped_in(params, self._replicate, wire_dtype=self._wire_dtype,
-                                         ledger=ledger if ledger is not None else self.ledger):
+            with replica_mean_swapped_in(params, self._replicate, wire_dtype=self._wire_dtype, ledger=ledger):
                 yield
 
     # ---- state -----------------------------------------------------------------------------------
@@ -542,11 +626,23 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
             state["step"] = self._step_t
             for key in self._row_states(group):
                 state[key] = zeros()
-            if self._outer is not None and self.periods.Kx > 0:
+            if self._anchored:
                 # x at the last sync: the outer step's pseudo-gradient is anchor − mean_R(x)
                 state["outer_anchor"] = p.detach().clone()
+            if self._outer is not None and self.periods.Kx > 0:
                 state["outer_buf"] = zeros()
+            if self._overlapped:  # zeros: the sync of nothing at update 0 (sync.sync_overlapped)
+                for key in self._overlap_keys(group):
+                    state[f"inflight_{key}"] = zeros()
+                    if self._merge == "eager":
+                        state[f"sent_{key}"] = zeros()
         return state
+
+    def _overlap_keys(self, group: dict) -> list[str]:
+        """The synced tensors of a parameter (x, and of its row's states u_j, v those with a period > 0)
+        under an overlapped merge."""
+        period = {moment_key(j): k for j, k in enumerate(self.periods.Ku)} | {"exp_avg_sq": self.periods.Kv}
+        return (["x"] if self.periods.Kx > 0 else []) + [key for key in self._row_states(group) if period[key] > 0]
 
     # ---- step ------------------------------------------------------------------------------------
     def _clip_scale(self, grads: list[torch.Tensor], params: list[torch.Tensor]) -> torch.Tensor:
@@ -624,12 +720,25 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
     # ---- the R syncs (sync.py) ------------------------------------------------------------------
     def _sync(self, n: int) -> None:
         """Average every (state, fragment) due after update ``n`` in one fused all-reduce: now
-        (``sync_delay`` = 0) or merged after update ``n + sync_delay``; merge what is due now."""
+        (``sync_delay`` = 0) or merged after update ``n + sync_delay``; merge what is due now. With an
+        overlapped ``merge``: land what is due, apply it and issue this step's (``sync_overlapped``)."""
         due = self.schedule.due(n) if self._syncs else {}
+        if self._overlapped:
+            # What was issued a period ago lands first (its means into the inflight_ states), then this
+            # step's sync applies it and issues its own, which lands by the next sync of any of its states.
+            self.runtime.advance(n)
+            if due:
+                kinds = dict(self.periods.kinds())
+                self.runtime.start(
+                    sync_overlapped(self._overlap_entries(due), self._reduce, self._merge,
+                                    self.topology.replicate_size, self._outer_delta),
+                    due=n + min(kinds[kind] for kind in due))
+            return
         if due:
             states = self._due_states(due)
-            if self._sync_delay:
-                self.runtime.start(sync_streaming(states, self._reduce, self._outer), due=n + self._sync_delay)
+            if self._sync_delay or self._alpha is not None:  # lerp at τ = 0: lands by advance(n) below
+                self.runtime.start(sync_streaming(states, self._reduce, self._outer, self._alpha),
+                                   due=n + self._sync_delay)
             else:
                 self.runtime.run(sync_in_place(states, self._reduce, self._outer))
         self.runtime.advance(n)
@@ -650,16 +759,52 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
                 out.tensors.append(local(p))
         return out
 
+    def _overlap_entries(self, due: dict[str, set[int]]) -> list[OverlapEntry]:
+        """The due tensors of an overlapped sync, in the fused buffer's order (u_j, v, x per parameter)."""
+        out: list[OverlapEntry] = []
+        eager = self._merge == "eager"
+        for (group, p), f in zip(self._params, self.schedule.fragment_of):
+            state = self.state[p]
+            keyed = [(moment_key(j), f"u{j}") for j in range(len(group["betas1"]))] + [("exp_avg_sq", "v"), ("x", "x")]
+            for key, kind in keyed:
+                if f not in due.get(kind, ()) or (key != "x" and key not in state):  # Muon's matrices: no v
+                    continue
+                x = key == "x"
+                out.append(OverlapEntry(
+                    live=local(p) if x else local(state[key]), inflight=local(state[f"inflight_{key}"]),
+                    sent=local(state[f"sent_{key}"]) if eager else None,
+                    anchor=local(state["outer_anchor"]) if x else None,
+                    buf=local(state["outer_buf"]) if x and "outer_buf" in state else None,
+                    second_moment=key == "exp_avg_sq"))
+        return out
+
     def _reduce(self, tensors: list[torch.Tensor]) -> "comm.Pending[None]":
         return comm.all_reduce_fused(tensors, R, self._replicate, op="mean", dtype=self._wire_dtype,
                                      ledger=self.ledger, async_op=True)
 
 
+def _nesterov_outer_delta(x: torch.Tensor, anchor: torch.Tensor, buf: Optional[torch.Tensor], delta: torch.Tensor, *,
+                          lr: float, momentum: float) -> None:
+    """DiLoCo's outer step on a pseudo-gradient built from means of pseudo-gradients (``delta``, used
+    up); x takes the new anchor."""
+    updates.nesterov_step_(anchor, delta, buf, lr=lr, momentum=momentum)
+    x.copy_(anchor)
+
+
+def _average_outer_delta(x: torch.Tensor, anchor: torch.Tensor, buf: Optional[torch.Tensor],
+                         delta: torch.Tensor) -> None:
+    """``outer = "average"`` as an outer step on a pseudo-gradient: SGD at lr 1, x ← a − Δ̃ (with the
+    blocking merge's Δ̄ = a − mean_R(x) and equal anchors, x ← mean_R(x))."""
+    x.copy_(anchor).sub_(delta)
+    anchor.copy_(x)
+
+
 # ---- the family ------------------------------------------------------------------------------------
 def state_shape(resolved: Resolved) -> dict[str, Any]:
     """What shapes the checkpointed state: the base (which moments, what they mean), the number of
-    first momenta, the Nesterov outer state (Kx > 0), per-replica parameters (Kx != 1) and, with
-    ``base = "muon"``, the routing (which parameters keep a second moment)."""
+    first momenta, the Nesterov outer state (Kx > 0), per-replica parameters (Kx != 1), with
+    ``base = "muon"`` the routing (which parameters keep a second moment), and an overlapped merge's
+    state."""
     cfg, periods = resolved.options, resolve_periods(resolved.options, resolved.hparams)
     return {
         "base": cfg.base,
@@ -667,6 +812,9 @@ def state_shape(resolved: Resolved) -> dict[str, Any]:
         "outer": cfg.outer if periods.Kx > 0 else "none (Kx = 0)",
         "Kx": 1 if periods.Kx == 1 else "not 1 (parameters kept per replica)",
         **({"embed_names": cfg.embed_names, "head_names": cfg.head_names} if cfg.base == "muon" else {}),
+        # the mean in flight and the share sent are state (the additive merge keeps none: left out, so
+        # checkpoints written before the option existed still resume)
+        **({"merge": cfg.merge} if cfg.merge in OVERLAPPED_MERGES else {}),
     }
 
 

@@ -4,7 +4,9 @@
 Between syncs every replica's parameters differ; the model a user keeps is the synchronized one:
 
 - a family with an outer step on an anchor (DiLoCo's Nesterov, SparseLoCo's compressed SGD): the
-  anchor, x after the last outer step that landed (:func:`anchors_swapped_in`);
+  anchor, x after the last outer step that landed (:func:`anchors_swapped_in`); with eager overlapped
+  outer steps each replica's anchor holds its own fresh share, so the mean_R of the anchors
+  (:func:`replica_mean_swapped_in` with ``sources``);
 - a family that averages its parameters (DES-LOC, MT-DAO, Local Adam): mean_R(x), what a sync now
   would make, in the sync's own wire dtype (:func:`replica_mean_swapped_in`: one all-reduce over R,
   in buckets of at most :data:`BUCKET_ELEMENTS`).
@@ -64,12 +66,16 @@ def anchors_swapped_in(params: list[torch.Tensor], anchors: list[torch.Tensor]) 
 @contextmanager
 def replica_mean_swapped_in(
     params: list[torch.Tensor], replicate: Optional["torch.distributed.ProcessGroup"], *,
-    wire_dtype: Optional[torch.dtype], ledger: "comm.CommLedger",
+    wire_dtype: Optional[torch.dtype], ledger: "comm.CommLedger", sources: Optional[list[torch.Tensor]] = None,
 ) -> Iterator[None]:
-    """Each parameter holds mean_R of its local shard inside: the all-reduce a sync would make
-    (``wire_dtype`` on the wire, None: each tensor's own), recorded on ``ledger``."""
+    """Each parameter holds mean_R of its local shard inside (of ``sources[i]``'s, laid out alike,
+    where given: the anchors): the all-reduce a sync would make (``wire_dtype`` on the wire, None:
+    each tensor's own), recorded on ``ledger``."""
 
     def fill(shards: list[torch.Tensor]) -> None:
+        if sources is not None:
+            for shard, source in zip(shards, sources):
+                shard.copy_(local(source))
         for (bucket,) in column_chunks([[s] for s in shards if s.numel()], BUCKET_ELEMENTS):
             comm.all_reduce_fused(bucket, R, replicate, op="mean", dtype=wire_dtype, ledger=ledger)
 

@@ -68,9 +68,28 @@ the sync runs after update n when ``n % H == 0``.
 ``sync_delay`` τ (off by default; it changes the algorithm, as the local-adaptive family's
 streaming sync does): the all-gather issued after update n is completed after update n + τ, the
 next τ inner steps overlapping it; then x_anchor ← x_anchor − α·agg_R(Δ̂) and x ← x_anchor + (x −
-x at issue), keeping the local progress of those τ steps (Streaming DiLoCo's merge). It costs one
+x at issue), keeping the local progress of those τ steps; with ``merge = "lerp"`` Streaming DiLoCo's
+own merge (Douillard et al. 2025, §2.3), x ← a·x + (1 − a)·x_anchor, a = ``merge_alpha``. It costs one
 copy of the parameters in flight. τ < H. ``state_dict`` completes a sync in flight first, so a
 checkpoint holds none and a resumed run continues as the run that saved it.
+
+``merge`` = ``"delayed"`` / ``"eager"`` (off by default; Kale, Douillard, Donchev 2025, "Eager Updates
+For Overlapped Communication and Computation in DiLoCo", arXiv 2502.12996, Algorithms 2 and 3, with
+SparseLoCo's compressed Δ̂ in place of DiLoCo's Δ): the all-gather issued after update n stays in
+flight over the whole next period and is applied after update n + H, where the next one is issued.
+On replica m, with agg(t−1) the aggregate that arrived and Δ̂_m(t−1) what m sent then (both zero
+before the first sync), after this period's e ← β·e + Δ, Δ̂_m(t) = Q(Top-k(e)), e ← e − Δ̂_m(t):
+
+    delayed:  Δ̃ = agg(t−1)                                   # the naive one-outer-step delay
+    eager:    Δ̃ = agg(t−1) + (Δ̂_m(t) − Δ̂_m(t−1))/M           # own fresh share in place of its stale one
+    x_anchor ← x_anchor − α·Δ̃;  x ← x_anchor
+
+The eager share 1/M is exact for ``aggregate = "mean"`` without a clip (the paper's (1/R)·Σ); with
+``senders`` or ``median_norm`` a replica's weight in the aggregate differs per coordinate and is
+taken as 1/M. The aggregate in flight (``inflight_update``) and, eager, the share sent
+(``sent_update``) are state: a checkpoint completes the all-gather and keeps its aggregate without
+applying it, so a resumed run continues exactly as one that never saved. Eager replicas' anchors
+differ slightly (the global model is then their mean over R); delayed ones agree after every sync.
 
 TP and FSDP change only which shard a rank works on (``common.replica_grad`` brings the gradient to
 the parameter's placements); a parameter replicated over T is processed identically on every T rank.
@@ -103,7 +122,8 @@ from ..shard_groups import Groups, sharding_groups, sum_over
 from ..muon.engine import MuonMatrices
 from ..muon.layout import muon_shard_bytes
 from ..muon.options import MuonOptions, muon_problems, routed_groups
-from .global_model import anchors_swapped_in
+from .global_model import anchors_swapped_in, replica_mean_swapped_in
+from .sync import eager_pseudo_gradient
 from .steps import LocalSteps, chunk_limit, column_chunks, trainable
 
 __all__ = ["Config", "PRESETS", "PRESET_SOURCES", "SparseLoCo", "FAMILY", "check", "sparseloco_r_bytes",
@@ -158,6 +178,20 @@ class _Own:
         0, "Steps τ the outer all-gather stays in flight (overlapped with the next τ inner steps) before "
         "the outer step lands, keeping the local progress of those steps: x ← x_anchor + (x − x at issue). "
         "0 = the paper's blocking sync; must be below H. Changes the algorithm.", ge=0)
+    merge: Literal["additive", "lerp", "delayed", "eager"] = option(
+        "additive", "How the outer step lands. additive: blocking with sync_delay = 0, else after sync_delay "
+        "steps keeping the local progress (sync_delay above). lerp: Streaming DiLoCo's merge (Douillard et al. "
+        "2025, §2.3) after sync_delay steps (0: at once), x ← α·x + (1 − α)·x_anchor, α = merge_alpha. "
+        "delayed / eager (Kale, Douillard, Donchev 2025, "
+        "arXiv 2502.12996): the all-gather stays in flight over the whole next period and is applied after it; "
+        "delayed applies the aggregate that arrived, agg(t−1) (their naive one-outer-step delay), eager that "
+        "aggregate with this replica's stale share replaced by its fresh one, agg(t−1) + (Δ̂_m(t) − Δ̂_m(t−1))/M "
+        "(their eager update; the share 1/M is exact for aggregate = mean without a clip). Need sync_delay = 0; "
+        "keep one (delayed) or two (eager) more copies of the parameters as state.")
+    merge_alpha: float = option(
+        0.0, "α of merge = \"lerp\": the weight the local parameters keep at the merge (Streaming DiLoCo's α; "
+        "torchft's fragment_update_alpha). 0 = take the new anchor (the local steps since the issue dropped).",
+        ge=0.0, le=1.0)
     lr: float = option(
         -1.0, "Initial inner learning rate; negative = [optimizer] lr × lr_scale. Wins over lr_scale (and "
         "over the preset's lr_scale) when set.")
@@ -225,6 +259,13 @@ def check(cfg: Config, hparams: Optional[BaseHParams] = None) -> list[str]:
         return muon_problems(cfg, SECTION)
     if cfg.topk > cfg.chunk ** 2:
         return [f"[{SECTION}] topk = {cfg.topk}: allowed is at most chunk^2 = {cfg.chunk ** 2} (chunk = {cfg.chunk})"]
+    if cfg.merge in ("delayed", "eager") and cfg.sync_delay:
+        return [f"[{SECTION}] merge = {cfg.merge!r} with sync_delay = {cfg.sync_delay}: allowed is sync_delay = 0 with "
+                "merge = \"delayed\" or \"eager\" (their sync stays in flight for a whole period by itself), or merge = "
+                "\"additive\" for a sync_delay"]
+    if cfg.merge != "lerp" and cfg.merge_alpha != 0.0:
+        return [f"[{SECTION}] merge_alpha = {cfg.merge_alpha!r} with merge = {cfg.merge!r}: merge_alpha is read only by "
+                "merge = \"lerp\"; set merge = \"lerp\", or leave merge_alpha unset"]
     if cfg.sync_delay >= cfg.H:
         return [f"[{SECTION}] sync_delay = {cfg.sync_delay}: allowed is an integer >= 0 below H = {cfg.H} "
                 "(a sync must land before the next one is issued)"]
@@ -387,7 +428,8 @@ def periodic(resolved: Resolved) -> Optional[PeriodicSyncs]:
     """One all-gather every H steps."""
     options = resolved.options
     if options.H > 1:
-        return PeriodicSyncs((options.H,), lambda subset: dataclasses.replace(options, H=1, sync_delay=0))
+        return PeriodicSyncs((options.H,), lambda subset: dataclasses.replace(options, H=1, sync_delay=0,
+                                                                               merge="additive", merge_alpha=0.0))
     return None
 
 
@@ -398,7 +440,8 @@ def settings(resolved: Resolved) -> dict[str, Any]:
             **({"topk_rule": o.topk_rule} if o.topk_rule != "min" else {}),
             **({"clip": o.clip} if o.clip != "none" else {}),
             **({"inner": o.inner} if o.inner != "adamw" else {}),
-            **({"sync_delay": o.sync_delay} if o.sync_delay else {})}
+            **({"sync_delay": o.sync_delay} if o.sync_delay else {}),
+            **({"merge": o.merge} if o.merge != "additive" else {})}
 
 
 def statistics_floats(cfg: Config) -> int:
@@ -454,7 +497,8 @@ class SparseLoCo(LocalSteps, CommOptimizer):
         super().__init__(params, topology, options, defaults, ledger=ledger)
         self.cfg = cfg
         self.muon = MuonMatrices(self.param_groups, topology, cfg) if cfg.inner == "muon" else None
-        self.H, self._sync_delay = cfg.H, cfg.sync_delay
+        self.H, self._sync_delay, self._merge = cfg.H, cfg.sync_delay, cfg.merge
+        self._alpha = cfg.merge_alpha if cfg.merge == "lerp" else None
         self._quantizer = StatisticalQuantizer(BINS, cfg.quant_range) if cfg.quantization == "2bit" else None
         self._replicate = topology.replicate if topology.replicated else None
         self._codecs: dict[tuple, ShardCodec] = {}
@@ -490,6 +534,10 @@ class SparseLoCo(LocalSteps, CommOptimizer):
         state["error_feedback"] = zeros()
         if self.cfg.outer_momentum > 0:
             state["outer_buf"] = zeros()
+        if self._merge in ("delayed", "eager"):  # zeros: the sync of nothing at update 0
+            state["inflight_update"] = zeros()
+            if self._merge == "eager":
+                state["sent_update"] = zeros()
 
     @staticmethod
     def _row_states(group: dict) -> list[str]:
@@ -498,8 +546,10 @@ class SparseLoCo(LocalSteps, CommOptimizer):
 
     # ---- hooks the torchtitan adapter reads ---------------------------------------------------------
     def replicas_in_sync(self) -> bool:
-        """Right after a blocking outer step (and before the first step) every replica holds the anchor."""
-        return self._n == 0 or (self._sync_delay == 0 and self._n % self.H == 0)
+        """Right after a blocking or delayed outer step, or a lerp at α = 0 (and before the first step)
+        every replica holds the anchor; an eager one applies each replica's own fresh share."""
+        exact = self._merge in ("additive", "delayed") or (self._merge == "lerp" and self._alpha == 0.0)
+        return self._n == 0 or (self._sync_delay == 0 and exact and self._n % self.H == 0)
 
     def steps_to_next_sync(self) -> Optional[int]:
         if not self.topology.replicated or self.H == 1:
@@ -509,9 +559,17 @@ class SparseLoCo(LocalSteps, CommOptimizer):
     @contextmanager
     def global_params(self, *, ledger: Optional["comm.CommLedger"] = None) -> Iterator[None]:
         """The global model (``CommOptimizer.global_params``): the anchor, x after the last outer
-        step that landed (with a sync in flight, the one before it). Sends nothing."""
+        step that landed (with a sync in flight, the one before it); sends nothing, but for
+        ``merge = "eager"``, whose replicas' anchors differ: their mean over R, one all-reduce recorded
+        on ``ledger`` (default: ``self.ledger``)."""
         params = [pc.p for pc in self._pieces]
-        with anchors_swapped_in(params, [self.state[p]["outer_anchor"] for p in params]):
+        anchors = [self.state[p]["outer_anchor"] for p in params]
+        if self._merge == "eager" and self._replicate is not None:
+            with replica_mean_swapped_in(params, self._replicate, wire_dtype=None,
+                                         ledger=ledger if ledger is not None else self.ledger, sources=anchors):
+                yield
+            return
+        with anchors_swapped_in(params, anchors):
             yield
 
     # ---- step -------------------------------------------------------------------------------------
@@ -533,6 +591,13 @@ class SparseLoCo(LocalSteps, CommOptimizer):
                                      weight_decay=group["weight_decay"], step=n, fused=True)  # inner AdamW
         if self.muon is not None:
             self.muon.step(matrices, self.runtime, self.ledger)
+        if self._merge in ("delayed", "eager"):
+            # The all-gather issued a period ago lands first (its aggregate into inflight_update), then this
+            # period's outer step applies it and issues its own, landing by the next period's end.
+            self.runtime.advance(n)
+            if n % self.H == 0:
+                self.runtime.start(self._overlapped_outer_step(), due=n + self.H)
+            return loss
         if n % self.H == 0:
             if self._sync_delay:
                 self.runtime.start(self._outer_step(streaming=True), due=n + self._sync_delay)
@@ -576,10 +641,10 @@ class SparseLoCo(LocalSteps, CommOptimizer):
         levels = [q.levels(b, sc[0]) for b, sc in zip(bins, scales)]
         return [(c, lv, q.norms(b, lv) if clip else None) for c, lv, b in zip(codes, levels, bins)]
 
-    def _outer_step(self, streaming: bool):
-        """One sync, a task of :attr:`runtime`: Δ, e and the payload of every shard now (the
-        statistics summed over the shard groups first), the all-gather, then the outer step (for
-        ``streaming``, keeping the local progress since)."""
+    def _compress(self) -> tuple[list, Optional[torch.Tensor], list[torch.Tensor]]:
+        """This sync's payload: Δ, e ← β·e + Δ, Δ̂ = Q(Top-k(e)) and e ← e − Δ̂ for every shard (the
+        statistics summed over the shard groups first). ``(live pieces, the send buffer, each live
+        piece's Δ̂ in its shard's shape)``; no live piece: ``([], None, [])``."""
         pieces = self._pieces
         selections: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = []
         for pc in pieces:
@@ -593,40 +658,90 @@ class SparseLoCo(LocalSteps, CommOptimizer):
         stats = self._statistics([sel[0] if sel is not None else None for sel in selections])
         live = [(pc, sel, st) for pc, sel, st in zip(pieces, selections, stats) if pc.codec is not None]
         if not live:
-            return
+            return [], None, []
         send = torch.empty(sum(pc.codec.nbytes for pc, _, _ in live), dtype=torch.uint8, device=local(live[0][0].p).device)
-        offset = 0
+        offset, updates_sent = 0, []
         for pc, (vals, idx), st in live:
             codec, e = pc.codec, local(self.state[pc.p]["error_feedback"])
-            sent = codec.write(vals, idx, send[offset: offset + codec.nbytes], *st)  # Δ̂ = Q(Top-k(e))
-            e.sub_(codec.from_chunks(sent, e.dtype))  # e ← e − Δ̂
+            chunks = codec.write(vals, idx, send[offset: offset + codec.nbytes], *st)  # Δ̂ = Q(Top-k(e)), chunk-major
+            sent = codec.from_chunks(chunks, e.dtype)
+            e.sub_(sent)  # e ← e − Δ̂
+            updates_sent.append(sent)
             offset += codec.nbytes
-        snapshots = [local(pc.p).clone() for pc, _, _ in live] if streaming else None  # x at issue
-        payloads = yield comm.all_gather(send, R, self._replicate, async_op=True, ledger=self.ledger)
+        return live, send, updates_sent
+
+    def _aggregates(self, live: list, payloads: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(piece, agg_R(Δ̂) in its anchor's shape and dtype)`` for every live piece, from every
+        replica's bytes."""
         offset = 0
-        for i, (pc, _, _) in enumerate(live):
-            codec, x, anchor = pc.codec, local(pc.p), local(self.state[pc.p]["outer_anchor"])
-            agg = codec.from_chunks(codec.aggregate(payloads[:, offset: offset + codec.nbytes]), anchor.dtype)
-            if self.cfg.outer_momentum > 0:  # MuLoCo's: Nesterov SGD on the aggregate
-                updates.nesterov_step_(anchor, agg, local(self.state[pc.p]["outer_buf"]), lr=self.cfg.outer_lr,
-                                       momentum=self.cfg.outer_momentum)
-            else:
-                anchor.sub_(agg, alpha=self.cfg.outer_lr)  # x_anchor ← x_anchor − α·agg_R(Δ̂)
-            if streaming:
+        for pc, _, _ in live:
+            codec, anchor = pc.codec, self.state[pc.p]["outer_anchor"]
+            yield pc, codec.from_chunks(codec.aggregate(payloads[:, offset: offset + codec.nbytes]), anchor.dtype)
+            offset += codec.nbytes
+
+    def _outer_update(self, state: dict, delta: torch.Tensor) -> None:
+        """The outer step on the anchor from an aggregate ``delta`` (used up): SGD, x_anchor ← x_anchor −
+        α·delta, or with an outer momentum MuLoCo's Nesterov SGD."""
+        anchor = local(state["outer_anchor"])
+        if self.cfg.outer_momentum > 0:  # MuLoCo's: Nesterov SGD on the aggregate
+            updates.nesterov_step_(anchor, delta, local(state["outer_buf"]), lr=self.cfg.outer_lr,
+                                   momentum=self.cfg.outer_momentum)
+        else:
+            anchor.sub_(delta, alpha=self.cfg.outer_lr)  # x_anchor ← x_anchor − α·agg_R(Δ̂)
+
+    def _outer_step(self, streaming: bool):
+        """One sync, a task of :attr:`runtime`: Δ, e and the payload of every shard now
+        (:meth:`_compress`), the all-gather, then the outer step (for ``streaming``, keeping the
+        local progress since)."""
+        live, send, _ = self._compress()
+        if not live:
+            return
+        additive = streaming and self._alpha is None
+        snapshots = [local(pc.p).clone() for pc, _, _ in live] if additive else None  # x at issue
+        payloads = yield comm.all_gather(send, R, self._replicate, async_op=True, ledger=self.ledger)
+        for i, (pc, agg) in enumerate(self._aggregates(live, payloads)):
+            x, anchor = local(pc.p), local(self.state[pc.p]["outer_anchor"])
+            self._outer_update(self.state[pc.p], agg)
+            if self._alpha is not None:
+                x.lerp_(anchor, 1.0 - self._alpha)  # x ← α·x + (1 − α)·x_anchor (weight 1: the anchor itself)
+            elif additive:
                 x.sub_(snapshots[i]).add_(anchor)  # x ← x_anchor + (x − x at issue)
             else:
                 x.copy_(anchor)
-            offset += codec.nbytes
+
+    def _overlapped_outer_step(self):
+        """One period's sync under ``merge = "delayed"`` / ``"eager"``, a task of :attr:`runtime`: this
+        period's Δ̂_m(t) (:meth:`_compress`); the outer step on the aggregate that landed (delayed) or on
+        it with this replica's stale share replaced by Δ̂_m(t) (eager, ``sync.eager_pseudo_gradient``);
+        then Δ̂_m(t) kept as the share sent and the all-gather issued, parked until the next period's
+        end (or a checkpoint), when its aggregate is written into ``inflight_update``."""
+        live, send, updates_sent = self._compress()
+        if not live:
+            return
+        eager, replicas = self._merge == "eager", self.topology.replicate_size
+        for (pc, _, _), fresh in zip(live, updates_sent):
+            st = self.state[pc.p]
+            x, anchor, landed = local(pc.p), local(st["outer_anchor"]), local(st["inflight_update"])
+            delta = eager_pseudo_gradient(landed, local(st["sent_update"]), fresh, replicas) if eager else landed.clone()
+            self._outer_update(st, delta)  # x_anchor ← x_anchor − α·Δ̃ (or MuLoCo's Nesterov on Δ̃)
+            x.copy_(anchor)
+            if eager:
+                local(st["sent_update"]).copy_(fresh)
+        payloads = yield comm.all_gather(send, R, self._replicate, async_op=True, ledger=self.ledger)
+        for pc, agg in self._aggregates(live, payloads):
+            local(self.state[pc.p]["inflight_update"]).copy_(agg)
 
 
 def state_shape(resolved: Resolved) -> dict[str, Any]:
     """What shapes the state: the inner optimizer (and its routing: which parameters keep Muon's
-    momentum, which AdamW's moments) and whether the outer step keeps a momentum."""
+    momentum, which AdamW's moments), whether the outer step keeps a momentum, and an overlapped merge,
+    which adds the aggregate in flight (and the share sent)."""
     cfg = resolved.options
     return {
         "inner": cfg.inner,
         **({"embed_names": cfg.embed_names, "head_names": cfg.head_names} if cfg.inner == "muon" else {}),
         "outer_momentum": "none (0)" if cfg.outer_momentum == 0 else "kept (> 0)",
+        **({"merge": cfg.merge} if cfg.merge in ("delayed", "eager") else {}),
     }
 
 

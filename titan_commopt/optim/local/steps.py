@@ -81,8 +81,10 @@ class LocalSteps:
     - ``state_dict()`` lands every sync in flight first (waiting for its collective): a checkpoint
       holds no half-done sync, and the run that saved continues from the same state as a run resumed
       from it (a streaming sync then lands up to ``sync_delay`` − 1 steps early, at the checkpoint's
-      step: the one thing a checkpoint changes in the trajectory); ``load_state_dict()`` drops the
-      syncs in flight (the state they belong to is replaced) and reads the counter back once.
+      step: the one thing a checkpoint changes in the trajectory; an overlapped outer step, ``merge =
+      "delayed"`` / ``"eager"``, only completes its collective, whose result is state, and changes
+      nothing); ``load_state_dict()`` drops the syncs in flight (the state they belong to is replaced)
+      and reads the counter back once.
     """
 
     _n: int

@@ -1,14 +1,18 @@
 """The local-adaptive family's R syncs: which states are due after which update, and how a sync lands.
 
 :class:`SyncSchedule` answers "what is due after update ``n``" from the periods and the fragments
-alone (the same on every replica and after a resume). :func:`sync_in_place` and
-:func:`sync_streaming` are the two ways a step's due states are averaged over R, written as tasks
+alone (the same on every replica and after a resume). :func:`sync_in_place`, :func:`sync_streaming`
+and :func:`sync_overlapped` are the ways a step's due states are averaged over R, written as tasks
 for the optimizer's :class:`~titan_commopt.overlap.Runtime`: in place and blocking (``sync_delay``
 = 0), or on a snapshot whose all-reduce stays in flight for ``sync_delay`` steps and is then merged
-keeping the local progress of those steps (Streaming DiLoCo). The math is in
+keeping the local progress of those steps (Streaming DiLoCo's overlap with an additive merge), or
+in flight for a whole period and applied at the next sync of the same state, naively delayed or
+eagerly (Kale, Douillard, Donchev 2025, "Eager Updates For Overlapped Communication and Computation
+in DiLoCo", arXiv 2502.12996: ``merge`` = ``"delayed"`` / ``"eager"``). The math is in
 ``adaptive.py``'s module docstring.
 """
 
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -17,12 +21,21 @@ import torch
 from titan_commopt import comm
 from titan_commopt.overlap import Task
 
-__all__ = ["Periods", "SyncSchedule", "DueStates", "offsets", "partition", "sync_in_place", "sync_streaming"]
+__all__ = ["Periods", "SyncSchedule", "DueStates", "OverlapEntry", "offsets", "partition", "sync_in_place",
+           "sync_streaming", "sync_overlapped", "eager_pseudo_gradient", "OVERLAPPED_MERGES", "strided_partition",
+           "block_index"]
 
 # One step's due tensors → their R mean, written back in place when the returned Pending is waited for.
 Reduce = Callable[[list[torch.Tensor]], "comm.Pending[None]"]
 # The outer step on one parameter: (x holding mean_R(x), its anchor, its outer momentum).
 OuterStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+# The outer step on one parameter from a pseudo-gradient: (x, its anchor, its outer momentum or None, Δ).
+OuterDeltaStep = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor], None]
+
+# The merges whose sync stays in flight for a whole period (Kale et al. 2025): "delayed" applies the mean
+# that arrived (their Algorithm 2, the naive one-outer-step delay), "eager" that mean with this replica's
+# stale share replaced by its fresh one (their Algorithm 3).
+OVERLAPPED_MERGES = ("delayed", "eager")
 
 
 @dataclass(frozen=True)
@@ -60,16 +73,44 @@ def partition(sizes: Sequence[int], fragments: int) -> list[int]:
     return out
 
 
+_BLOCK = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def block_index(name: str) -> Optional[int]:
+    """The block a parameter belongs to: the first integer component of its name (``layers.3.attention.
+    wq.weight`` → 3; torch's ``ModuleList`` / ``ModuleDict`` of numbered blocks), ``None`` outside one."""
+    found = _BLOCK.search(name)
+    return int(found.group(1)) if found else None
+
+
+def strided_partition(names: Sequence[str], fragments: int) -> list[int]:
+    """Fragment of each parameter, strided as Streaming DiLoCo's fragments (Douillard et al. 2025, §2.2,
+    Fig. 2: fragment p holds the blocks p, p + F, p + 2F, …, which it finds slightly better than
+    consecutive ones): block k (:func:`block_index`) in fragment k mod F; parameters outside a
+    numbered block (embeddings, final norm, output) round-robin over the fragments in their order.
+    Deterministic from the names alone, hence the same on every replica."""
+    out, loose = [], 0
+    for name in names:
+        k = block_index(name)
+        if k is None:
+            k, loose = loose, loose + 1
+        out.append(k % fragments)
+    return out
+
+
 class SyncSchedule:
     """Fragment f of a state with period K is due after update n when ``(n − ⌊f·K/F⌋) % K == 0``.
 
     ``sizes``: the elements of each parameter (in the optimizer's order); they are split into at most
-    ``fragments`` fragments (at most one per parameter)."""
+    ``fragments`` fragments (at most one per parameter): balanced by size (:func:`partition`), or, given
+    the parameters' ``names``, strided by block (:func:`strided_partition`)."""
 
-    def __init__(self, periods: Periods, sizes: Sequence[int], fragments: int) -> None:
+    def __init__(self, periods: Periods, sizes: Sequence[int], fragments: int,
+                 names: Optional[Sequence[str]] = None) -> None:
         self.periods = periods
         self.fragments = max(1, min(fragments, len(sizes)))
-        self.fragment_of = partition(sizes, self.fragments)
+        self.fragment_of = (partition(sizes, self.fragments) if names is None
+                            else strided_partition(names, self.fragments))
         self._offsets = [(kind, period, offsets(period, self.fragments)) for kind, period in periods.kinds()
                          if period > 0]
 
@@ -119,9 +160,13 @@ def sync_in_place(due: DueStates, reduce: Reduce, outer: Optional[OuterStep]) ->
     _outer_steps(due.tensors, due, outer)
 
 
-def sync_streaming(due: DueStates, reduce: Reduce, outer: Optional[OuterStep]) -> Task:
-    """The all-reduce of a snapshot, issued now; when resumed (``sync_delay`` steps later):
-    t ← mean_R(t at issue) + (t − t at issue), the outer step applied to the snapshot's mean first."""
+def sync_streaming(due: DueStates, reduce: Reduce, outer: Optional[OuterStep], alpha: Optional[float] = None) -> Task:
+    """The all-reduce of a snapshot, issued now; when resumed (``sync_delay`` steps later), with
+    t̃ = mean_R(t at issue) (the outer step applied to it for parameters):
+
+    - ``alpha`` None (``merge = "additive"``): t ← t̃ + (t − t at issue), the local progress kept;
+    - ``alpha`` = α (``merge = "lerp"``, Streaming DiLoCo's merge, Douillard et al. 2025 §2.3):
+      t ← α·t + (1 − α)·t̃ (α = 0: the local progress since the issue dropped, the global fragment taken)."""
     snapshots = [t.clone() for t in due.tensors]  # the price of the overlap: one copy of what is sent
     pending = reduce(snapshots)
     try:
@@ -129,6 +174,12 @@ def sync_streaming(due: DueStates, reduce: Reduce, outer: Optional[OuterStep]) -
     except GeneratorExit:  # dropped by a load: its collective still has to complete
         pending.wait()
         raise
+    if alpha is not None:
+        yield pending  # snapshots := mean_R(snapshots)
+        _outer_steps(snapshots, due, outer)
+        # lerp(t, t̃, 1 − α) = α·t + (1 − α)·t̃; torch's lerp returns t̃ itself at weight 1 (α = 0)
+        torch._foreach_lerp_(due.tensors, snapshots, 1.0 - alpha)
+        return
     # Before the wait: the all-reduce writes the mean into the snapshots only when waited for.
     torch._foreach_sub_(due.tensors, snapshots)  # the local progress since the issue
     yield pending  # snapshots := mean_R(snapshots)
@@ -136,3 +187,61 @@ def sync_streaming(due: DueStates, reduce: Reduce, outer: Optional[OuterStep]) -
     torch._foreach_add_(due.tensors, snapshots)
     for i in due.second_moments:
         due.tensors[i].clamp_min_(0)  # v − v_issue + mean_R(v_issue) can dip below 0 when β2^τ is small
+
+
+@dataclass
+class OverlapEntry:
+    """One due tensor of an overlapped sync (:func:`sync_overlapped`). ``live``: the local tensor (x,
+    u_j or v); ``inflight``: what this replica sent at the last sync of it, replaced in place by the
+    replicas' mean once that all-reduce lands; ``sent``: this replica's own share of it (``None`` for
+    the delayed merge, which does not read it); ``anchor`` (and ``buf``, the Nesterov momentum, or
+    ``None`` for averaging): set for a parameter, whose wire value is its pseudo-gradient Δ = anchor − x
+    (a state's is its value); ``second_moment``: v, kept >= 0."""
+
+    live: torch.Tensor
+    inflight: torch.Tensor
+    sent: Optional[torch.Tensor]
+    anchor: Optional[torch.Tensor] = None
+    buf: Optional[torch.Tensor] = None
+    second_moment: bool = False
+
+
+def eager_pseudo_gradient(mean: torch.Tensor, sent: torch.Tensor, fresh: torch.Tensor, replicas: int) -> torch.Tensor:
+    """Kale et al.'s eager outer gradient of replica m (their Algorithm 3), a new tensor:
+    Δ̃_m(t) = Δ̄(t−1) + (Δ_m(t) − Δ_m(t−1))/M, i.e. (1/M)·(Δ_m(t) + Σ_{m'≠m} Δ_m'(t−1)): the mean that
+    arrived with this replica's own stale share replaced by its fresh one. ``mean`` = Δ̄(t−1), ``sent`` =
+    Δ_m(t−1), ``fresh`` = Δ_m(t), ``replicas`` = M."""
+    return fresh.sub(sent).div_(replicas).add_(mean)
+
+
+def sync_overlapped(entries: Sequence[OverlapEntry], reduce: Reduce, merge: str, replicas: int,
+                    outer: OuterDeltaStep) -> Task:
+    """One period's sync when it overlaps the whole next period (``merge`` in
+    :data:`OVERLAPPED_MERGES`): for each due tensor, its fresh wire value w (Δ_m(t) = anchor − x for a
+    parameter, the value for a state) is taken first; then the sync issued one period ago, landed
+    in ``inflight`` (zeros before the first: a sync of nothing at update 0), is applied:
+
+    - ``delayed``: Δ̃ = Δ̄(t−1), the mean that arrived;
+    - ``eager``: Δ̃ = :func:`eager_pseudo_gradient` (Δ̄(t−1), Δ_m(t−1), Δ_m(t), M);
+
+    a parameter by the outer step on Δ̃ from its anchor (``outer``), a state set to Δ̃ (its own fresh
+    value in place of its stale share of the stale mean; v kept >= 0). Then w goes into ``sent`` and
+    ``inflight`` and one fused all-reduce of every ``inflight`` is issued; the task parks there and
+    lands (the mean written into ``inflight``) when the runtime completes it, by the next sync of
+    these tensors or a checkpoint, which then holds the mean as state, not as a sync in flight."""
+    for e in entries:
+        fresh = e.anchor - e.live if e.anchor is not None else e.live.clone()  # w: Δ_m(t), or the state
+        if merge == "eager":
+            delta = eager_pseudo_gradient(e.inflight, e.sent, fresh, replicas)
+        else:
+            delta = e.inflight  # used up by the outer step: overwritten by w below anyway
+        if e.anchor is not None:
+            outer(e.live, e.anchor, e.buf, delta)
+        else:
+            e.live.copy_(delta)
+            if e.second_moment:
+                e.live.clamp_min_(0)  # a mean of values >= 0 plus a difference of them can round below 0
+        if e.sent is not None:
+            e.sent.copy_(fresh)
+        e.inflight.copy_(fresh)
+    yield reduce([e.inflight for e in entries])

@@ -129,6 +129,8 @@ def in_flight_problems(ft: FtSettings, resolved: Any, spelling: Spelling = TOML)
         return [f"{spelling.setting(section, 'overlap', True)}: {why}; set it to false"]
     if getattr(options, "sync_delay", 0):
         return [f"{spelling.setting(section, 'sync_delay', options.sync_delay)}: {why}; set it to 0"]
+    if getattr(options, "merge", "additive") in ("delayed", "eager"):  # in flight for a whole period
+        return [f"{spelling.setting(section, 'merge', options.merge)}: {why}; set it to \"additive\""]
     return []
 
 
