@@ -115,7 +115,8 @@ class Config:
 # docs/benchmarks.md §8) is the one value our study sets: the lr is always tuned.
 PRESETS: dict[str, dict[str, Any]] = {
     # The Config defaults are DeMo's: chunk 64, top-k 32 of each 64×64 chunk, β 0.999, sign of the aggregate.
-    "DeMo": {"chunk": 64, "topk": 32, "beta": 0.999, "sign_before_sync": False, "lr_scale": 0.577},
+    # lr_scale 0.289: at cpu_tiny (20 tokens per parameter, held-out loss) its best lr was half AdamW-HSDP's.
+    "DeMo": {"chunk": 64, "topk": 32, "beta": 0.999, "sign_before_sync": False, "lr_scale": 0.289},
     # The FlexDeMo paper's experiments: chunk 32, sign before sync (ternary), fp32 transfer; k = 32 →
     # rate 1/32, its best rate for OLMo2 (ahead of 1/16). (DeToNATION 0.5.2's code defaults differ: chunk
     # 64, top-k 32, sign after aggregation — chunk = 64, sign_before_sync = false here.)
@@ -127,7 +128,8 @@ PRESET_SOURCES: dict[str, str] = {
     "DeMo": "DeMo (Peng, Quesnelle, Kingma 2024), §4 (one chunk size for every main experiment; the β ablation, "
     "larger values best) and its reference code bloc97/DeMo demo.py @cab4606 (compression_chunk = 64, "
     "compression_topk = 32, compression_decay = 0.999, sign-SGD on the decoded aggregate): top-k 32 of 4096 per chunk, 158× fewer R bytes than AdamW-HSDP at 8B 2×8. lr_scale: our "
-    "study's (docs/benchmarks.md §8). Alternative, from our small-model study (0.2 M parameters, 500 steps): "
+    "study's (docs/benchmarks.md §8: at cpu_tiny, 20 tokens per parameter, its best lr was 0.5× AdamW-HSDP's; "
+    "at cpu_micro 1×). Alternative, from our small-model study (0.2 M parameters, 500 steps): "
     "topk = 128 (43× fewer bytes) ended within 1 % of AdamW-HSDP's training loss where top-k 32 was +18 %",
     "FlexDeMo": "DeToNATION/FlexDeMo paper, Experiments, \"Overall Setup\" (ablations in its appendix B): "
     "chunk size 32, fp32 transfer, only the sign synced; top-k 32 = compression rate 1/32, its best for OLMo2 "

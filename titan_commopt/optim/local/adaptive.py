@@ -239,9 +239,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Local Adam: everything synced together.
     "LocalAdam": {"base": "adam", "Kx": 32, "Ku": [32], "Kv": 32},
     # DiLoCo: states never synced (persistent local state), Nesterov outer step every Kx with the paper's
-    # outer lr 0.7 and momentum 0.9 (the Config defaults).
+    # outer lr 0.7 and momentum 0.9 (the Config defaults); its inner lr a quarter of AdamW-HSDP's (the study).
     "DiLoCo": {"base": "adam", "Kx": 32, "Ku": [0], "Kv": 0, "outer": "nesterov", "outer_lr": 0.7,
-               "outer_momentum": 0.9},
+               "outer_momentum": 0.9, "lr_scale": 0.25},
     # MuLoCo: DiLoCo with Muon as the inner optimizer, as its authors ran it for the worker count nearest two
     # sites (K = 1: outer lr 0.7, momentum 0.6, H = 30), their Muon (μ 0.9, undamped, no Nesterov, MuLoCo's
     # Newton–Schulz in bf16, √(fan_out/fan_in)) and their AdamW of the routed parameters (β 0.9, 0.99, at the
@@ -277,8 +277,10 @@ PRESET_SOURCES: dict[str, str] = {
     "DiLoCo": "DiLoCo (Douillard et al. 2023), its experimental setup: Nesterov outer step, outer lr 0.7, outer "
     "momentum 0.9; states never synced (persistent local states, DES-LOC §4.1 baseline (iii)); Kx = 32, the "
     "Local Adam period of DES-LOC §4.1 and MT-DAO appendix E.2 Table 3 (the DiLoCo paper's own H = 500 is "
-    "longer than our CPU runs). lr_scale: our study's (docs/benchmarks.md §8). Alternative, from our "
-    "small-model study (0.2 M parameters, 500 steps, docs/benchmarks.md §8.1): outer_momentum = 0.5 (+13 % of "
+    "longer than our CPU runs). lr_scale: our study's (docs/benchmarks.md §8: at cpu_tiny, 20 tokens per "
+    "parameter, its best inner lr was 0.25× AdamW-HSDP's, the lowest tried (the optimum may lie lower); at "
+    "cpu_micro 0.5×). Alternative, from our "
+    "small-model study (0.2 M parameters, 500 steps, docs/benchmarks.md §8H.1): outer_momentum = 0.5 (+13 % of "
     "AdamW-HSDP's training loss where 0.9 was +33 %)",
     "MuLoCo": "MuLoCo (Thérien et al. 2025, arXiv 2505.23725) at K = 1, the worker count of their tables nearest "
     "our two sites (the other is K = 16): bentherien/muloco-1 33cc333 muloco-1.md L67-69 (outer lr 0.7, outer "

@@ -208,7 +208,7 @@ class Config(MuonOptions, _Own):
 PRESETS: dict[str, dict[str, Any]] = {
     "SparseLoCo": {"H": 30, "chunk": 64, "topk": 64, "transform": "none", "quantization": "2bit",
                    "quant_range": 6.0, "topk_rule": "even", "error_decay": 0.95, "outer_lr": 1.0,
-                   "aggregate": "senders", "clip": "median_norm", "lr_scale": 1.0},
+                   "aggregate": "senders", "clip": "median_norm", "lr_scale": 0.25},
     # MuLoCo's 2-bit outer wire: Muon inside, every value of the error-fed pseudo-gradient in 2 bits (no
     # top-k: each chunk keeps all its values, no indices on the wire), the replicas' mean, their Nesterov
     # outer SGD on top (their outer lr a = 0.8 is outer_lr = a² here, as SparseLoCo's).
@@ -225,8 +225,9 @@ PRESET_SOURCES: dict[str, str] = {
     "(tplr-ai/templar c2397ac, hparams/hparams.json: inner_steps 30, target_chunk 64, topk_compression 64, "
     "use_dct false, quantization_bins 4 (2 bits), quantization_range 6, momentum_decay 0.95 (the error "
     "feedback's), outer_learning_rate 1.0; its outer step: the mean over the senders of a coordinate, each replica scaled to the "
-    "median norm, an even k per chunk): 2100× fewer R bytes than AdamW-HSDP at 8B 2×8. lr_scale: our study's "
-    "(docs/benchmarks.md §8). Alternatives, from our small-model study (0.2 M parameters, 500 steps, "
+    "median norm, an even k per chunk): 4203× fewer R bytes than AdamW-HSDP at 8B 2×8. lr_scale: our study's "
+    "(docs/benchmarks.md §8: at cpu_tiny, 20 tokens per parameter, its best lr was 0.25× AdamW-HSDP's, the lowest "
+    "tried (the optimum may lie lower); at cpu_micro 2×). Alternatives, from our small-model study (0.2 M parameters, 500 steps, "
     "docs/benchmarks.md §6): H = 2 with every value of a chunk (topk = 4096; 32× fewer bytes) ended +1.1 % of "
     "AdamW-HSDP's training loss; the paper's plain mean and no clip (aggregate = \"mean\", clip = \"none\", "
     "topk_rule = \"min\")",
