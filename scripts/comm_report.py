@@ -300,18 +300,16 @@ def sync_cycle(resolved, shards, replicate: int, mean, horizon: int | None = Non
         return steps, [(resolved.family.r_bytes(shards, alone(i), replicate), hiding_window(resolved, (period,)),
                         steps // period) for i, period in enumerate(periodic.periods) if steps >= period]
     from titan_commopt.optim.local.adaptive import resolve_periods, sync_schedule
-    from titan_commopt.optim.local.sync import offsets
 
     schedule = sync_schedule(resolved.options, resolve_periods(resolved.options, resolved.hparams),
                              [s.fqn for s in shards], [s.numel for s in shards])
-    parts = [[s for s, f in zip(shards, schedule.fragment_of) if f == fragment] for fragment in range(schedule.fragments)]
+    parts = [[s for s, f in zip(shards, schedule.fragment_of) if f == fragment]
+             for fragment in range(schedule.fragments)]
     payload = {kind: [resolved.family.r_bytes(part, alone(i), replicate) for part in parts]
                for i, kind in enumerate(periodic.states)}
     period_of = dict(zip(periodic.states, periodic.periods))
-    due_steps = sorted({n for kind, period in period_of.items() for offset in set(offsets(period, schedule.fragments))
-                        for n in range(offset or period, steps + 1, period)})
     counts: dict[tuple, int] = {}
-    for n in due_steps:
+    for n in schedule.due_steps(steps):
         due = schedule.due(n)
         sent = sum(payload[kind][f].sent for kind, fragments in due.items() for f in sorted(fragments))
         recv = sum(payload[kind][f].recv for kind, fragments in due.items() for f in sorted(fragments))
@@ -491,7 +489,8 @@ def format_overlap(rows: list[dict]) -> str:
         every = "every step" if o["cycle_steps"] == 1 and o["syncs_per_cycle"] == 1 else \
             f"{o['syncs_per_cycle']:,} per {_steps_text(o['cycle_steps'])}"
         return [r["optimizer"], every,
-                human_seconds(o["sync_wire_s"]), f"{o['sync_window_steps']:,} × T = {human_seconds(o['sync_window_s'])}",
+                human_seconds(o["sync_wire_s"]),
+                f"{o['sync_window_steps']:,} × T = {human_seconds(o['sync_window_s'])}",
                 human_seconds(o["sync_exposed_s"]), human_seconds(o["exposed_s_step"]), human_seconds(o["link_s_step"]),
                 f"{o['floor_s']:.3g} s", f"{o['mean_step_s']:.3g} s", f"{o['ratio']:.3f}"]
 

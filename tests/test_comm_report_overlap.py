@@ -108,6 +108,13 @@ def test_fragments_are_synced_apart_each_with_its_window():
     assert o["mean_step_s"] == pytest.approx(T + sum(max(0.0, w - 2 * T) for w in wires) / 32)
 
 
+def test_schedule_due_steps_are_the_updates_where_something_is_due():
+    from titan_commopt.optim.local.sync import Periods, SyncSchedule
+
+    schedule = SyncSchedule(Periods(Kx=6, Ku=(9,), Kv=0), [5, 4, 3, 2], fragments=4)
+    assert schedule.due_steps(200) == [n for n in range(1, 201) if schedule.due(n)]
+
+
 def test_eager_des_loc_waits_at_the_next_sync_of_any_state_it_carries():
     o = _row("DES-LOC", {"local": {"merge": "eager"}})["overlap"]
     # x every 32, u every 96, v every 192: every sync carries x, so each is due again 32 steps on.
@@ -130,7 +137,8 @@ def test_link_per_step_is_the_mean_wire_time():
 
 
 def test_cli_prints_the_model_and_set_changes_it(capsys):
-    args = ["--flavor", "cpu_tiny", "--shard", "2", "--optimizers", "DiLoCo", "--link", "1mbit", "--step-seconds", "0.5"]
+    args = ["--flavor", "cpu_tiny", "--shard", "2", "--optimizers", "DiLoCo", "--link", "1mbit",
+            "--step-seconds", "0.5"]
     assert comm_report.main(args) == 0
     out = capsys.readouterr().out
     assert "exposed      = max(0, w − k·T)" in out and "mean step    = max(T + Σ c·exposed ÷ P, link)" in out
