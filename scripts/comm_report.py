@@ -4,6 +4,7 @@
     .venv/bin/python scripts/comm_report.py --flavor 300M --replicate 2 --shard 1 --png out.png
     .venv/bin/python scripts/comm_report.py --flavor cpu_tiny --replicate 2 --shard 2 --set local.Kx=2
     .venv/bin/python scripts/comm_report.py --flavor 8B --replicate 2 --shard 8 --link 100gbit
+    .venv/bin/python scripts/comm_report.py --flavor 8B --replicate 2 --shard 8 --link 1gbit --step-seconds projected --set local.merge=eager
 
 The model is torchtitan's llama3 ``Transformer`` built on the meta device. R bytes come from each
 family's byte formula (``Family.r_bytes``, the one the ledger is tested against) on
@@ -41,8 +42,9 @@ local family, rank/rank_fraction/compress for Dion.
 
 ``--link RATE`` (decimal bits per second: 10mbit, 100mbit, 1gbit, 100gbit, 400gbit) adds each
 optimizer's R time on the wire, per step (mean) and per sync (burst), bandwidth term only (no
-latency, no overlap with compute, no protocol overhead), with the ring algorithms over a full-duplex
-link of RATE per rank and direction::
+latency, no protocol overhead): the link's busy time, whether compute hides it or not (that is
+``--step-seconds``), with the ring algorithms over a full-duplex link of RATE per rank and
+direction::
 
     time = wire bytes per rank × 8 × ranks_per_link / RATE
     all-reduce of n bytes (ledger: n sent, n received):          wire = 2·(W − 1)/W · n
@@ -53,9 +55,25 @@ ledger's convention (received = sent: an all-reduce; otherwise an all-gather). T
 the ranks of one node run at the same time: RATE is what each rank has to itself (one NIC per GPU);
 where ``--ranks-per-link`` ranks share one link, each gets RATE / that number.
 
+Overlap: ``--step-seconds T`` (with ``--link``; T the compute seconds of one training step on your
+hardware, or ``projected``: ``scripts/project_time_to_loss.py``'s 8B forward/backward on H100, 1.42 s)
+adds what of each sync hides behind compute. A sync may stay in flight over the next k steps'
+compute, its window k·T, before a step waits for it: k = 0 for a blocking sync (AdamW/Adam:
+torchtitan's HSDP all-reduce, which FSDP2 overlaps partly with backward, priced as not hidden, the
+conservative bound; Dion; Muon; the local families and SparseLoCo with ``sync_delay`` 0 and merge
+additive or lerp), k = ``sync_delay`` τ, k = the period with ``merge`` delayed or eager (the
+smallest period of the states synced together), k = 1 with DeMo/FlexDeMo's ``overlap``. With
+``fragments`` F each fragment's sync is priced on its own (1/F of the bytes, its own offset in the
+period), as the family's schedule issues it. Per sync the exposed time is max(0, wire − window);
+the predicted mean step is max(T + exposed per cycle ÷ cycle steps, link busy time per step), the
+floor max(T, link busy time per step), and the table prints mean step ÷ floor (``predict_step``
+holds the formula; ``hiding_window`` the windows, read from the resolved options: the presets and
+``--set``). A cycle is the lcm of the periods, modeled over at most its first 1,000,000 updates
+(or ``--steps``).
+
 A bad argument (unknown flavor or optimizer, a malformed or invalid ``--set``, a degree,
-``--ranks-per-link`` or ``--steps`` < 1, a malformed ``--link``) prints one line and exits with
-status 2.
+``--ranks-per-link`` or ``--steps`` < 1, a malformed ``--link``, a ``--step-seconds`` not > 0 or
+without ``--link``) prints one line and exits with status 2.
 """
 
 import argparse
@@ -148,6 +166,30 @@ def parse_link(text: str) -> float:
     return float(match.group(1)) * LINK_UNITS[match.group(2)]
 
 
+PROJECTED = "projected"
+
+
+def step_seconds(text: str, flavor: str) -> float:
+    """``--step-seconds``: a number of seconds > 0, or ``projected``: the 8B's forward/backward per
+    step of ``scripts/project_time_to_loss.py`` (8192 tokens per rank ÷ torchtitan's 5,762 tokens/s
+    per H100, the optimizer step left out). ValueError otherwise."""
+    if text == PROJECTED:
+        if flavor != "8B":
+            raise ValueError(f"--step-seconds {PROJECTED}: only with --flavor 8B (it is torchtitan's Llama 3.1 8B "
+                             f"throughput on H100); give the seconds of one step for --flavor {flavor}")
+        from scripts.project_time_to_loss import forward_backward_s
+
+        return forward_backward_s()
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"--step-seconds {text!r}: allowed is the compute seconds of one training step, a number > 0 "
+                         f"(e.g. 1.5), or {PROJECTED} (--flavor 8B)")
+    return seconds
+
+
 def wire_bytes(sent: float, recv: float, replicate: int) -> float:
     """Bytes one rank moves each way under the ring algorithms, from the ledger's payload convention:
     received = sent is an all-reduce of n = sent (2·(W − 1)/W · n each way; at W = 2 an all-gather
@@ -162,11 +204,145 @@ def wire_seconds(sent: float, recv: float, replicate: int, link_bps: float, rank
     return wire_bytes(sent, recv, replicate) * 8 * ranks_per_link / link_bps
 
 
+# --- overlap with compute: what a sync can hide behind, what it cannot --------------------------
+
+# The steps the model walks through at most (one cycle of the sync pattern, lcm of the periods, is
+# usually far shorter; MT-DAO-halflife's is 153,701,856 updates).
+MODELED_STEPS = 1_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Sync:
+    """One kind of R sync in an optimizer's cycle: its seconds on the wire, the steps of compute after
+    its issue that it may stay in flight over before a step waits for it (its window), and how many
+    such syncs one cycle holds."""
+
+    wire_s: float
+    window_steps: int
+    per_cycle: int = 1
+
+
+def predict_step(step_s: float, cycle_steps: int, syncs) -> dict:
+    """The mean training step of an optimizer whose R syncs hide behind compute as far as their
+    windows allow, and its ratio to the floor no schedule can beat.
+
+    ``step_s`` T is the compute of one step (forward/backward and optimizer step); one cycle of
+    ``cycle_steps`` P steps holds the ``syncs`` (:class:`Sync`: wire seconds w, window k steps, c per
+    cycle). Per sync and per cycle:
+
+        window       = k·T
+        exposed      = max(0, w − k·T)                       the wait the sync adds to the step that needs it
+        link         = Σ c·w ÷ P                             the link's busy seconds per step
+        mean step    = max(T + Σ c·exposed ÷ P, link)
+        floor        = max(T, link)                          compute or the link, whichever is slower
+        mean ÷ floor = mean step ÷ floor
+
+    A sync whose wire time exceeds its window stalls the step that needs it by the difference; a
+    sync issued once more before the previous one landed (``merge`` delayed/eager with w > H·T:
+    the next sync is due after H steps) first waits for that one, so the link never idles and the
+    step is the link's: T + (w − H·T)/H = w/H = link, mean ÷ floor = 1. A blocking sync (k = 0)
+    adds its whole w, so mean ÷ floor > 1 even where the link is the floor. The max with ``link``
+    covers syncs whose windows overlap each other (fragments issued closer than τ steps apart,
+    states with different periods under delayed/eager): each is priced here as if it had the link
+    to itself, so between the two bounds the prediction is optimistic. Latency and protocol
+    overhead are not modeled (bandwidth term only)."""
+    windows = [s.window_steps * step_s for s in syncs]
+    exposed = [max(0.0, s.wire_s - window) for s, window in zip(syncs, windows)]
+    exposed_per_step = sum(s.per_cycle * e for s, e in zip(syncs, exposed)) / cycle_steps
+    link = sum(s.per_cycle * s.wire_s for s in syncs) / cycle_steps
+    mean_step = max(step_s + exposed_per_step, link)
+    floor = max(step_s, link)
+    return {"window_s": windows, "exposed_s": exposed, "exposed_s_step": exposed_per_step, "link_s_step": link,
+            "mean_step_s": mean_step, "floor_s": floor, "ratio": mean_step / floor}
+
+
+def hiding_window(resolved, due_periods: tuple[int, ...]) -> int:
+    """Steps of compute an R sync issued after an update stays in flight over before a step waits for
+    it (docs/options.md's semantics, as each family's step issues and lands it):
+
+    - ``sync_delay`` τ (local family, SparseLoCo): τ; 0 with merge additive or lerp is blocking;
+    - ``merge`` delayed / eager: applied at the next sync, so the smallest period of the states
+      synced together (``due_periods``; SparseLoCo's H);
+    - DeMo/FlexDeMo's ``overlap``: 1 (the all-gather of step t runs through step t+1's forward and
+      backward; its optimizer step, inside T, is not taken off);
+    - 0 for the rest: Dion, Muon, and torchtitan's AdamW/Adam (``resolved`` None). torch's FSDP2
+      issues HSDP's R all-reduce per module group on its own stream during backward, so part of it
+      hides behind the backward of the groups before; how much depends on the layer timings, which
+      this report does not know, so it is priced as blocking (the conservative bound)."""
+    if resolved is None:
+        return 0
+    from titan_commopt.optim.local.sync import OVERLAPPED_MERGES
+
+    options = resolved.options
+    if getattr(options, "merge", None) in OVERLAPPED_MERGES:
+        return min(due_periods)
+    if getattr(options, "overlap", False):
+        return 1
+    return getattr(options, "sync_delay", 0)
+
+
+def sync_cycle(resolved, shards, replicate: int, mean, horizon: int | None = None) -> tuple[int, list]:
+    """(steps modeled, [(R payload of one sync (Bytes), its window in steps, how many)]): one cycle of
+    the optimizer's sync pattern (lcm of its periods; 1 for an optimizer that sends alike on every
+    step, ``mean`` then), cut at ``horizon`` updates and at ``MODELED_STEPS``. The local family's
+    steps are its own schedule's (``sync_schedule``): the (state, fragment) pairs due after each
+    update go in one all-reduce, each priced by the family's byte formula on that fragment's shards."""
+    from titan_commopt.optim import Bytes
+
+    periodic = resolved.family.periodic(resolved) if resolved is not None else None
+    if periodic is None:
+        return 1, [(mean, hiding_window(resolved, (1,)), 1)]
+    if not periodic.periods:
+        return 1, []
+    steps = min(math.lcm(*periodic.periods), horizon or MODELED_STEPS, MODELED_STEPS)
+    alone = lambda i: dataclasses.replace(resolved, options=periodic.due_alone((i,)))  # noqa: E731
+    if not periodic.states:  # no schedule to ask (SparseLoCo's H, DeMo's diloco replicator): each state on its own
+        return steps, [(resolved.family.r_bytes(shards, alone(i), replicate), hiding_window(resolved, (period,)),
+                        steps // period) for i, period in enumerate(periodic.periods) if steps >= period]
+    from titan_commopt.optim.local.adaptive import resolve_periods, sync_schedule
+
+    schedule = sync_schedule(resolved.options, resolve_periods(resolved.options, resolved.hparams),
+                             [s.fqn for s in shards], [s.numel for s in shards])
+    parts = [[s for s, f in zip(shards, schedule.fragment_of) if f == fragment]
+             for fragment in range(schedule.fragments)]
+    payload = {kind: [resolved.family.r_bytes(part, alone(i), replicate) for part in parts]
+               for i, kind in enumerate(periodic.states)}
+    period_of = dict(zip(periodic.states, periodic.periods))
+    counts: dict[tuple, int] = {}
+    for n in schedule.due_steps(steps):
+        due = schedule.due(n)
+        sent = sum(payload[kind][f].sent for kind, fragments in due.items() for f in sorted(fragments))
+        recv = sum(payload[kind][f].recv for kind, fragments in due.items() for f in sorted(fragments))
+        key = (sent, recv, hiding_window(resolved, tuple(period_of[kind] for kind in due)))
+        counts[key] = counts.get(key, 0) + 1
+    return steps, [(Bytes(sent, recv), window, count) for (sent, recv, window), count in counts.items()]
+
+
+def overlap_of(resolved, shards, replicate: int, mean, step_s: float, link_bps: float, ranks_per_link: int = 1,
+               horizon: int | None = None) -> dict:
+    """A row's overlap model (:func:`predict_step` on :func:`sync_cycle`'s syncs on the link), with its
+    largest sync's wire, window and exposed time."""
+    steps, cycle = sync_cycle(resolved, shards, replicate, mean, horizon)
+    syncs = [Sync(wire_seconds(b.sent, b.recv, replicate, link_bps, ranks_per_link), window, count)
+             for b, window, count in cycle]
+    model = predict_step(step_s, steps, syncs)
+    out = {"step_s": step_s, "cycle_steps": steps, "syncs_per_cycle": sum(s.per_cycle for s in syncs),
+           **{key: model[key] for key in ("exposed_s_step", "link_s_step", "mean_step_s", "floor_s", "ratio")},
+           "sync_wire_s": 0.0, "sync_window_steps": 0, "sync_window_s": 0.0, "sync_exposed_s": 0.0}
+    if syncs:  # the largest sync (the longest on the wire; of equals, the least hidden)
+        i = max(range(len(syncs)), key=lambda i: (syncs[i].wire_s, -syncs[i].window_steps))
+        out |= {"sync_wire_s": syncs[i].wire_s, "sync_window_steps": syncs[i].window_steps,
+                "sync_window_s": model["window_s"][i], "sync_exposed_s": model["exposed_s"][i]}
+    return out
+
+
 def report(flavor: str, replicate: int, shard: int, names=None, overrides=None,
            param_dtype: str = "bfloat16", reduce_dtype: str = "float32",
-           link_bps: float | None = None, ranks_per_link: int = 1, horizon: int | None = None) -> list[dict]:
-    """One row per optimizer. A bad option in ``overrides`` raises ConfigError (a user's mistake);
-    a family that cannot price this shape is left out with a note on stderr."""
+           link_bps: float | None = None, ranks_per_link: int = 1, horizon: int | None = None,
+           step_s: float | None = None) -> list[dict]:
+    """One row per optimizer; with ``link_bps`` its R time on the wire, with ``step_s`` too its overlap
+    model (``row["overlap"]``: :func:`overlap_of`). A bad option in ``overrides`` raises ConfigError
+    (a user's mistake); a family that cannot price this shape is left out with a note on stderr."""
     from titan_commopt.optim import Bytes, available_names
     from titan_commopt.optim.traffic import adamw_hsdp_r_bytes, fsdp_traffic
     from titan_commopt.options import ConfigError
@@ -200,6 +376,8 @@ def report(flavor: str, replicate: int, shard: int, names=None, overrides=None,
         if link_bps:
             row["R_seconds_step"] = wire_seconds(r.sent, r.recv, replicate, link_bps, ranks_per_link)
             row["R_seconds_sync"] = wire_seconds(burst.sent, burst.recv, replicate, link_bps, ranks_per_link)
+            if step_s:
+                row["overlap"] = overlap_of(resolved, shards, replicate, r, step_s, link_bps, ranks_per_link, horizon)
         rows.append(row)
     return rows
 
@@ -232,6 +410,14 @@ def check_args(a) -> list[str]:
             parse_link(a.link)
         except ValueError as error:
             out.append(str(error))
+    if a.step_seconds is not None:
+        try:
+            step_seconds(a.step_seconds, a.flavor)
+        except ValueError as error:
+            out.append(str(error))
+        if a.link is None:
+            out.append(f"--step-seconds {a.step_seconds}: needs --link RATE (the model sets the wire time against the "
+                       "compute)")
     names = available_names()
     for name in a.optimizers or []:
         if name not in names:
@@ -293,14 +479,52 @@ def format_link(rows: list[dict], replicate: int) -> str:
     )
 
 
+def _steps_text(steps: int) -> str:
+    return "1 step" if steps == 1 else f"{steps:,} steps"
+
+
+def format_overlap(rows: list[dict]) -> str:
+    def row(r: dict) -> list[str]:
+        o = r["overlap"]
+        every = "every step" if o["cycle_steps"] == 1 and o["syncs_per_cycle"] == 1 else \
+            f"{o['syncs_per_cycle']:,} per {_steps_text(o['cycle_steps'])}"
+        return [r["optimizer"], every,
+                human_seconds(o["sync_wire_s"]),
+                f"{o['sync_window_steps']:,} × T = {human_seconds(o['sync_window_s'])}",
+                human_seconds(o["sync_exposed_s"]), human_seconds(o["exposed_s_step"]), human_seconds(o["link_s_step"]),
+                f"{o['floor_s']:.3g} s", f"{o['mean_step_s']:.3g} s", f"{o['ratio']:.3f}"]
+
+    return table(["optimizer", "R syncs", "largest sync: wire", "its window", "its exposed time",
+                  "exposed/step (mean)", "link/step (mean)", "floor", "mean step", "mean step ÷ floor"],
+                 [row(r) for r in rows])
+
+
+def overlap_formula(step_s: float, given: str) -> str:
+    """The overlap model, as the output states it: :func:`predict_step`'s formula (its docstring's
+    indented block) and the windows of :func:`hiding_window`."""
+    formula = [line.strip() for line in predict_step.__doc__.splitlines() if line.startswith(" " * 8)]
+    source = "" if given != PROJECTED else (
+        " (projected: scripts/project_time_to_loss.py's 8B forward/backward, 8192 tokens per rank ÷ 5,762 tokens/s "
+        "per H100; optimizer step not included)")
+    return "\n".join([
+        f"Overlap with compute, T = {step_s:.3g} s of compute per step{source}. A sync stays in flight over the "
+        "next k steps' compute (its window) before a step waits for it:",
+        "  k = 0: blocking (AdamW/Adam: HSDP's all-reduce priced as not hidden by backward; Dion; Muon; "
+        "sync_delay 0 with merge additive/lerp)",
+        "  k = sync_delay τ; k = the period with merge delayed/eager (the smallest of the states synced together); "
+        "k = 1 with DeMo's overlap;",
+        "  fragments: each fragment's sync on its own. Per sync, over one cycle of P steps (c syncs of wire time w):",
+        *(f"    {line}" for line in formula)])
+
+
 def link_formula(link: str, replicate: int, ranks_per_link: int) -> str:
     """The time model, as the output states it."""
     from torchtitan.config.job_config import Comm
 
     share = f" × {ranks_per_link} ranks per link" if ranks_per_link > 1 else ""
     return (
-        f"R time on a {link} link (bandwidth term only: no latency, no overlap with compute, no protocol "
-        f"overhead), ring algorithms, W = |R| = {replicate}:\n"
+        f"R time on a {link} link (bandwidth term only: no latency, no protocol overhead; the time on the wire, "
+        f"before any overlap with compute: --step-seconds), ring algorithms, W = |R| = {replicate}:\n"
         f"  time = wire bytes per rank × 8{share} / {link}\n"
         f"  all-reduce of n bytes (sent = received = n): wire = 2·(W−1)/W·n; "
         f"all-gather (n sent, (W−1)·n received): wire = (W−1)·n\n"
@@ -346,6 +570,9 @@ def main(argv=None) -> int:
                    "default torchtitan's, float32")
     p.add_argument("--link", help="link rate per rank in bits per second, e.g. 10mbit, 1gbit, 100gbit, 400gbit: "
                    "adds each optimizer's R time on the wire per step and per sync")
+    p.add_argument("--step-seconds", metavar="T", help="compute seconds of one training step on your hardware "
+                   f"(or {PROJECTED}: the 8B's forward/backward on H100): with --link, what of each sync hides "
+                   "behind compute and the predicted mean step")
     p.add_argument("--ranks-per-link", type=int, default=1,
                    help="ranks whose R traffic shares one link of --link's rate (default 1: one NIC per GPU)")
     p.add_argument("--steps", type=int, help="burst: the largest step within the first STEPS updates "
@@ -359,8 +586,9 @@ def main(argv=None) -> int:
             print(f"comm_report.py: {line}", file=sys.stderr)
         return 2
     link_bps = parse_link(a.link) if a.link else None
+    step_s = step_seconds(a.step_seconds, a.flavor) if a.step_seconds is not None else None
     rows = report(a.flavor, a.replicate, a.shard, a.optimizers, parse_overrides(a.set), a.param_dtype, a.reduce_dtype,
-                  link_bps, a.ranks_per_link, a.steps)
+                  link_bps, a.ranks_per_link, a.steps, step_s)
     if a.json:
         print(json.dumps(rows, indent=1))
     else:
@@ -372,6 +600,9 @@ def main(argv=None) -> int:
         if link_bps:
             print("\n" + link_formula(a.link, a.replicate, a.ranks_per_link) + "\n")
             print(format_link(rows, a.replicate))
+        if step_s:
+            print("\n" + overlap_formula(step_s, a.step_seconds) + "\n")
+            print(format_overlap(rows))
     if a.png:
         plot(rows, f"{a.flavor}, |R|={a.replicate} x |S|={a.shard}", a.png)
     return 0

@@ -47,6 +47,8 @@ from scripts.comm_report import human_seconds, parse_link, report  # noqa: E402
 
 # torchtitan docs/performance.md, Table 1: Llama 3.1 8B, 8 H100, FSDP, local batch 2, seq 8192, no compile.
 TORCHTITAN_8B_TPS_PER_GPU = 5762.0
+# train_configs/llama3_8b_*.toml: local batch 1 × seq 8192.
+TOKENS_PER_RANK = 8192
 
 # docs/benchmarks.md §5, one H100, the 1B flavor (1,498,482,688 parameters) in one process: the
 # optimizer step in ms and where each figure comes from.
@@ -86,6 +88,12 @@ def _pairs(items: list[str], flag: str, names: list[str], problems: list[str]) -
     return out
 
 
+def forward_backward_s(tokens_per_rank: int = TOKENS_PER_RANK, tps_per_gpu: float = TORCHTITAN_8B_TPS_PER_GPU) -> float:
+    """Forward/backward per step and rank (FSDP's intra-node traffic included): tokens per rank ÷
+    tokens/s per GPU; by default the 8B on H100 of torchtitan's Table 1 at the 8B configs' batch."""
+    return tokens_per_rank / tps_per_gpu
+
+
 def optimizer_step_s(name: str, params_per_rank: float, opt_step_ms: dict[str, float]) -> float:
     """``name``'s optimizer step per rank: given (``--opt-step-ms``, at the target's size), else §5's at
     1.5 B scaled to the rank's parameters."""
@@ -95,12 +103,12 @@ def optimizer_step_s(name: str, params_per_rank: float, opt_step_ms: dict[str, f
 
 
 def step_times(flavor: str, replicate: int, shard: int, optimizers: list[str], overrides: dict, link_bps: float,
-               tokens_per_rank: int = 8192, tps_per_gpu: float = TORCHTITAN_8B_TPS_PER_GPU,
+               tokens_per_rank: int = TOKENS_PER_RANK, tps_per_gpu: float = TORCHTITAN_8B_TPS_PER_GPU,
                opt_step_ms: dict[str, float] | None = None) -> dict[str, dict]:
     """{optimizer: {"compute_s": forward/backward + its optimizer step, "r_s": its R time per step
     (mean), "r_sync_s": its largest step's}} on the link ``link_bps`` per node, the model above."""
     per_rank = sum(math.prod(s) for _, s in param_shapes(flavor)) / shard
-    fwd_bwd = tokens_per_rank / tps_per_gpu
+    fwd_bwd = forward_backward_s(tokens_per_rank, tps_per_gpu)
     rows = {r["optimizer"]: r for r in report(flavor, replicate, shard, optimizers, overrides, link_bps=link_bps,
                                                ranks_per_link=shard)}
     return {n: {"compute_s": fwd_bwd + optimizer_step_s(n, per_rank, opt_step_ms or {}),
@@ -153,7 +161,7 @@ def main(argv=None) -> int:
     p.add_argument("--study-steps", type=int, help="--steps-ratio-from: the study's training steps (where it has several)")
     p.add_argument("--tps-per-gpu", type=float, default=TORCHTITAN_8B_TPS_PER_GPU,
                    help="forward/backward throughput per GPU (tokens/s)")
-    p.add_argument("--tokens-per-rank", type=int, default=8192, help="tokens per rank per step (local batch × seq)")
+    p.add_argument("--tokens-per-rank", type=int, default=TOKENS_PER_RANK, help="tokens per rank per step (local batch × seq)")
     p.add_argument("--opt-step-ms", nargs="*", default=[], metavar="NAME=MS", help="an optimizer step at the target size")
     p.add_argument("--adamw-steps", type=int, default=1000, help="AdamW-HSDP's steps to its loss (only the hours use it)")
     p.add_argument("--set", nargs="*", default=[], metavar="FAMILY.OPTION=VALUE", help="family options, as comm_report.py")
@@ -207,7 +215,7 @@ def main(argv=None) -> int:
     ratios["AdamW"] = 1.0
     params = sum(math.prod(s) for _, s in param_shapes(a.flavor))
     per_rank = params / a.shard
-    fwd_bwd = a.tokens_per_rank / a.tps_per_gpu
+    fwd_bwd = forward_backward_s(a.tokens_per_rank, a.tps_per_gpu)
     opt_s = {n: optimizer_step_s(n, per_rank, given_ms) for n in a.optimizers}
 
     print(f"Projection: llama3 {a.flavor} ({params / 1e9:.2f} B parameters), |R| = {a.replicate} nodes × |S| = {a.shard} "

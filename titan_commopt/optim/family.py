@@ -126,11 +126,14 @@ class PeriodicSyncs:
     a run that syncs exactly the states in ``subset`` (indices into ``periods``) on every step and
     nothing else, so that the family's ``r_bytes`` asked of it is the payload of a step where exactly
     those states are due; ``exact``: False where syncs are split further in time (e.g. fragments),
-    so that payload is only an upper bound of any real step."""
+    so that payload is only an upper bound of any real step; ``states``: the name each period's state
+    has in the family's sync schedule (the local family's ``"x"``, ``"v"``, ``"u<j>"``), where it
+    has several, so that a report can price each state of a schedule's step apart."""
 
     periods: tuple[int, ...]
     due_alone: Callable[[tuple[int, ...]], Any]
     exact: bool = True
+    states: tuple[str, ...] = ()
 
 
 def no_problems(options: Any, hparams: BaseHParams) -> list[str]:

@@ -99,8 +99,8 @@ from .update import fused_local_update, gradient_clip, local_update
 from .sync import (OVERLAPPED_MERGES, DueStates, OverlapEntry, Periods, SyncSchedule, sync_in_place,
                    sync_overlapped, sync_streaming)
 
-__all__ = ["Config", "PRESETS", "LocalAdaptive", "FAMILY", "check", "resolve_periods", "local_r_bytes", "local_s_bytes",
-           "moment_key"]
+__all__ = ["Config", "PRESETS", "LocalAdaptive", "FAMILY", "check", "resolve_periods", "sync_schedule", "local_r_bytes",
+           "local_s_bytes", "moment_key"]
 
 SECTION = "commopt.local"
 
@@ -462,7 +462,15 @@ def periodic(resolved: Resolved) -> Optional[PeriodicSyncs]:
         return dataclasses.replace(options, Kx=int("Kx" in on), Kv=int("Kv" in on), sync_delay=0, merge="additive",
                                    merge_alpha=0.0, Ku=[int(("Ku", j) in on) for j in range(len(p.Ku))])
 
-    return PeriodicSyncs(tuple(k for _, k in states), due_alone, exact=options.fragments == 1)
+    schedule_kind = {"Kx": "x", "Kv": "v", **{("Ku", j): f"u{j}" for j in range(len(p.Ku))}}  # SyncSchedule's names
+    return PeriodicSyncs(tuple(k for _, k in states), due_alone, exact=options.fragments == 1,
+                         states=tuple(schedule_kind[key] for key, _ in states))
+
+
+def sync_schedule(cfg: Config, periods: Periods, names: Sequence[str], sizes: Sequence[int]) -> SyncSchedule:
+    """Which fragment of which state is due after which update, for the parameters ``names`` (in the
+    optimizer's order) of ``sizes`` local elements: split by size or strided by block (``fragment_layout``)."""
+    return SyncSchedule(periods, sizes, cfg.fragments, names if cfg.fragment_layout == "strided" else None)
 
 
 def settings(resolved: Resolved) -> dict[str, Any]:
@@ -557,8 +565,7 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
                     self._init_state(p, group)
                     self._params.append((group, p))
         names = [name for _, name, p in params_by_name(self.param_groups) if p.requires_grad]
-        self.schedule = SyncSchedule(self.periods, [p.numel() for _, p in self._params], cfg.fragments,
-                                     names if cfg.fragment_layout == "strided" else None)
+        self.schedule = sync_schedule(cfg, self.periods, names, [p.numel() for _, p in self._params])
         # [commopt] kernels, decided once: the fused Triton update (update_triton.py) for every local step
         # but plain Adam's, which torch's fused AdamW kernel already makes in one pass.
         self._fused_update = (

@@ -123,6 +123,12 @@ class SyncSchedule:
                 due[kind] = frags
         return due
 
+    def due_steps(self, last: int) -> list[int]:
+        """The updates n <= ``last`` after which something is due (those where :meth:`due` is not
+        empty), in order, without asking every update."""
+        return sorted({n for _, period, offs in self._offsets for off in set(offs)
+                       for n in range(off or period, last + 1, period)})
+
     def steps_to_next(self, n: int) -> Optional[int]:
         """Updates after ``n`` until the next sync of any state; ``None`` when one period is 1 (a
         sync every step) or all are 0 (never)."""
