@@ -53,6 +53,22 @@ resumed run continues exactly as the run that saved (and as one that never check
 the blocking schedule's, as with fragments and τ. ``sync.py`` holds the schedule and every way a
 sync lands.
 
+Quantized outer wire (``outer_wire_dtype`` = ``"fp8"`` / ``"fp4"``; Streaming DiLoCo's FP4 wire, Douillard
+et al. 2025, arXiv 2501.18512, §2.4). A parameter sync sends each replica's unreduced pseudo-gradient
+Δ_m = a − x_m (a the anchor, x at the last sync; a replica's own anchor under the eager merge) instead
+of x, coded by ``compress/minifloat.py``: blocks of 256 values of a tensor's local shard, one float32
+absmax scale s each, FP8 = E4M3 (torch's float8_e4m3fn of Δ·448/s) or FP4 = E3M0 (0 or ±s·2^k,
+k = −6…0, the nearest in value). The codes are all-gathered over R (an all-reduce cannot sum them),
+and every replica decodes every share and averages in FP32, in replica order (the same bits on every
+replica):
+
+    mean_R x = a − (1/M)·Σ_m decode(Q(Δ_m))            # blocking, streaming (at issue), lerp
+    Δ̄ = (1/M)·Σ_m decode(Q(Δ_m))                       # delayed / eager: the mean in flight
+
+then the merge and the outer step as above (averaging is outer SGD at lr 1 from the anchor, which it
+then keeps; with one replica nothing is sent and nothing quantized). The moments u_j, v keep
+``transfer_dtype``'s all-reduce.
+
 State, on the local FSDP2/TP shard and per replica (checkpoints keep each replica's): ``exp_avg``,
 ``exp_avg_<j>`` (u_j, :func:`moment_key`), ``exp_avg_sq`` (v, none for sgdm), ``outer_anchor`` and
 ``outer_buf`` (Nesterov with Kx > 0), ``step`` (one shared CPU scalar tensor: no host read per step).
@@ -60,7 +76,10 @@ Parameters differ across replicas between Kx syncs (``params_replica_local``: Kx
 
 Bytes per rank and step (:func:`local_r_bytes`): d·(1/Kx + Σ_j 1/K_j + 1/Kv) × the transfer dtype's
 bytes, d the local shard's elements, all-reduce (sent = received); fragments and τ move syncs in
-time, not their bytes. The norm clip adds one float over S and T.
+time, not their bytes. With the quantized outer wire x's term is an all-gather of
+Σ_p ⌈d_p/256⌉·(256·b/8 + 4)/Kx bytes sent (b = 8 or 4 bits a code, a float32 scale a block; d_p a
+tensor's local elements), W − 1 times that received: 8.125 or 4.125 bits a value, 3.94× or 7.76× fewer
+than fp32 for large tensors. The norm clip adds one float over S and T.
 
 The local step (``update.py``, or its Triton twin ``update_triton.py`` where ``[commopt] kernels``
 picks Triton; plain Adam stays on torch's fused AdamW kernel) runs the multi-tensor updates of

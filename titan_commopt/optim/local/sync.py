@@ -9,7 +9,9 @@ keeping the local progress of those steps (Streaming DiLoCo's overlap with an ad
 in flight for a whole period and applied at the next sync of the same state, naively delayed or
 eagerly (Kale, Douillard, Donchev 2025, "Eager Updates For Overlapped Communication and Computation
 in DiLoCo", arXiv 2502.12996: ``merge`` = ``"delayed"`` / ``"eager"``). The math is in
-``adaptive.py``'s module docstring.
+``adaptive.py``'s module docstring. A sync's mean is the optimizer's ``Reduce``: an all-reduce, or with a
+quantized outer wire (``outer_wire_dtype``) :func:`pseudo_gradient_mean` for the parameters, whose
+pseudo-gradients go on the wire as FP8/FP4 codes.
 """
 
 import re
