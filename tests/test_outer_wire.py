@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from titan_commopt import comm
+from titan_commopt.compress import minifloat
 from titan_commopt.compress.minifloat import BLOCK, MiniFloatWire
 from titan_commopt.optim import ShardShape, resolve
 from titan_commopt.optim.common import BaseHParams
@@ -104,6 +105,22 @@ def test_zeros_payload_size_and_non_finite_values(fmt):
         c[3] = bad
         out = wire.decode(wire.encode(wire.to_blocks([c], [c.numel()])))
         assert bool(out[0].isnan().all()) and bool(out[1].isfinite().all())
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_payload_coded_a_few_blocks_at_a_time_and_shares_summed_in_place(fmt, monkeypatch):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(7 * BLOCK - 5, generator=gen)
+    wire = MiniFloatWire(fmt)
+    blocks = wire.to_blocks([x], [x.numel()])
+    whole = wire.encode(blocks)
+    monkeypatch.setattr(minifloat, "_ROWS", 2)  # 4 rounds of at most 2 blocks
+    assert torch.equal(wire.encode(blocks), whole)
+    codes, scale = wire.quantize(blocks)
+    assert torch.equal(wire.decode(whole), wire.dequantize(codes, scale))
+    total = torch.randn(7, BLOCK, generator=gen)
+    want = total + wire.dequantize(codes, scale)
+    assert wire.decode(whole, total) is total and torch.equal(total, want)
 
 
 # ---- the option ---------------------------------------------------------------------------------------

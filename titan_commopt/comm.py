@@ -415,7 +415,7 @@ def all_gather(
 
 def all_gather_mean(
     payload: torch.Tensor,
-    decode: Callable[[torch.Tensor], torch.Tensor],
+    decode: Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor],
     role: str,
     group: Optional[dist.ProcessGroup],
     *,
@@ -424,17 +424,17 @@ def all_gather_mean(
 ) -> "torch.Tensor | Pending[torch.Tensor]":
     """The mean over ``group`` of what each rank's encoded ``payload`` decodes to, for a wire an
     all-reduce cannot sum (FP4 codes): the payloads are all-gathered (one collective: ``payload``'s
-    bytes sent, W − 1 times them received), then every rank's is decoded (``decode(payload)``: a
-    float32 tensor, the same shape for every rank's) and summed in float32 in rank order and divided
-    by W, so every rank holds the same bits. Memory: the W payloads, one decoded share and the sum.
-    A group of one returns ``decode(payload)``."""
+    bytes sent, W − 1 times them received), then every rank's is decoded and summed in float32 in
+    rank order and divided by W, so every rank holds the same bits: ``decode(payload, None)`` returns
+    the first share's values (a float32 tensor), ``decode(payload, total)`` adds the next one's into
+    ``total``. Memory: the W payloads and the sum. A group of one returns ``decode(payload, None)``."""
     gathered = all_gather(payload, role, group, ledger=ledger, async_op=True)
 
     def finish() -> torch.Tensor:
         shares = gathered.wait()
-        total = decode(shares[0])
+        total = decode(shares[0], None)
         for share in shares[1:]:
-            total += decode(share)
+            decode(share, total)
         return total.div_(shares.shape[0])
 
     if not async_op:

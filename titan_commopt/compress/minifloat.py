@@ -29,7 +29,7 @@ over values and no host synchronization.
 
 import functools
 import math
-from typing import Iterable, Literal, Sequence
+from typing import Iterable, Literal, Optional, Sequence
 
 import torch
 
@@ -38,6 +38,7 @@ from .packing import from_bytes, pack_bits, to_bytes, unpack_bits
 __all__ = ["BLOCK", "OUTER_WIRES", "MiniFloatWire"]
 
 BLOCK = 256  # values per scale
+_ROWS = 1 << 14  # blocks coded at once (4 Mi values): bounds encode's and decode's temporaries
 OUTER_WIRES = ("fp8", "fp4")
 _E3M0_BIAS = 7  # e = 7 is the block's maximum, 2^0·s
 _E4M3_MAX = 448.0  # torch.float8_e4m3fn's largest finite value
@@ -103,24 +104,40 @@ class MiniFloatWire:
         return (field | ((blocks < 0) & (field > 0)).to(field.dtype) << 3).to(torch.uint8), scale
 
     def dequantize(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`quantize` up to its rounding: float32 ``(G, BLOCK)``."""
+        """Inverse of :meth:`quantize` up to its rounding: float32 ``(G, BLOCK)`` (fp4 codes may be any
+        integer dtype, fp8 ones are uint8)."""
         if self.fmt == "fp8":
             return codes.view(torch.float8_e4m3fn).float() * (scale / _E4M3_MAX).unsqueeze(-1)
         return _e3m0_table(codes.device)[codes.long()] * scale.unsqueeze(-1)
 
-    # ---- the payload --------------------------------------------------------------------------------
+    # ---- the payload: coded :data:`_ROWS` blocks at a time (the temporaries stay a few MB) -------------
     def encode(self, blocks: torch.Tensor) -> torch.Tensor:
         """float32 ``(G, BLOCK)`` → the uint8 payload: every block's codes, then every scale."""
-        codes, scale = self.quantize(blocks)
-        packed = codes.reshape(-1) if self.bits == 8 else pack_bits(codes.reshape(-1), 4)
-        return torch.cat([packed, to_bytes(scale, torch.float32)])
+        g, row = blocks.shape[0], BLOCK * self.bits // 8
+        out = torch.empty(g * (row + 4), dtype=torch.uint8, device=blocks.device)
+        codes_out, scales_out = out[: g * row].view(g, row), out[g * row :]
+        for start in range(0, g, _ROWS):
+            codes, scale = self.quantize(blocks[start : start + _ROWS])
+            codes_out[start : start + len(codes)] = codes if self.bits == 8 else pack_bits(codes, 4)
+            scales_out[4 * start : 4 * (start + len(codes))] = to_bytes(scale, torch.float32)
+        return out
 
-    def decode(self, payload: torch.Tensor) -> torch.Tensor:
-        """A payload of :meth:`encode` → float32 ``(G, BLOCK)``."""
-        g = payload.numel() // (BLOCK * self.bits // 8 + 4)
-        split = g * BLOCK * self.bits // 8
-        codes = payload[:split] if self.bits == 8 else unpack_bits(payload[:split], g * BLOCK, 4)
-        return self.dequantize(codes.reshape(g, BLOCK).to(torch.uint8), from_bytes(payload[split:], torch.float32))
+    def decode(self, payload: torch.Tensor, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A payload of :meth:`encode` → float32 ``(G, BLOCK)``, a new tensor; or added to ``into``
+        (returned), so a sum of shares needs no decoded copy of each."""
+        row = BLOCK * self.bits // 8
+        g = payload.numel() // (row + 4)
+        codes, scales = payload[: g * row].view(g, row), from_bytes(payload[g * row :], torch.float32)
+        out = torch.empty(g, BLOCK, dtype=torch.float32, device=payload.device) if into is None else into
+        for start in range(0, g, _ROWS):
+            rows = codes[start : start + _ROWS]
+            values = self.dequantize(rows if self.bits == 8 else unpack_bits(rows, BLOCK, 4),
+                                     scales[start : start + len(rows)])
+            if into is None:
+                out[start : start + len(rows)] = values
+            else:
+                out[start : start + len(rows)] += values
+        return out
 
 
 _E3M0 = [0.0] + [2.0 ** (e - _E3M0_BIAS) for e in range(1, 8)]

@@ -641,7 +641,7 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
     @contextmanager
     def global_params(self, *, ledger: Optional["comm.CommLedger"] = None) -> Iterator[None]:
         """The global model (``CommOptimizer.global_params``): with an anchor (the Nesterov outer step,
-        or an overlapped merge), the anchor (x after the last outer step that landed), averaged over R
+        an overlapped merge, or averaging on a quantized outer wire), the anchor (x after the last outer step that landed), averaged over R
         for ``merge = "eager"`` (each replica's anchor holds its own fresh share; one all-reduce);
         else the parameters themselves where the replicas hold the same ones (one replica, or right
         after a sync of every fragment's x), and mean_R(x) anywhere else: what a sync now would make.

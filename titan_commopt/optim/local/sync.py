@@ -269,7 +269,7 @@ def pseudo_gradient_mean(tensors: Sequence[torch.Tensor], anchors: Sequence[Opti
     payloads are all-gathered over R (an all-reduce cannot sum FP4 codes), and every replica's is decoded
     and averaged in float32 (``comm.all_gather_mean``); once waited for, a tensor holding x becomes
     anchor − mean_R Δ (= mean_R x on an exact wire), one holding Δ the mean. Memory: one float32 copy of
-    the tensors while encoding; the replicas' payloads, one decoded share and the float32 mean at the end."""
+    the tensors while encoding; the replicas' payloads and the float32 mean at the end."""
     numels = [t.numel() for t in tensors]
     blocks = wire.to_blocks(((a - t) if a is not None else t for t, a in zip(tensors, anchors)), numels)
     mean = comm.all_gather_mean(wire.encode(blocks), wire.decode, R, group, ledger=ledger, async_op=True)
