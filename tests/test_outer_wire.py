@@ -220,7 +220,8 @@ def _simulate(kw):
     :func:`_wire_mean` (the states' by (s_0 + s_1)/2). Blocking / streaming: x̃ = a − mean Δ at issue,
     the outer step on it at the merge (Nesterov, or the anchor following x̃), then additive t ← t̃ + (t −
     t_issue) or lerp t ← α·t + (1 − α)·t̃. Overlapped: the mean that arrived (delayed) or with the own
-    share fresh (eager) from each replica's anchor, then Δ_r sent."""
+    share fresh (eager) from each replica's anchor, then Δ_r sent. Returns every update's parameters and
+    each replica's global model at the end (the anchor; for eager the replicas' mean of theirs)."""
     M, F, merge, fmt = 2, kw.get("fragments", 1), kw.get("merge", "additive"), kw["outer_wire_dtype"]
     tau = kw.get("sync_delay", 0)
     params = [[t.clone().requires_grad_() for t in _init()] for _ in range(M)]
@@ -288,7 +289,9 @@ def _simulate(kw):
                     else:
                         t.sub_(snaps[r]).add_(mean)
         states.append([[p.detach().clone() for p in params[r]] for r in range(M)])
-    return states
+    if merge == "eager":  # each replica's anchor holds its own fresh share: the global model is their mean
+        return states, [[(a + b) / 2 for a, b in zip(*anchors)]] * M
+    return states, [anchors[r if merge == "delayed" else 0] for r in range(M)]
 
 
 def _run(topo, kw, ledger=None):
@@ -318,9 +321,11 @@ def _two_replicas(rank, world):
             ledger.end_step()
             params.append([p.detach().clone() for p in ps])
             in_sync.append(opt.replicas_in_sync())
+        with opt.global_params(ledger=comm.CommLedger()):
+            global_model = [p.detach().clone() for p in ps]
         opt.flush()
         out[label] = dict(params=params, in_sync=in_sync, ops=ops, sent=ledger.totals["R_sent"],
-                          recv=ledger.totals["R_recv"])
+                          recv=ledger.totals["R_recv"], global_model=global_model)
     # A checkpoint at update 10 with a sync in flight, resumed on fresh objects: the run that saves and the
     # resumed one continue alike; an overlapped merge's checkpoint changes nothing (== a run that never saved).
     for label in RESUMED:
@@ -355,12 +360,14 @@ def two_replicas():
 
 @pytest.mark.parametrize("label, kw", CONFIGS, ids=[label for label, _ in CONFIGS])
 def test_engine_equals_simulation_and_ledger_equals_formula(two_replicas, label, kw):
-    want = _simulate(kw)
+    want, global_model = _simulate(kw)
     for rank in range(2):
         got = two_replicas[rank][label]
         for n in range(STEPS):
             for a, b in zip(got["params"][n], want[n][rank]):
                 assert torch.equal(a, b), f"{label} update {n + 1}"
+        # an evaluation sees the anchor (the last sync's model) where the wire keeps one, averaging too
+        assert all(torch.equal(a, b) for a, b in zip(got["global_model"], global_model[rank])), label
         # bytes: the formula (per step, averaged) × the steps; x all-gathered, the moments all-reduced
         cfg = {k: v for k, v in kw.items()}
         resolved = resolve("LocalAdam", dict(cfg, transfer_dtype="native"), HP)
