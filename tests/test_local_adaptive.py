@@ -997,7 +997,7 @@ def _simulate(cfg):
             if cfg["base"] != "sgdm" and step % cfg["Kv"] == 0:
                 avg(lambda o, m: [o.state[p]["exp_avg_sq"] for p in m.parameters()])
             if step % cfg["Kx"] == 0:
-                if "outer_wire_dtype" in cfg:  # mean_R x = anchor − mean_R decode(Δ_r), per FSDP shard (dim 0 halves)
+                if "outer_wire_dtype" in cfg:  # mean_R x = anchor − mean_R decode(Δ_r), per FSDP shard (dim 0)
                     wire = MiniFloatWire(cfg["outer_wire_dtype"])
                     for i, ps in enumerate(zip(*[m.parameters() for m in models])):
                         pieces = []

@@ -641,8 +641,9 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
     @contextmanager
     def global_params(self, *, ledger: Optional["comm.CommLedger"] = None) -> Iterator[None]:
         """The global model (``CommOptimizer.global_params``): with an anchor (the Nesterov outer step,
-        an overlapped merge, or averaging on a quantized outer wire), the anchor (x after the last outer step that landed), averaged over R
-        for ``merge = "eager"`` (each replica's anchor holds its own fresh share; one all-reduce);
+        an overlapped merge, or averaging on a quantized outer wire), the anchor (x after the last outer
+        step that landed), averaged over R for ``merge = "eager"`` (each replica's anchor holds its own
+        fresh share; one all-reduce);
         else the parameters themselves where the replicas hold the same ones (one replica, or right
         after a sync of every fragment's x), and mean_R(x) anywhere else: what a sync now would make.
         Averages are in ``transfer_dtype``, one all-reduce recorded on ``ledger`` (default:
@@ -836,7 +837,12 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
                                        op="mean", dtype=self._wire_dtype, ledger=self.ledger, async_op=True)
         xs = pseudo_gradient_mean([tensors[i] for i in params], list(params.values()), self._outer_wire,
                                   self._replicate, self.ledger)
-        return comm.Pending(None, lambda: (states.wait(), xs.wait()) and None, None)
+
+        def both() -> None:
+            states.wait()
+            xs.wait()
+
+        return comm.Pending(None, both, None)
 
 
 def _nesterov_outer_delta(x: torch.Tensor, anchor: torch.Tensor, buf: Optional[torch.Tensor], delta: torch.Tensor, *,
