@@ -464,13 +464,13 @@ def local_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_si
     inv = lambda k: 1.0 / k if k > 0 else 0.0  # noqa: E731
     dtype = cfg.transfer_dtype
     size = lambda s: s.numel * (s.itemsize if dtype == "native" else comm.DTYPES[dtype].itemsize)  # noqa: E731
-    states = sum(size(s) for s in shards) * sum(inv(k) for k in periods.Ku)
-    states += sum(size(s) for s in shards if _has_second_moment(cfg, s.fqn, s.shape)) * inv(periods.Kv)
-    if cfg.outer_wire_dtype == "same":
-        x = sum(size(s) for s in shards) * inv(periods.Kx)
-        return Bytes(states + x, states + x)
+    same = cfg.outer_wire_dtype == "same"  # x in the states' all-reduce
+    total = sum(size(s) for s in shards) * ((inv(periods.Kx) if same else 0.0) + sum(inv(k) for k in periods.Ku))
+    total += sum(size(s) for s in shards if _has_second_moment(cfg, s.fqn, s.shape)) * inv(periods.Kv)
+    if same:
+        return Bytes(total, total)
     x = MiniFloatWire(cfg.outer_wire_dtype).nbytes(s.numel for s in shards) * inv(periods.Kx)
-    return Bytes(states + x, states + (replicate_size - 1) * x)
+    return Bytes(total + x, total + (replicate_size - 1) * x)
 
 
 def local_s_bytes(shards: Sequence[ShardShape], resolved: Resolved, role: str = "S") -> Bytes:
