@@ -7,13 +7,17 @@ replicas' values in FP32. This module is that wire's encoding, one block at a ti
 - **Blocks.** Every tensor's flat local values are cut into blocks of :data:`BLOCK` (256) elements,
   the last one padded with zeros, never shared with another tensor (so a tensor's codes do not depend
   on what it is sent with: fragments and fused syncs give the same bits). Each block has one scale,
-  its absolute maximum ``s``, sent as float32: the largest value of every block is then exact, and an
-  outlier costs only its own 256 neighbours their resolution. 4 bytes per 256 values add 1/8 bit per
-  value: fp4 is 4.125 bits a value (7.76× fewer than fp32), fp8 8.125 (3.94×).
+  its absolute maximum ``s``, sent as float32 (exact: the largest value of every block decodes
+  exactly). Why blocks: E3M0 spans only 64× below its scale, so one scale per tensor would let one
+  outlier flush the tensor's small values to 0; a block confines that to its 256 values. Why 256: 4
+  bytes per 256 values add 1/8 bit per value, fp4 is then 4.125 bits a value (7.76× fewer than fp32)
+  and fp8 8.125 (3.94×); 128 would cost 4.25 bits (7.5×), a bfloat16 scale would save 1/16 bit.
 - **fp4 = E3M0.** A code is ``sign << 3 | e``, e in 0..7: e = 0 is 0, e ≥ 1 is ±s·2^(e−7), so a
-  block holds 0 and ±s·{2^−6, …, 2^−1, 1}: seven binades below its maximum. A value goes to the nearest
-  of them *in value* (linear, as a cast rounds: between 2^k and 2^(k+1) the midpoint is 1.5·2^k; ties
-  go up), and below s·2^−7 (half the smallest step) to 0.
+  block holds 0 and ±s·{2^−6, …, 2^−1, 1}: seven magnitudes, the smallest 1/64 of the largest. A value
+  goes to the nearest of them *in value* (linear, as a cast rounds, not in log space: between 2^k and
+  2^(k+1) the midpoint is 1.5·2^k, not √2·2^k; ties go up), and below s·2^−7 (midway to the smallest)
+  to 0. Deterministic, so biased like any round-to-nearest (no stochastic rounding: every replica and a
+  simulation get the same bits).
 - **fp8 = E4M3.** ``torch.float8_e4m3fn`` of v·448/s (448: its largest finite value; the cast rounds
   to nearest, ties to even), decoded as code·s/448: a relative error of at most 2^−4 (half a step of
   3 mantissa bits) where |v|·448/s ≥ 2^−6 (E4M3's normal range), an absolute one of at most
@@ -23,8 +27,8 @@ On the wire a payload is every block's codes (fp4 two to a byte, ``packing.pack_
 followed by every block's float32 scale: ``nbytes`` bytes, a function of the tensors' sizes alone.
 A block with a non-finite value decodes to NaN throughout (its scale is NaN): the mean it enters is
 non-finite, as an fp32 all-reduce's would be (the training container skips steps with non-finite
-gradients before the optimizer sees them). Everything is tensor code on the values' device: no loop
-over values and no host synchronization.
+gradients before the optimizer sees them). Everything is tensor code on the values' device, a
+chunk of :data:`_ROWS` blocks at a time: no loop over values and no host synchronization.
 """
 
 import functools
