@@ -51,7 +51,9 @@ direction::
     all-gather of n bytes (ledger: n sent, (W − 1)·n received):  wire = (W − 1) · n
 
 with W = ``--replicate`` (at W = 2 both are n). Which collective a row uses is read from the
-ledger's convention (received = sent: an all-reduce; otherwise an all-gather). The R collectives of
+ledger's convention (received = sent: an all-reduce; otherwise an all-gather; a row with both, the
+local family's moments all-reduced beside its FP8/FP4 parameter wire all-gathered, is timed as an
+all-gather, which at W > 2 over-states its moments' time by W/2). The R collectives of
 the ranks of one node run at the same time: RATE is what each rank has to itself (one NIC per GPU);
 where ``--ranks-per-link`` ranks share one link, each gets RATE / that number.
 

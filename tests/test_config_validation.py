@@ -50,6 +50,8 @@ BAD = [
     ("MT-DAO", "[commopt.local]\nomega = [0.7, 0.6]\nKu = [8, 8]\nbeta1 = [0.9, 0.99]", [], ["omega = [0.7, 0.6]", "sum <= 1"]),
     ("DES-LOC", "[commopt.local]\nbeta1 = [1.5]", [], ["beta1 = [1.5]", "[0, 1)"]),
     ("DES-LOC", "[commopt.local]\nkx = 4", [], ["unknown key 'kx'", "did you mean 'Kx'"]),
+    ("DiLoCo", "[commopt.local]\nouter_wire_dtype = 'fp2'", [], ["outer_wire_dtype = 'fp2'", "'same', 'fp8', 'fp4'"]),
+    ("DiLoCo", "[commopt.local]\nouter_wire_dtype = 'fp4'\nKx = 0", [], ["outer_wire_dtype = 'fp4' with Kx = 0"]),
     # the Muon step's keys, in each table that has them ([commopt.muon], [commopt.local], [commopt.sparseloco])
     ("Muon", "[commopt.muon]\nmuon_dtype = 'fp16'", [], ["[commopt.muon] muon_dtype = 'fp16'", "'bf16', 'fp32'"]),
     ("Muon", "[commopt.muon]\nmuon_momentm = 0.9", [], ["unknown key 'muon_momentm'", "did you mean 'muon_momentum'"]),

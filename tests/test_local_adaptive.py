@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from titan_commopt import comm
+from titan_commopt.compress.minifloat import MiniFloatWire
 
 from titan_commopt.optim import ShardShape, family_of, make, resolve
 from titan_commopt.optim.local import sync as local_sync
@@ -952,8 +953,11 @@ HSDP_CONFIGS = [
     dict(base="adopt", lr=1e-2, beta1=(0.9,), omega=(0.9,), Ku=(3,), beta2=0.99, Kv=4, Kx=2,
          eps=1e-6, weight_decay=0.0, clip="coordinate", clip_threshold=0.3),
     dict(base="sgdm", lr=5e-2, beta1=(0.9,), omega=(1.0,), Ku=(4,), Kx=3, weight_decay=0.01),
+    # the FP4 outer wire: each rank's Δ = anchor − x of its own FSDP shard (blocks and scales per local shard)
+    dict(base="adam", lr=2e-2, beta1=(0.9,), Ku=(2,), beta2=0.9, Kv=4, Kx=2, eps=1e-8, weight_decay=0.05,
+         outer="nesterov", outer_lr=0.7, outer_momentum=0.9, outer_wire_dtype="fp4"),
 ]
-HSDP_IDS = ["adam-qh2-norm-clip-nesterov", "adopt-coordinate-clip", "sgdm"]
+HSDP_IDS = ["adam-qh2-norm-clip-nesterov", "adopt-coordinate-clip", "sgdm", "adam-nesterov-fp4-wire"]
 STEPS, BATCH = 13, 8  # 13: the run ends between parameter syncs
 
 
@@ -993,7 +997,18 @@ def _simulate(cfg):
             if cfg["base"] != "sgdm" and step % cfg["Kv"] == 0:
                 avg(lambda o, m: [o.state[p]["exp_avg_sq"] for p in m.parameters()])
             if step % cfg["Kx"] == 0:
-                avg(lambda o, m: [p.data for p in m.parameters()])
+                if "outer_wire_dtype" in cfg:  # mean_R x = anchor − mean_R decode(Δ_r), per FSDP shard (dim 0)
+                    wire = MiniFloatWire(cfg["outer_wire_dtype"])
+                    for i, ps in enumerate(zip(*[m.parameters() for m in models])):
+                        pieces = []
+                        for a, *xs in zip(*[t.chunk(2) for t in (anchors[i], *[p.data for p in ps])]):
+                            decoded = [wire.decode(wire.encode(wire.to_blocks([a - x], [a.numel()]))) for x in xs]
+                            mean = wire.from_blocks((decoded[0] + decoded[1]) / 2, [a.numel()])[0]
+                            pieces.append(a - mean.view_as(a))
+                        for p in ps:
+                            p.data.copy_(torch.cat(pieces))
+                else:
+                    avg(lambda o, m: [p.data for p in m.parameters()])
                 if cfg.get("outer") == "nesterov":
                     nesterov_outer_step_(models, anchors, bufs, cfg["outer_momentum"], cfg["outer_lr"])
     return [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]
@@ -1029,6 +1044,7 @@ def _hsdp(rank, world):
         full = {k: v.full_tensor() for k, v in model.state_dict().items()}
         out.append(dict(params=full, replica=replica, R_sent=ledger.totals.get("R_sent", 0.0),
                         d_local=sum(p.to_local().numel() for p in model.parameters()),
+                        local_numels=[p.to_local().numel() for p in model.parameters()],
                         dtensor_state=all(type(v).__name__ == "DTensor" for k, v in
                                           opt.state[next(iter(model.parameters()))].items() if k != "step")))
     return out
@@ -1048,10 +1064,12 @@ def test_hsdp_2x2_equals_single_process_simulation(hsdp_results, c):
         assert o["dtensor_state"]
         for k, v in ref[o["replica"]].items():
             torch.testing.assert_close(o["params"][k], v, rtol=1e-10, atol=1e-12, msg=f"cfg {c} {k}")
-        # R bytes: every local-shard element of each state on its own schedule, float64 native
-        per_d = (STEPS // cfg["Kx"] + sum(STEPS // k for k in cfg["Ku"])
-                 + (STEPS // cfg["Kv"] if cfg["base"] != "sgdm" else 0))
-        assert o["R_sent"] == o["d_local"] * per_d * 8
+        # R bytes: every local-shard element of each state on its own schedule, float64 native (x: its codes
+        # and scales with the FP4 wire)
+        per_d = sum(STEPS // k for k in cfg["Ku"]) + (STEPS // cfg["Kv"] if cfg["base"] != "sgdm" else 0)
+        x = (MiniFloatWire(cfg["outer_wire_dtype"]).nbytes(o["local_numels"]) if "outer_wire_dtype" in cfg
+             else o["d_local"] * 8)
+        assert o["R_sent"] == o["d_local"] * per_d * 8 + x * (STEPS // cfg["Kx"])
     # mid-period the two replicas really differ (so the comparison per replica means something)
     assert any(not torch.allclose(ref[0][k], ref[1][k]) for k in ref[0])
 

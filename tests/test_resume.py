@@ -25,9 +25,11 @@ CASES = {
     # per-replica Muon momenta, anchors, outer momenta (and MuLoCo-2bit's error feedback), a sync at step 4
     "MuLoCo": None,
     "MuLoCo-2bit": None,
-    # streaming sync with a fragment in flight at the step-4 checkpoint (merged before saving)
-    "DES-LOC streaming": ["--commopt.local.Kx", "4", "--commopt.local.Ku", "4", "--commopt.local.Kv", "4",
-                          "--commopt.local.fragments", "2", "--commopt.local.sync_delay", "1"],
+    # streaming sync with a fragment in flight at the step-4 checkpoint (merged before saving), on the FP4
+    # outer wire: averaging then keeps an anchor per replica, the pseudo-gradients' codes are all-gathered
+    "DES-LOC streaming fp4": ["--commopt.local.Kx", "4", "--commopt.local.Ku", "4", "--commopt.local.Kv", "4",
+                              "--commopt.local.fragments", "2", "--commopt.local.sync_delay", "1",
+                              "--commopt.local.outer_wire_dtype", "fp4"],
     # eager overlapped outer steps: step 3's sync in flight at the step-4 checkpoint (its mean saved, not
     # applied), applied at step 6 from the loaded state: losses 7 and 8 see it
     "DiLoCo eager": ["--commopt.local.Kx", "3", "--commopt.local.merge", "eager"],
@@ -149,6 +151,8 @@ REFUSED = [
     ("DES-LOC", {}, "MT-DAO", {}, "[commopt.local] base = adam in the checkpoint, adopt in this run"),
     ("LocalAdam", {}, "LocalAdam", {"Kx": 1, "Ku": [1], "Kv": 1},
      "[commopt.local] Kx = not 1 (parameters kept per replica) in the checkpoint, 1 in this run"),
+    ("LocalAdam", {}, "LocalAdam", {"outer_wire_dtype": "fp4"},  # averaging keeps an anchor for the FP4 wire
+     "[commopt.local] outer_wire_dtype = same in the checkpoint, fp4 in this run"),
 ]
 
 

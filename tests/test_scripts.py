@@ -35,7 +35,14 @@ def test_comm_report_cli_and_png(tmp_path):
 # Periods that all divide SYNC_STEPS: DES-LOC's x, u, v first coincide after update 8, DeMo's diloco
 # replicator sends the whole shard every 4 updates.
 BURST_OVERRIDES = {"local": {"Kx": 2, "Ku": [4], "Kv": 8}, "demo": {"replicator": "diloco", "compression_rate": 0.25}}
+# the same DES-LOC with x's pseudo-gradients on the FP4 wire (all-gathered codes and scales)
+FP4_OVERRIDES = {"local": dict(BURST_OVERRIDES["local"], outer_wire_dtype="fp4")}
 SYNC_STEPS = 8
+
+
+def _named(name):
+    """(optimizer name, overrides) of a row of the burst checks."""
+    return name.split()[0], FP4_OVERRIDES if name.endswith("fp4") else BURST_OVERRIDES
 
 
 def _ledger_per_step(rank, world):
@@ -50,11 +57,12 @@ def _ledger_per_step(rank, world):
     from scripts._bench_common import param_shapes
 
     out = {}
-    for name in ("DES-LOC", "DeMo"):
+    for name in ("DES-LOC", "DeMo", "DES-LOC fp4"):
         params = [(fqn, torch.zeros(shape, requires_grad=True)) for fqn, shape in param_shapes("cpu_tiny")]
         ledger = comm.CommLedger()
-        family = "local" if name == "DES-LOC" else "demo"
-        opt = make(name, params, Topology(replicate=dist.group.WORLD), ledger=ledger, **BURST_OVERRIDES[family])
+        optimizer, overrides = _named(name)
+        family = "local" if optimizer == "DES-LOC" else "demo"
+        opt = make(optimizer, params, Topology(replicate=dist.group.WORLD), ledger=ledger, **overrides[family])
         g = torch.Generator().manual_seed(rank)
         steps = []
         for _ in range(SYNC_STEPS):
@@ -78,9 +86,11 @@ def ledger_per_step():
     ("DES-LOC", None, 8),  # x, u and v after update 8
     ("DES-LOC", 7, 4),  # x and u after update 4: the largest step within 7 updates
     ("DeMo", None, 4),
+    ("DES-LOC fp4", None, 8),
 ])
 def test_comm_report_burst_is_the_ledger_at_a_sync_step(ledger_per_step, name, horizon, sync_at):
-    (row,) = comm_report.report("cpu_tiny", 2, 1, [name], BURST_OVERRIDES, horizon=horizon)
+    optimizer, overrides = _named(name)
+    (row,) = comm_report.report("cpu_tiny", 2, 1, [optimizer], overrides, horizon=horizon)
     steps = ledger_per_step[name]
     assert row["sync_at_update"] == sync_at
     assert (row["R_sent_sync"], row["R_recv_sync"]) == steps[sync_at - 1]

@@ -224,6 +224,8 @@ def test_help_lists_the_typed_options(capsys):
     (["--optimizer.name", "FlexDemo"], "did you mean 'FlexDeMo'"),
     (["--optimizer.commopt.on_nonfinite", "skip", "--optimizer.commopt.max_consecutive_skips", "-1"],
      "max_consecutive_skips"),
+    (["--optimizer.name", "DiLoCo", "--optimizer.commopt.local.outer_wire_dtype", "fp2"],
+     "outer_wire_dtype = 'fp2': allowed is one of 'same', 'fp8', 'fp4'"),
 ])
 def test_bad_cli_value_is_one_line_exit_2(capsys, args, expected):
     code, _, err = _parse(capsys, *args)

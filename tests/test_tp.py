@@ -18,7 +18,8 @@ gradient of the whole model directly, in float64:
   ``tests/sim_utils.py``'s DeMo simulation (DeMo works on the local shard; its momenta are float32).
 - DES-LOC (Adam and ADOPT) / MT-DAO / LocalAdam / DiLoCo: two single-replica optimizers
   (``Topology.single()``, so the norm clip sees the whole model) with the R syncs done by hand, as
-  ``tests/test_local_adaptive.py``.
+  ``tests/test_local_adaptive.py``; DiLoCo on the FP4 outer wire quantizes each piece's pseudo-gradient
+  by hand (``compress/minifloat.py``'s blocks are per local shard).
 - Dion: one centralized Dion on the mean gradient of both replicas (Theorem 2.1), including a
   matrix whose gradient is zero on every rank (it must change by weight decay only).
 
@@ -33,6 +34,7 @@ import pytest
 import torch
 
 from titan_commopt import comm
+from titan_commopt.compress.minifloat import MiniFloatWire
 from titan_commopt.optim import ShardShape, build_optimizer, resolve
 from titan_commopt.optim.local import adaptive as la
 from titan_commopt.topology import Topology
@@ -66,6 +68,8 @@ LOCAL_CASES = {
     "MT-DAO": dict(Kx=2, Ku=[3], Kv=3, beta1=[0.9], beta2=0.99, clip_threshold=0.05),
     "LocalAdam": dict(Kx=3, Ku=[3], Kv=3),
     "DiLoCo": dict(Kx=2),
+    # each rank's pseudo-gradient of its own piece on the FP4 wire (blocks and scales per local shard)
+    "DiLoCo/fp4": dict(Kx=2, outer_wire_dtype="fp4"),
 }
 DION_CASES = {
     "Dion": dict(rank_fraction=0.25),
@@ -82,7 +86,7 @@ def _resolved(case, **changes):
         name, kw = DEMO_CASES[case]
         return resolve(name, {**kw, **changes}, dataclasses.replace(HP, lr=DEMO_LR))
     if case in LOCAL_CASES:  # float64 syncs
-        return resolve(case, {**LOCAL_CASES[case], "transfer_dtype": "native", **changes}, HP)
+        return resolve(case.split("/")[0], {**LOCAL_CASES[case], "transfer_dtype": "native", **changes}, HP)
     return resolve("Dion", {**DION_CASES[case], **changes}, HP)
 
 
@@ -166,7 +170,7 @@ def simulate_demo(case, pieces):
     return [{n: p.detach() for n, p in params.items()}] * W
 
 
-def simulate_local(case):
+def simulate_local(case, pieces):
     cfg = _resolved(case).options
     models = [make_net() for _ in range(W)]
     # the outer step is simulated here; one replica's optimizer would apply it once more
@@ -195,7 +199,20 @@ def simulate_local(case):
             if o0.periods.Kv and step % o0.periods.Kv == 0:
                 avg(lambda o, m: [o.state[p]["exp_avg_sq"] for p in m.parameters()])
             if step % o0.periods.Kx == 0:
-                avg(lambda o, m: [p.data for p in m.parameters()])
+                if cfg.outer_wire_dtype == "same":
+                    avg(lambda o, m: [p.data for p in m.parameters()])
+                else:  # per piece: mean_R x = anchor − mean_R decode(Q(anchor − x_r)), decoded in float32
+                    wire = MiniFloatWire(cfg.outer_wire_dtype)
+                    for anchor, (n, _), *ps in zip(anchors, models[0].named_parameters(),
+                                                   *[m.parameters() for m in models]):
+                        for sl in pieces[n]:
+                            idx = index_of(sl)
+                            a = anchor[idx]
+                            shares = [wire.decode(wire.encode(wire.to_blocks([a - p.data[idx]], [a.numel()])))
+                                      for p in ps]
+                            mean = wire.from_blocks(sum(shares[1:], shares[0]) / W, [a.numel()])[0].view_as(a)
+                            for p in ps:
+                                p.data[idx] = a - mean
                 if cfg.outer == "nesterov":
                     nesterov_outer_step_(models, anchors, bufs, cfg.outer_momentum, cfg.outer_lr)
     return [{n: p.detach() for n, p in m.named_parameters()} for m in models], min(norms)
@@ -218,7 +235,7 @@ def _simulate(case, pieces):
     if case in DEMO_CASES:
         return simulate_demo(case, pieces)
     if case in LOCAL_CASES:
-        ref, min_norm = simulate_local(case)
+        ref, min_norm = simulate_local(case, pieces)
         kw = LOCAL_CASES[case]
         if "clip_threshold" in kw:  # the clip does act (norm clip: on the whole-model norm, summed over S, T)
             assert min_norm > kw["clip_threshold"], (case, min_norm)

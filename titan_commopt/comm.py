@@ -50,6 +50,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_fused",
     "all_gather",
+    "all_gather_mean",
     "all_gather_object",
     "reduce_scatter",
     "all_to_all",
@@ -410,6 +411,35 @@ def all_gather(
         lambda a: _all_gather_single(out.view(-1), src.view(-1), group=group, async_op=a), lambda: out,
         async_op,
     )
+
+
+def all_gather_mean(
+    payload: torch.Tensor,
+    decode: Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor],
+    role: str,
+    group: Optional[dist.ProcessGroup],
+    *,
+    ledger: Optional[CommLedger] = None,
+    async_op: bool = False,
+) -> "torch.Tensor | Pending[torch.Tensor]":
+    """The mean over ``group`` of what each rank's encoded ``payload`` decodes to, for a wire an
+    all-reduce cannot sum (FP4 codes): the payloads are all-gathered (one collective: ``payload``'s
+    bytes sent, W − 1 times them received), then every rank's is decoded and summed in float32 in
+    rank order and divided by W, so every rank holds the same bits: ``decode(payload, None)`` returns
+    the first share's values (a float32 tensor), ``decode(payload, total)`` adds the next one's into
+    ``total``. Memory: the W payloads and the sum. A group of one returns ``decode(payload, None)``."""
+    gathered = all_gather(payload, role, group, ledger=ledger, async_op=True)
+
+    def finish() -> torch.Tensor:
+        shares = gathered.wait()
+        total = decode(shares[0], None)
+        for share in shares[1:]:
+            decode(share, total)
+        return total.div_(shares.shape[0])
+
+    if not async_op:
+        return finish()
+    return Pending(None, finish, None)
 
 
 def reduce_scatter(

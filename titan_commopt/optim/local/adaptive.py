@@ -53,6 +53,22 @@ resumed run continues exactly as the run that saved (and as one that never check
 the blocking schedule's, as with fragments and τ. ``sync.py`` holds the schedule and every way a
 sync lands.
 
+Quantized outer wire (``outer_wire_dtype`` = ``"fp8"`` / ``"fp4"``; Streaming DiLoCo's FP4 wire, Douillard
+et al. 2025, arXiv 2501.18512, §2.4). A parameter sync sends each replica's unreduced pseudo-gradient
+Δ_m = a − x_m (a the anchor, x at the last sync; a replica's own anchor under the eager merge) instead
+of x, coded by ``compress/minifloat.py``: blocks of 256 values of a tensor's local shard, one float32
+absmax scale s each, FP8 = E4M3 (torch's float8_e4m3fn of Δ·448/s) or FP4 = E3M0 (0 or ±s·2^k,
+k = −6…0, the nearest in value). The codes are all-gathered over R (an all-reduce cannot sum them),
+and every replica decodes every share and averages in FP32, in replica order (the same bits on every
+replica):
+
+    mean_R x = a − (1/M)·Σ_m decode(Q(Δ_m))            # blocking, streaming (at issue), lerp
+    Δ̄ = (1/M)·Σ_m decode(Q(Δ_m))                       # delayed / eager: the mean in flight
+
+then the merge and the outer step as above (averaging is outer SGD at lr 1 from the anchor, which it
+then keeps; with one replica nothing is sent and nothing quantized). The moments u_j, v keep
+``transfer_dtype``'s all-reduce.
+
 State, on the local FSDP2/TP shard and per replica (checkpoints keep each replica's): ``exp_avg``,
 ``exp_avg_<j>`` (u_j, :func:`moment_key`), ``exp_avg_sq`` (v, none for sgdm), ``outer_anchor`` and
 ``outer_buf`` (Nesterov with Kx > 0), ``step`` (one shared CPU scalar tensor: no host read per step).
@@ -60,7 +76,10 @@ Parameters differ across replicas between Kx syncs (``params_replica_local``: Kx
 
 Bytes per rank and step (:func:`local_r_bytes`): d·(1/Kx + Σ_j 1/K_j + 1/Kv) × the transfer dtype's
 bytes, d the local shard's elements, all-reduce (sent = received); fragments and τ move syncs in
-time, not their bytes. The norm clip adds one float over S and T.
+time, not their bytes. With the quantized outer wire x's term is an all-gather of
+Σ_p ⌈d_p/256⌉·(256·b/8 + 4)/Kx bytes sent (b = 8 or 4 bits a code, a float32 scale a block; d_p a
+tensor's local elements), W − 1 times that received: 8.125 or 4.125 bits a value, 3.94× or 7.76× fewer
+than fp32 for large tensors. The norm clip adds one float over S and T.
 
 The local step (``update.py``, or its Triton twin ``update_triton.py`` where ``[commopt] kernels``
 picks Triton; plain Adam stays on torch's fused AdamW kernel) runs the multi-tensor updates of
@@ -81,6 +100,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from titan_commopt import comm
+from titan_commopt.compress.minifloat import MiniFloatWire
 from titan_commopt.kernels import use_triton
 from titan_commopt.options import ConfigError, option, resolve_auto_period
 from titan_commopt.topology import R, S, T, Topology
@@ -96,8 +116,8 @@ from ..muon.options import MuonOptions, is_muon_matrix, muon_problems, routed_gr
 from .global_model import anchors_swapped_in, replica_mean_swapped_in
 from .steps import LocalSteps, column_chunks, chunk_limit, trainable
 from .update import fused_local_update, gradient_clip, local_update
-from .sync import (OVERLAPPED_MERGES, DueStates, OverlapEntry, Periods, SyncSchedule, sync_in_place,
-                   sync_overlapped, sync_streaming)
+from .sync import (OVERLAPPED_MERGES, DueStates, OverlapEntry, Params, Periods, SyncSchedule, pseudo_gradient_mean,
+                   sync_in_place, sync_overlapped, sync_streaming)
 
 __all__ = ["Config", "PRESETS", "LocalAdaptive", "FAMILY", "check", "resolve_periods", "sync_schedule", "local_r_bytes",
            "local_s_bytes", "moment_key"]
@@ -163,6 +183,15 @@ class _Own:
     )
     transfer_dtype: Literal["fp32", "bf16", "native"] = option(
         "fp32", "dtype of synced states on the wire (native = the state's own dtype).",
+    )
+    outer_wire_dtype: Literal["same", "fp8", "fp4"] = option(
+        "same", "What a parameter sync puts on the wire. same: x itself (Δ for merge = delayed / eager) in "
+        "transfer_dtype, all-reduced. fp8 / fp4: each replica's pseudo-gradient Δ = x_anchor − x, block-scaled "
+        "FP8 (E4M3) or FP4 (E3M0: ±2^e·scale or 0, Streaming DiLoCo's, Douillard et al. 2025 §2.4), one float32 "
+        "absmax scale per 256 values of a tensor; the codes are all-gathered and every replica's share decoded and "
+        "averaged in FP32: mean_R x = x_anchor − mean_R Δ (4.125 / 8.125 bits a value sent, the W − 1 others' "
+        "received). The moments (u_j, v) keep transfer_dtype. Averaging then keeps an anchor too (x at the last "
+        "sync).",
     )
     fragments: int = option(
         1, "Streaming sync: parameters (with their states) split into this many fragments, balanced "
@@ -399,6 +428,9 @@ def check(cfg: Config, hparams: BaseHParams) -> list[str]:
             f"merge = \"delayed\" or \"eager\" (their sync stays in flight for a whole period by itself), or merge = "
             "\"additive\" for a sync_delay"
         ]
+    if cfg.outer_wire_dtype != "same" and periods.Kx == 0:
+        return [f"[{SECTION}] outer_wire_dtype = {cfg.outer_wire_dtype!r} with Kx = 0: outer_wire_dtype is read only "
+                "by a parameter sync; set Kx > 0, or leave outer_wire_dtype unset"]
     if cfg.merge != "lerp" and cfg.merge_alpha != 0.0:
         return [f"[{SECTION}] merge_alpha = {cfg.merge_alpha!r} with merge = {cfg.merge!r}: merge_alpha is read only by "
                 "merge = \"lerp\"; set merge = \"lerp\", or leave merge_alpha unset"]
@@ -420,7 +452,11 @@ def local_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_si
     received); d = the local shard's elements, d_v those of the parameters that keep a second moment
     (all of them, but none with sgdm and only those routed to Adam with muon), bytes = the transfer
     dtype's (the parameter's for ``native``); a period of 0 (never) adds nothing. Fragments and
-    ``sync_delay`` move syncs in time, not their bytes."""
+    ``sync_delay`` move syncs in time, not their bytes.
+
+    With ``outer_wire_dtype`` fp8 / fp4 the parameters' term d/Kx·bytes becomes an all-gather of
+    (Σ_p ⌈d_p/256⌉·(256·b/8 + 4))/Kx bytes sent, W − 1 times that received (d_p a tensor's local
+    elements, b = 8 or 4 bits a code, 4 bytes of float32 scale a block: ``MiniFloatWire.nbytes``)."""
     if replicate_size <= 1:
         return Bytes()
     cfg = resolved.options
@@ -428,9 +464,13 @@ def local_r_bytes(shards: Sequence[ShardShape], resolved: Resolved, replicate_si
     inv = lambda k: 1.0 / k if k > 0 else 0.0  # noqa: E731
     dtype = cfg.transfer_dtype
     size = lambda s: s.numel * (s.itemsize if dtype == "native" else comm.DTYPES[dtype].itemsize)  # noqa: E731
-    total = sum(size(s) for s in shards) * (inv(periods.Kx) + sum(inv(k) for k in periods.Ku))
+    same = cfg.outer_wire_dtype == "same"  # x in the states' all-reduce
+    total = sum(size(s) for s in shards) * ((inv(periods.Kx) if same else 0.0) + sum(inv(k) for k in periods.Ku))
     total += sum(size(s) for s in shards if _has_second_moment(cfg, s.fqn, s.shape)) * inv(periods.Kv)
-    return Bytes(total, total)
+    if same:
+        return Bytes(total, total)
+    x = MiniFloatWire(cfg.outer_wire_dtype).nbytes(s.numel for s in shards) * inv(periods.Kx)
+    return Bytes(total + x, total + (replicate_size - 1) * x)
 
 
 def local_s_bytes(shards: Sequence[ShardShape], resolved: Resolved, role: str = "S") -> Bytes:
@@ -478,6 +518,7 @@ def settings(resolved: Resolved) -> dict[str, Any]:
     overlapped merge, which moves the bytes in time only)."""
     o, p = resolved.options, resolve_periods(resolved.options, resolved.hparams)
     return {"Kx": p.Kx, "Ku": list(p.Ku), "Kv": p.Kv, "transfer_dtype": o.transfer_dtype,
+            **({"outer_wire_dtype": o.outer_wire_dtype} if o.outer_wire_dtype != "same" else {}),
             **({"fragments": o.fragments} if o.fragments > 1 else {}),
             **({"fragment_layout": o.fragment_layout} if o.fragments > 1 and o.fragment_layout != "size" else {}),
             **({"merge": o.merge} if o.merge != "additive" else {})}
@@ -539,18 +580,21 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
         self._clip_by_norm = cfg.clip == "norm"
         self._clip_threshold = cfg.clip_threshold
         nesterov = cfg.outer == "nesterov"
-        self._outer = partial(updates.nesterov_outer_, lr=cfg.outer_lr, momentum=cfg.outer_momentum) if nesterov else None
+        self._nesterov = nesterov
         # One replica syncs nothing, unless the outer step runs (DiLoCo with one worker is not Adam).
         self._syncs = topology.replicated or nesterov
         self._replicate = topology.replicate if topology.replicated else None
         self._wire_dtype = None if cfg.transfer_dtype == "native" else comm.DTYPES[cfg.transfer_dtype]
+        self._outer_wire = None if cfg.outer_wire_dtype == "same" else MiniFloatWire(cfg.outer_wire_dtype)
         self._sync_delay = cfg.sync_delay
         self._merge = cfg.merge
         self._alpha = cfg.merge_alpha if cfg.merge == "lerp" else None
         self._overlapped = cfg.merge in OVERLAPPED_MERGES
-        # An overlapped merge applies pseudo-gradients from an anchor, so averaging keeps one too (outer
-        # SGD at lr 1); the Nesterov outer step always has one.
-        self._anchored = (nesterov or self._overlapped) and self.periods.Kx > 0
+        # An overlapped merge applies pseudo-gradients from an anchor, and a quantized outer wire sends
+        # them, so averaging keeps one too (outer SGD at lr 1); the Nesterov outer step always has one.
+        self._anchored = (nesterov or self._overlapped or self._outer_wire is not None) and self.periods.Kx > 0
+        self._outer = (partial(updates.nesterov_outer_, lr=cfg.outer_lr, momentum=cfg.outer_momentum) if nesterov
+                       else _anchor_follows if self._anchored else None)
         self._outer_delta = (
             partial(_nesterov_outer_delta, lr=cfg.outer_lr, momentum=cfg.outer_momentum) if nesterov
             else _average_outer_delta
@@ -604,8 +648,9 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
     @contextmanager
     def global_params(self, *, ledger: Optional["comm.CommLedger"] = None) -> Iterator[None]:
         """The global model (``CommOptimizer.global_params``): with an anchor (the Nesterov outer step,
-        or an overlapped merge), the anchor (x after the last outer step that landed), averaged over R
-        for ``merge = "eager"`` (each replica's anchor holds its own fresh share; one all-reduce);
+        an overlapped merge, or averaging on a quantized outer wire), the anchor (x after the last outer
+        step that landed), averaged over R for ``merge = "eager"`` (each replica's anchor holds its own
+        fresh share; one all-reduce);
         else the parameters themselves where the replicas hold the same ones (one replica, or right
         after a sync of every fragment's x), and mean_R(x) anywhere else: what a sync now would make.
         Averages are in ``transfer_dtype``, one all-reduce recorded on ``ledger`` (default:
@@ -638,7 +683,7 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
             if self._anchored:
                 # x at the last sync: the outer step's pseudo-gradient is anchor − mean_R(x)
                 state["outer_anchor"] = p.detach().clone()
-            if self._outer is not None and self.periods.Kx > 0:
+            if self._nesterov and self.periods.Kx > 0:
                 state["outer_buf"] = zeros()
             if self._overlapped:  # zeros: the sync of nothing at update 0 (sync.sync_overlapped)
                 for key in self._overlap_keys(group):
@@ -764,7 +809,8 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
                 out.tensors.append(local(state["exp_avg_sq"]))
             if f in due.get("x", ()):
                 if self._outer is not None:
-                    out.outer.append((len(out.tensors), local(state["outer_anchor"]), local(state["outer_buf"])))
+                    buf = local(state["outer_buf"]) if "outer_buf" in state else None
+                    out.outer.append((len(out.tensors), local(state["outer_anchor"]), buf))
                 out.tensors.append(local(p))
         return out
 
@@ -787,9 +833,23 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
                     second_moment=key == "exp_avg_sq"))
         return out
 
-    def _reduce(self, tensors: list[torch.Tensor]) -> "comm.Pending[None]":
-        return comm.all_reduce_fused(tensors, R, self._replicate, op="mean", dtype=self._wire_dtype,
-                                     ledger=self.ledger, async_op=True)
+    def _reduce(self, tensors: list[torch.Tensor], params: Params) -> "comm.Pending[None]":
+        """The R mean of a sync's tensors: one fused all-reduce in ``transfer_dtype``; with a quantized
+        outer wire the parameters' pseudo-gradients go apart, all-gathered as FP8/FP4 codes
+        (``sync.pseudo_gradient_mean``), beside the states' all-reduce. One replica sends nothing."""
+        if self._outer_wire is None or self._replicate is None or not params:
+            return comm.all_reduce_fused(tensors, R, self._replicate, op="mean", dtype=self._wire_dtype,
+                                         ledger=self.ledger, async_op=True)
+        states = comm.all_reduce_fused([t for i, t in enumerate(tensors) if i not in params], R, self._replicate,
+                                       op="mean", dtype=self._wire_dtype, ledger=self.ledger, async_op=True)
+        xs = pseudo_gradient_mean([tensors[i] for i in params], list(params.values()), self._outer_wire,
+                                  self._replicate, self.ledger)
+
+        def both() -> None:
+            states.wait()
+            xs.wait()
+
+        return comm.Pending(None, both, None)
 
 
 def _nesterov_outer_delta(x: torch.Tensor, anchor: torch.Tensor, buf: Optional[torch.Tensor], delta: torch.Tensor, *,
@@ -798,6 +858,12 @@ def _nesterov_outer_delta(x: torch.Tensor, anchor: torch.Tensor, buf: Optional[t
     up); x takes the new anchor."""
     updates.nesterov_step_(anchor, delta, buf, lr=lr, momentum=momentum)
     x.copy_(anchor)
+
+
+def _anchor_follows(x: torch.Tensor, anchor: torch.Tensor, buf: Optional[torch.Tensor]) -> None:
+    """``outer = "average"`` with an anchor (a quantized outer wire): x = mean_R(x) already; the anchor,
+    from which the next sync's pseudo-gradient is taken, moves to it."""
+    anchor.copy_(x)
 
 
 def _average_outer_delta(x: torch.Tensor, anchor: torch.Tensor, buf: Optional[torch.Tensor],
@@ -812,8 +878,8 @@ def _average_outer_delta(x: torch.Tensor, anchor: torch.Tensor, buf: Optional[to
 def state_shape(resolved: Resolved) -> dict[str, Any]:
     """What shapes the checkpointed state: the base (which moments, what they mean), the number of
     first momenta, the Nesterov outer state (Kx > 0), per-replica parameters (Kx != 1), with
-    ``base = "muon"`` the routing (which parameters keep a second moment), and an overlapped merge's
-    state."""
+    ``base = "muon"`` the routing (which parameters keep a second moment), an overlapped merge's
+    state, and whether blocking averaging keeps an anchor (``outer_wire_dtype``)."""
     cfg, periods = resolved.options, resolve_periods(resolved.options, resolved.hparams)
     return {
         "base": cfg.base,
@@ -824,6 +890,11 @@ def state_shape(resolved: Resolved) -> dict[str, Any]:
         # the mean in flight and the share sent are state (the additive merge keeps none: left out, so
         # checkpoints written before the option existed still resume)
         **({"merge": cfg.merge} if cfg.merge in OVERLAPPED_MERGES else {}),
+        # blocking averaging keeps an anchor only for a quantized outer wire (the Nesterov outer step and the
+        # overlapped merges keep one anyway), so there "same" is recorded too: a checkpoint without the
+        # anchor is not resumed with one expected (fp8 ↔ fp4 is refused as well: one key, strict)
+        **({"outer_wire_dtype": cfg.outer_wire_dtype}
+           if cfg.outer == "average" and cfg.merge not in OVERLAPPED_MERGES and periods.Kx > 0 else {}),
     }
 
 

@@ -9,7 +9,9 @@ keeping the local progress of those steps (Streaming DiLoCo's overlap with an ad
 in flight for a whole period and applied at the next sync of the same state, naively delayed or
 eagerly (Kale, Douillard, Donchev 2025, "Eager Updates For Overlapped Communication and Computation
 in DiLoCo", arXiv 2502.12996: ``merge`` = ``"delayed"`` / ``"eager"``). The math is in
-``adaptive.py``'s module docstring.
+``adaptive.py``'s module docstring. A sync's mean is the optimizer's ``Reduce``: an all-reduce, or with a
+quantized outer wire (``outer_wire_dtype``) :func:`pseudo_gradient_mean` for the parameters, whose
+pseudo-gradients go on the wire as FP8/FP4 codes.
 """
 
 import re
@@ -19,16 +21,23 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from titan_commopt import comm
+from titan_commopt.compress.minifloat import MiniFloatWire
 from titan_commopt.overlap import Task
+from titan_commopt.topology import R
 
 __all__ = ["Periods", "SyncSchedule", "DueStates", "OverlapEntry", "offsets", "partition", "sync_in_place",
            "sync_streaming", "sync_overlapped", "eager_pseudo_gradient", "OVERLAPPED_MERGES", "strided_partition",
-           "block_index"]
+           "block_index", "pseudo_gradient_mean"]
 
-# One step's due tensors → their R mean, written back in place when the returned Pending is waited for.
-Reduce = Callable[[list[torch.Tensor]], "comm.Pending[None]"]
-# The outer step on one parameter: (x holding mean_R(x), its anchor, its outer momentum).
-OuterStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+# Which of a sync's tensors are parameters, by index: each with its anchor where the tensor holds x (its
+# pseudo-gradient is anchor − x), None where it holds the pseudo-gradient Δ itself (an overlapped merge's
+# wire value). A parameter without an anchor (averaging on the states' wire) is synced as a state.
+Params = dict[int, Optional[torch.Tensor]]
+# One step's due tensors (and which are parameters) → their R mean, written back in place when the
+# returned Pending is waited for.
+Reduce = Callable[[list[torch.Tensor], Params], "comm.Pending[None]"]
+# The outer step on one parameter: (x holding mean_R(x), its anchor, its outer momentum or None).
+OuterStep = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], None]
 # The outer step on one parameter from a pseudo-gradient: (x, its anchor, its outer momentum or None, Δ).
 OuterDeltaStep = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor], None]
 
@@ -146,12 +155,16 @@ class SyncSchedule:
 @dataclass
 class DueStates:
     """One step's due states in the fused buffer's order: the live local tensors (x, u_j, v), where
-    the second moments are, and each parameter's outer state (anchor, momentum) when the outer step
-    runs."""
+    the second moments are, and each parameter's outer state (anchor, momentum or None) when the outer
+    step runs."""
 
     tensors: list[torch.Tensor] = field(default_factory=list)
     second_moments: list[int] = field(default_factory=list)
-    outer: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    outer: list[tuple[int, torch.Tensor, Optional[torch.Tensor]]] = field(default_factory=list)
+
+    def params(self) -> Params:
+        """The parameters among ``tensors`` that have an anchor (:data:`Params`: each holds x)."""
+        return {i: anchor for i, anchor, _ in self.outer}
 
 
 def _outer_steps(means: list[torch.Tensor], due: DueStates, outer: Optional[OuterStep]) -> None:
@@ -162,7 +175,7 @@ def _outer_steps(means: list[torch.Tensor], due: DueStates, outer: Optional[Oute
 
 def sync_in_place(due: DueStates, reduce: Reduce, outer: Optional[OuterStep]) -> Task:
     """t = mean_R(t) in place, then the outer step on the parameters (``sync_delay`` = 0)."""
-    yield reduce(due.tensors)
+    yield reduce(due.tensors, due.params())
     _outer_steps(due.tensors, due, outer)
 
 
@@ -174,7 +187,7 @@ def sync_streaming(due: DueStates, reduce: Reduce, outer: Optional[OuterStep], a
     - ``alpha`` = α (``merge = "lerp"``, Streaming DiLoCo's merge, Douillard et al. 2025 §2.3):
       t ← α·t + (1 − α)·t̃ (α = 0: the local progress since the issue dropped, the global fragment taken)."""
     snapshots = [t.clone() for t in due.tensors]  # the price of the overlap: one copy of what is sent
-    pending = reduce(snapshots)
+    pending = reduce(snapshots, due.params())
     try:
         yield None  # parked: the collective overlaps the next steps
     except GeneratorExit:  # dropped by a load: its collective still has to complete
@@ -250,4 +263,26 @@ def sync_overlapped(entries: Sequence[OverlapEntry], reduce: Reduce, merge: str,
         if e.sent is not None:
             e.sent.copy_(fresh)
         e.inflight.copy_(fresh)
-    yield reduce([e.inflight for e in entries])
+    yield reduce([e.inflight for e in entries], {i: None for i, e in enumerate(entries) if e.anchor is not None})
+
+
+def pseudo_gradient_mean(tensors: Sequence[torch.Tensor], anchors: Sequence[Optional[torch.Tensor]],
+                         wire: MiniFloatWire, group: Optional["torch.distributed.ProcessGroup"],
+                         ledger: Optional["comm.CommLedger"]) -> "comm.Pending[None]":
+    """mean_R of parameters on the outer wire (``outer_wire_dtype``, Streaming DiLoCo's FP4 wire, Douillard
+    et al. 2025 §2.4): each replica's pseudo-gradient Δ_m (anchor − x where ``anchors[i]`` is set, else the
+    tensor itself, which holds Δ) is encoded now by ``wire`` (a block-scaled FP8/FP4 payload), the
+    payloads are all-gathered over R (an all-reduce cannot sum FP4 codes), and every replica's is decoded
+    and averaged in float32 (``comm.all_gather_mean``); once waited for, a tensor holding x becomes
+    anchor − mean_R Δ (= mean_R x on an exact wire), one holding Δ the mean. Memory: one float32 copy of
+    the tensors while encoding; the replicas' payloads and the float32 mean at the end."""
+    numels = [t.numel() for t in tensors]
+    blocks = wire.to_blocks(((a - t) if a is not None else t for t, a in zip(tensors, anchors)), numels)
+    mean = comm.all_gather_mean(wire.encode(blocks), wire.decode, R, group, ledger=ledger, async_op=True)
+    del blocks  # encoded: only the payload is kept until the wait
+
+    def finish() -> None:
+        for t, a, m in zip(tensors, anchors, wire.from_blocks(mean.wait(), numels)):
+            t.copy_(m.view_as(t) if a is None else a - m.view_as(t))
+
+    return comm.Pending(None, finish, None)
