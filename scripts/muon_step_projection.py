@@ -61,27 +61,27 @@ def muon_plan(flavor: str, overrides: dict | None = None) -> tuple[list[tuple[st
     return matrices, len(ns_schedule(cfg.muon_coefficients, cfg.muon_ns_steps))
 
 
-def _fsdp_cut(shape: tuple[int, ...], shard: int, coord: int):
-    """The ``Cut`` of a matrix (or a stack of them) sharded by FSDP2 (Shard(0)) over ``shard`` ranks,
-    seen from the rank of index ``coord``: the pieces torch's own shard arithmetic makes."""
+def _fsdp_pieces(shape: tuple[int, ...], shard: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(offset, shape) of each rank's piece of a parameter FSDP2 shards on dim 0 over ``shard`` ranks:
+    torch's own shard arithmetic (uneven where ``shard`` does not divide the dim)."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    from titan_commopt.optim.muon.layout import Cut
-
-    boxes = []
+    pieces = []
     for q in range(shard):
         piece, offset = _compute_local_shape_and_global_offset(shape, (shard,), [q], [Shard(0)])
-        boxes.append((tuple(int(o) for o in offset), tuple(int(s) for s in piece)))
-    return Cut(shape, [("S", None)], (shard,), (coord,), tuple(boxes))
+        pieces.append((tuple(int(o) for o in offset), tuple(int(s) for s in piece)))
+    return pieces
 
 
 def rank_flops(matrices: list[tuple[str, tuple[int, ...]]], shard: int, iterations: int) -> list[int]:
-    """The Newton–Schulz flops of one step on each of the ``shard`` ranks of a replica: the batches
-    (same shape, in order of first appearance) and their owners as the Muon engine makes them."""
+    """The Newton–Schulz flops of one step on each of the ``shard`` ranks of a replica, FSDP2
+    sharding every parameter on dim 0. A 2-D matrix is cut: the matrices of one shape form a batch
+    (in order of first appearance) and ``layout.plan_batch`` says which rank owns each. A 3-D stack
+    is split along its stack dim only: every rank orthogonalizes the slices it holds."""
     import torch
 
-    from titan_commopt.optim.muon.layout import plan_batch
+    from titan_commopt.optim.muon.layout import Cut, plan_batch
     from titan_commopt.optim.orthogonalize import newton_schulz_flops
 
     batches: dict[tuple[int, ...], int] = {}
@@ -90,14 +90,15 @@ def rank_flops(matrices: list[tuple[str, tuple[int, ...]]], shard: int, iteratio
     per_rank = [0] * shard
     base = 0
     for shape, k in batches.items():
-        # a 3-D stack: each [m, n] slice on its own
-        item = math.prod(shape[:-2]) * newton_schulz_flops(shape[-2], shape[-1], iterations)
+        matrix = newton_schulz_flops(shape[-2], shape[-1], iterations)
+        pieces = _fsdp_pieces(shape, shard)
+        if len(shape) == 3 or shard == 1:
+            for coord, (_, piece) in enumerate(pieces):
+                per_rank[coord] += k * math.prod(piece[:-2]) * matrix
+            continue
         for coord in range(shard):
-            if shard == 1:
-                per_rank[coord] += k * item
-                continue
-            owned = plan_batch(_fsdp_cut(shape, shard, coord), k, base, torch.device("cpu")).owned
-            per_rank[coord] += len(owned) * item
+            cut = Cut(shape, [("S", None)], (shard,), (coord,), tuple(pieces))
+            per_rank[coord] += len(plan_batch(cut, k, base, torch.device("cpu")).owned) * matrix
         base += k
     return per_rank
 

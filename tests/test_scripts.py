@@ -160,6 +160,8 @@ def test_muon_step_projection_counts_by_hand():
     matrices = [("a", (4, 8)), ("b", (8, 4)), ("c", (4, 8)), ("d", (2, 8))]
     assert projection.rank_flops(matrices, 2, 1) == [640 + 640, 640 + 144]
     assert projection.rank_flops(matrices, 1, 1) == [3 * 640 + 144]
+    # a stack of 3 (4 × 8) matrices, split 2 + 1 along the stack dim: each rank its own slices
+    assert projection.rank_flops([("experts", (3, 4, 8))], 2, 1) == [2 * 640, 640]
     # llama3 8B: per layer wq, wo 4096², wk, wv 1024 × 4096, w1, w3 14336 × 4096, w2 4096 × 14336; 5 iterations
     square, kv, ffn = 6 * 4096**3, 4 * 1024**2 * 4096 + 2 * 1024**3, 4 * 4096**2 * 14336 + 2 * 4096**3
     p = projection.projection("8B", shard=8)
