@@ -31,6 +31,14 @@ Two columns say how much of a step is the link: the R bytes each replica sends p
 time its R collectives took from issue to completion (the ledger's ``R_seconds``: host clock on CPU,
 device events on a GPU), both medians over the timed steps. On gloo loopback that time is the
 benchmark's host link, not the optimizer's computation.
+
+With ``--shard`` S > 1 every replica is S processes and the model is FSDP2-sharded over them
+(``fully_shard`` of each transformer block and of the model, on a ``(dp_replicate, fsdp)`` mesh of
+``--replicas`` × S; the optimizers get ``Topology.from_mesh``, as in training): each rank steps its
+shards, and a family that works on whole matrices does its S-group exchange, e.g. Muon's owner ranks
+(each orthogonalizes about 1/S of the matrices, gathered whole over the shard group, and sends the
+pieces back). The fused AdamW steps its DTensor shards without a collective. Another column then
+gives the S bytes each rank sends per step.
 """
 
 import argparse
@@ -54,18 +62,37 @@ import torch.multiprocessing as mp  # noqa: E402
 from scripts._bench_common import build_model, human, param_shapes, parse_overrides, resolved_of, table  # noqa: E402
 
 
-def _model(flavor: str, device: torch.device):
+def _model(flavor: str, device: torch.device, mesh=None):
+    """The model with random gradients; with a ``mesh`` (``--shard`` > 1) FSDP2-sharded over its
+    ``fsdp`` dim as torchtitan shards it (each block, then the rest), each gradient a DTensor like its
+    parameter."""
     torch.manual_seed(0)
     with device:
         model = build_model(flavor)
     with torch.no_grad():
         model.init_weights()
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh["fsdp"])
+        fully_shard(model, mesh=mesh["fsdp"])
     for p in model.parameters():
-        p.grad = torch.randn_like(p) * 1e-3
+        p.grad = _random_like(p) * 1e-3
     return model
 
 
-def _build(name: str, model, overrides: dict, ledger):
+def _random_like(p: torch.Tensor) -> torch.Tensor:
+    """Gaussian noise shaped and placed as ``p`` (a DTensor: noise on its local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return torch.randn_like(p)
+    return DTensor.from_local(torch.randn_like(p.to_local()), p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
+
+
+def _build(name: str, model, overrides: dict, ledger, mesh=None):
     from titan_commopt.optim import BaseHParams, build_optimizer
     from titan_commopt.topology import Topology
 
@@ -73,7 +100,10 @@ def _build(name: str, model, overrides: dict, ledger):
     if name in ADAMW:
         return torch.optim.AdamW(model.parameters(), lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
                                  weight_decay=hp.weight_decay, **ADAMW[name])
-    topology = Topology(replicate=dist.group.WORLD) if dist.get_world_size() > 1 else Topology.single()
+    if mesh is not None:
+        topology = Topology.from_mesh(mesh)
+    else:
+        topology = Topology(replicate=dist.group.WORLD) if dist.get_world_size() > 1 else Topology.single()
     return build_optimizer(list(model.named_parameters()), topology, resolved_of(name, overrides, hp), ledger=ledger)
 
 
@@ -119,15 +149,15 @@ def _profile(opt, device: torch.device, rows: int) -> str:
 
 
 def time_steps(name: str, flavor: str, repeats: int, overrides: dict, device: torch.device,
-               profile_rows: int = 0) -> dict:
+               profile_rows: int = 0, mesh=None) -> dict:
     from titan_commopt import comm
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model = _model(flavor, device)
+    model = _model(flavor, device, mesh)
     ledger = comm.CommLedger()
-    opt = _build(name, model, overrides, ledger)
-    times, sent, link, syncs = [], [], [], None
+    opt = _build(name, model, overrides, ledger, mesh)
+    times, sent, link, shard_sent, syncs = [], [], [], [], None
     for i in range(repeats + 1):  # step 0: state allocation, plan building
         dist.barrier()
         _synchronize(device)
@@ -138,6 +168,7 @@ def time_steps(name: str, flavor: str, repeats: int, overrides: dict, device: to
         step = ledger.end_step()
         sent.append(step.get("R_sent", 0.0))
         link.append(step.get("R_seconds", 0.0))
+        shard_sent.append(step.get("S_sent", 0.0))
     if device.type == "cuda":
         syncs = _host_syncs(opt)
         _synchronize(device)
@@ -149,11 +180,12 @@ def time_steps(name: str, flavor: str, repeats: int, overrides: dict, device: to
     del opt, model
     _release(device)
     return {"t": statistics.median(times[1:]), "syncs": syncs, "peak": peak,
-            "sent": statistics.median(sent[1:]), "link": statistics.median(link[1:])}
+            "sent": statistics.median(sent[1:]), "link": statistics.median(link[1:]),
+            "shard_sent": statistics.median(shard_sent[1:])}
 
 
 def _worker(rank: int, world: int, port: int, out: str, flavors, names, repeats, overrides, threads,
-            device_type: str, profile_rows: int) -> None:
+            device_type: str, profile_rows: int, shard: int = 1) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     device = torch.device("cpu")
@@ -163,14 +195,20 @@ def _worker(rank: int, world: int, port: int, out: str, flavors, names, repeats,
         torch.cuda.set_device(device)
         backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world)
+    mesh = None
+    if shard > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("dp_replicate", "fsdp"))
     try:
         rows = []
         for flavor in flavors:
             n_params = sum(math.prod(shape) for _, shape in param_shapes(flavor))
-            ref = time_steps("AdamW", flavor, repeats, overrides, device)
+            ref = time_steps("AdamW", flavor, repeats, overrides, device, mesh=mesh)
             for name in names:
                 try:
-                    r = ref if name == "AdamW" else time_steps(name, flavor, repeats, overrides, device, profile_rows)
+                    r = ref if name == "AdamW" else time_steps(name, flavor, repeats, overrides, device, profile_rows,
+                                                               mesh)
                 except Exception as error:  # keep the rest of the table (every rank fails alike)
                     if rank == 0:
                         print(f"# {flavor} {name}: {type(error).__name__}: {error}", file=sys.stderr)
@@ -178,7 +216,7 @@ def _worker(rank: int, world: int, port: int, out: str, flavors, names, repeats,
                     continue
                 t = r["t"]
                 rows.append([f"{flavor} ({n_params / 1e6:.1f}M)", name, t, t / ref["t"], n_params, r["syncs"], r["peak"],
-                             r["sent"], r["link"]])
+                             r["sent"], r["link"], r["shard_sent"]])
                 if rank == 0:
                     extra = "" if r["syncs"] is None else (
                         f" | {len(r['syncs'])} host syncs {sorted(set(r['syncs']))} | peak {r['peak'] / 2**30:.1f} GiB")
@@ -191,7 +229,7 @@ def _worker(rank: int, world: int, port: int, out: str, flavors, names, repeats,
 
 
 def run(flavors: list[str], names: list[str] | None, repeats: int, overrides: dict, replicas: int = 2,
-        threads: int = 1, device: str = "cpu", profile_rows: int = 0) -> list[list]:
+        threads: int = 1, device: str = "cpu", profile_rows: int = 0, shard: int = 1) -> list[list]:
     from titan_commopt.optim import available_names
 
     names = names or [*ADAMW, *(n for n in available_names() if n not in ("Adam", "AdamW"))]
@@ -200,19 +238,21 @@ def run(flavors: list[str], names: list[str] | None, repeats: int, overrides: di
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.pt")
-        mp.start_processes(_worker, args=(replicas, port, out, flavors, names, repeats, overrides, threads, device, profile_rows),
-                           nprocs=replicas, start_method="spawn")
+        world = replicas * shard
+        mp.start_processes(_worker, args=(world, port, out, flavors, names, repeats, overrides, threads, device, profile_rows,
+                                          shard), nprocs=world, start_method="spawn")
         return torch.load(out, weights_only=False)
 
 
-def summarize(runs: list[list[list]]) -> list[list[str]]:
+def summarize(runs: list[list[list]], shard: bool = False) -> list[list[str]]:
     """One row per (model, optimizer) over several runs: the median step time and ratio to AdamW
-    (each run's ratio is taken within that run), the ratio's range over the runs, ns per parameter;
-    on a GPU also the step's host synchronizations and the peak memory (first run)."""
+    (each run's ratio is taken within that run), the ratio's range over the runs, ns per parameter,
+    the R bytes and time, the S bytes (``shard``: with ``--shard`` > 1); on a GPU also the step's host
+    synchronizations and the peak memory (first run)."""
     by_key: dict[tuple, list] = {}
     for rows in runs:
-        for model, name, t, ratio, n_params, syncs, peak, sent, link in rows:
-            by_key.setdefault((model, name), []).append((t, ratio, n_params, syncs, peak, sent, link))
+        for model, name, t, ratio, n_params, syncs, peak, sent, link, shard_sent in rows:
+            by_key.setdefault((model, name), []).append((t, ratio, n_params, syncs, peak, sent, link, shard_sent))
     out = []
     for (model, name), cells in by_key.items():
         ts, ratios = [c[0] for c in cells], [c[1] for c in cells]
@@ -221,6 +261,8 @@ def summarize(runs: list[list[list]]) -> list[list[str]]:
         row = [model, name, f"{t * 1e3:.1f}", f"{statistics.median(ratios):.2f}",
                f"{min(ratios):.2f}–{max(ratios):.2f}", f"{t * 1e9 / cells[0][2]:.1f}", human(cells[0][5]),
                f"{link * 1e3:.1f}"]
+        if shard:
+            row.append(human(statistics.median(c[7] for c in cells)))
         syncs, peak = cells[0][3], cells[0][4]
         if syncs is not None:
             row += [str(len(syncs)), f"{peak / 2**30:.1f}"]
@@ -233,7 +275,8 @@ def main(argv=None) -> int:
     p.add_argument("--flavors", nargs="+", default=["cpu_small", "100M"])
     p.add_argument("--optimizers", nargs="*")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--replicas", type=int, default=2, help="processes in the R group (gloo, loopback)")
+    p.add_argument("--replicas", type=int, default=2, help="replicas in the R group (gloo, loopback), each --shard processes")
+    p.add_argument("--shard", type=int, default=1, help="processes per replica, FSDP2-sharded over them (S group)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: replica r on cuda:r %% device_count (NCCL with a GPU each, else gloo)")
@@ -245,15 +288,20 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: allowed only where torch sees a CUDA (or ROCm) device; here it sees none")
-    runs = [run(a.flavors, a.optimizers, a.repeats, parse_overrides(a.set), a.replicas, a.threads, a.device, a.profile)
-            for _ in range(a.runs)]
-    print(f"|R| = {a.replicas} processes, {a.threads} torch thread(s) each; median of {a.repeats} steps "
+    if a.replicas < 1 or a.shard < 1:
+        p.error(f"--replicas {a.replicas} --shard {a.shard}: allowed are integers >= 1")
+    runs = [run(a.flavors, a.optimizers, a.repeats, parse_overrides(a.set), a.replicas, a.threads, a.device, a.profile,
+                a.shard) for _ in range(a.runs)]
+    layout = f"|R| = {a.replicas}" + (f" × |S| = {a.shard} (FSDP2)" if a.shard > 1 else "")
+    print(f"{layout} processes, {a.threads} torch thread(s) each; median of {a.repeats} steps "
           f"per run, {a.runs} run(s)\n")
     headers = ["model", "optimizer", "step ms (median)", "÷ torch AdamW (fused)", "÷ AdamW, range over runs",
                "ns / parameter", "R sent / step", "ms in R collectives (summed)"]
+    if a.shard > 1:
+        headers.append("S sent / step")
     if a.device == "cuda":
         headers += ["host syncs / step", "peak GiB"]
-    print(table(headers, summarize(runs)))
+    print(table(headers, summarize(runs, shard=a.shard > 1)))
     return 0
 
 

@@ -23,7 +23,7 @@ from titan_commopt.optim.local.adaptive import local_s_bytes, moment_key
 from titan_commopt.optim.local.sparseloco import sparseloco_r_bytes, sparseloco_s_bytes
 from titan_commopt.optim.muon import muon_r_bytes, muon_s_bytes
 from titan_commopt.optim.muon.layout import exchange_bytes
-from titan_commopt.optim.orthogonalize import ns_schedule, orthogonalize_stack
+from titan_commopt.optim.orthogonalize import newton_schulz_flops, ns_schedule, orthogonalize_stack
 from titan_commopt.options import ConfigError
 from titan_commopt.topology import Topology
 from tests.dist_utils import run_distributed
@@ -78,6 +78,20 @@ def test_a_stack_orthogonalizes_each_matrix_as_alone(shape):
         assert all(torch.equal(stacked[i], orthogonalize_stack(g[i], schedule)) for i in range(shape[0]))
         singular = torch.linalg.svdvals(stacked.float())
         assert 0.5 < singular.min() and singular.max() < 1.3  # pushed towards 1, not onto it
+
+
+def test_the_newton_schulz_flops_by_hand_and_as_torch_counts_them():
+    # m = 2, n = 3: X Xᵀ 2·2²·3 = 24, A² 2·2³ = 16, B X 24: 64 per iteration, the same for the tall 3 × 2
+    assert newton_schulz_flops(2, 3, 1) == newton_schulz_flops(3, 2, 1) == 64
+    assert newton_schulz_flops(4, 4, 5) == 5 * (4 * 16 * 4 + 2 * 64) == 1920
+    from torch.utils.flop_counter import FlopCounterMode
+
+    schedule = ns_schedule("muloco", 5)
+    for shape in [(6, 10), (10, 6), (3, 6, 10)]:
+        with FlopCounterMode(display=False) as counter:
+            orthogonalize_stack(torch.randn(shape), schedule)
+        stack = shape[0] if len(shape) == 3 else 1
+        assert counter.get_total_flops() == stack * newton_schulz_flops(*shape[-2:], len(schedule)), shape
 
 
 def test_a_3d_stack_steps_as_its_matrices_would_alone():

@@ -151,6 +151,36 @@ def test_step_overhead_runs():
     assert "| cpu_tiny (0.2M) | DeMo |" in out
 
 
+def test_step_overhead_shards_over_s_and_muon_exchanges_there():
+    out = subprocess.run(
+        [sys.executable, "scripts/step_overhead.py", "--flavors", "cpu_tiny", "--repeats", "1", "--replicas", "1",
+         "--shard", "2", "--optimizers", "AdamW", "Muon"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout
+    assert "|R| = 1 × |S| = 2 (FSDP2) processes" in out and "S sent / step" in out
+    rows = {line.split(" | ")[1]: line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| cpu_tiny")}
+    assert rows["AdamW"][-1] == "0 B" and rows["Muon"][-1] != "0 B"  # Muon gathers its matrices to owners
+
+
+def test_muon_step_projection_counts_by_hand():
+    from scripts import muon_step_projection as projection
+
+    # shard 2, one iteration: the (4, 8) batch's items go to ranks 0, 1; (8, 4) (another batch, base 2) to
+    # rank 0; (2, 8) (base 3) to rank 1. 4 × 8: 4·4²·8 + 2·4³ = 640 flops, as 8 × 4; 2 × 8: 4·2²·8 + 2·2³ = 144.
+    matrices = [("a", (4, 8)), ("b", (8, 4)), ("c", (4, 8)), ("d", (2, 8))]
+    assert projection.rank_flops(matrices, 2, 1) == [640 + 640, 640 + 144]
+    assert projection.rank_flops(matrices, 1, 1) == [3 * 640 + 144]
+    # a stack of 3 (4 × 8) matrices, split 2 + 1 along the stack dim: each rank its own slices
+    assert projection.rank_flops([("experts", (3, 4, 8))], 2, 1) == [2 * 640, 640]
+    # llama3 8B: per layer wq, wo 4096², wk, wv 1024 × 4096, w1, w3 14336 × 4096, w2 4096 × 14336; 5 iterations
+    square, kv, ffn = 6 * 4096**3, 4 * 1024**2 * 4096 + 2 * 1024**3, 4 * 4096**2 * 14336 + 2 * 4096**3
+    p = projection.projection("8B", shard=8)
+    assert p["total_flops"] == 32 * 5 * (2 * square + 2 * kv + 3 * ffn) == 665_891_729_571_840
+    assert p["rank_flops"] == [p["total_flops"] // 8] * 8  # 64, 64, 64 and 32 matrices per shape: an even share
+    assert p["fwd_bwd_flops"] == 6 * p["params"] * 8192
+    assert projection.main(["--flavor", "cpu_tiny", "--shard", "2"]) == 0
+
+
 def test_bench_transaction_runs():
     out = subprocess.run(
         [sys.executable, "scripts/bench_transaction.py", "--flavors", "cpu_tiny", "--names", "FlexDeMo", "--repeats", "1"],

@@ -6,7 +6,7 @@ Newton–Schulz (:func:`orthogonalize_stack`) works on whole matrices, one or a 
 owner-gathered matrices of ``optim/muon/`` (``layout.py`` brings each matrix whole to one rank of its
 shard groups). Its iterations are matmuls (torch's, no kernel of ours: a GEMM is what a GPU does
 best): per iteration X Xᵀ (2m²n flops), A² (2m³) and B X (2m²n), 4m²n + 2m³ flops with m <= n
-after the transpose of a tall matrix.
+after the transpose of a tall matrix (:func:`newton_schulz_flops`).
 
 A row-distributed ``P`` (m×r) is held as row blocks ``P_i`` on the ranks of its row ``Groups``
 (see ``shard_groups``); the result keeps that layout. Nothing here ever gathers more than m×r:
@@ -38,7 +38,7 @@ from titan_commopt import comm
 from .shard_groups import Groups, sum_over
 
 __all__ = [
-    "NS_COEFFICIENTS", "ns_schedule", "orthogonalize_stack", "newton_schulz", "orthogonalize", "orthonormalizer",
+    "NS_COEFFICIENTS", "ns_schedule", "newton_schulz_flops", "orthogonalize_stack", "newton_schulz", "orthogonalize", "orthonormalizer",
     "Orthonormalizer", "cholesky_qr2", "gathered_qr",
 ]
 
@@ -64,6 +64,16 @@ def ns_schedule(coefficients: str, steps: int) -> tuple[tuple[float, float, floa
     its own (MuLoCo's five triples, whatever ``steps``)."""
     triples = NS_COEFFICIENTS[coefficients]
     return triples * steps if len(triples) == 1 else triples
+
+
+def newton_schulz_flops(rows: int, cols: int, iterations: int) -> int:
+    """The matmul flops (a multiply-add counted as 2) of :func:`orthogonalize_stack` on one
+    ``rows × cols`` matrix: per iteration, with m = min(rows, cols) and n = max(rows, cols) (a tall
+    matrix is transposed first), A = X Xᵀ (2m²n), b·A + c·A² (2m³) and a·X + B X (2m²n). The
+    elementwise work (the Frobenius norm, the scalings in ``addmm``: O(mn) per iteration) is left out:
+    it is below 1/m of the products."""
+    m, n = min(rows, cols), max(rows, cols)
+    return iterations * (4 * m * m * n + 2 * m**3)
 
 
 def orthogonalize_stack(
