@@ -320,7 +320,7 @@ PRESET_SOURCES: dict[str, str] = {
     "of experiments/dion_optimizer/muon.py L714-720, bf16, undamped momentum L623-624). Warm-up 500 steps "
     "(jobs/muloco_paper/diloco_muloco_no-compression_h100.py L329): [lr_scheduler] warmup_steps, set in "
     "train_configs/llama3_8b_muloco.toml. Weight decay: [optimizer]'s (theirs is rescaled with the run's length, "
-    "same file L331). lr_scale = 1, to be measured by our study: at the study's AdamW lr (0.027) it lands in "
+    "same file L331). lr_scale = 1, measured (docs/benchmarks.md §8.5: MuLoCo's best lr at cpu_micro = AdamW-HSDP's, 0.054); at 0.027 it lands in "
     "the authors' K = 1 Muon range 0.016–0.063 (muloco-1.md L66); their Muon ÷ AdamW at 3.1 B K = 16, 0.015625 ÷ "
     "0.000691 ≈ 22.6 (same file L280, L285), belongs to a 3 B model's AdamW lr. Alternatives: K = 16's outer "
     "lr 1.0 and momentum 0.9 (L280); MuLoCo1's μ = 0.95 (muloco.py L273); their 3-D experts flattened to one "

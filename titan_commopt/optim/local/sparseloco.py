@@ -244,7 +244,7 @@ PRESET_SOURCES: dict[str, str] = {
     "its members, as their code does it, not the ±range σ its docstring reads), over every value (topk = chunk² keeps each chunk whole: no top-k, no "
     "indices). Differences, not offered: the sweep's row-wise statistics (L282), its dense embeddings and norms "
     "(L279, L283) and its re-quantized aggregate (L280); the shipped config's compressor_type = \"topk\" (L50), "
-    "which leaves its bins unused. lr_scale = 1, to be measured by our study (as MuLoCo's: docs/options.md)",
+    "which leaves its bins unused. lr_scale = 1, measured (docs/benchmarks.md §8.5: MuLoCo-2bit's best lr at cpu_micro, seed 42 = AdamW-HSDP's, 0.054)",
 }
 
 
