@@ -41,7 +41,11 @@ synchronized one where ``[validation]`` evaluates it (issue 39, item 1).
 training curve (``loss_metrics/global_avg_loss``), rank 0's cumulative R bytes
 (``comm/R_sent_bytes_total``) at both, the wall seconds (and, from the console lines, the training and
 the evaluation seconds apart), and the coordinates: name, lr, seed, M, S, flavor, steps, tokens per
-step. A run whose coordinates are already there is not repeated, so a study grows over invocations.
+step. A run whose coordinates are already there is not repeated, so a study grows over invocations;
+each run is added under a file lock (two studies may share one ``--out``). **Variants**: ``--set``
+is not a coordinate, so a variant gets ``--label`` (``--label eager --set local.merge=eager``: stored,
+tabled and plotted as ``DiLoCo eager``, its own best lr, ``--best-of`` with the same label takes it);
+``--report --include DIR ...`` shows other folders' runs beside ``--out``'s (the baselines).
 
 **The numbers**, per (M, flavor, steps) and optimizer at its best lr (lowest mean final held-out loss):
 the final held-out loss; AdamW-HSDP's of the same seed as the target; the **iso-loss step**, the first
@@ -189,6 +193,21 @@ def group_of(run: dict) -> tuple:
     return (run["replicas"], run["flavor"], run["training_steps"], run["tokens_per_step"])
 
 
+def record_run(store: Path, key: str, run: dict) -> dict:
+    """Add one run to ``store`` and return everything it holds: read, add and write under an exclusive
+    lock, so that two studies writing one results file (or a study beside a ``--report``) keep each
+    other's runs instead of the last writer's copy winning."""
+    import fcntl
+
+    with open(store.with_name(store.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        results = {**load_results(store), key: run}
+        tmp = store.with_name(store.name + ".tmp")
+        tmp.write_text(json.dumps(results))
+        tmp.replace(store)  # a reader never sees half a file
+    return results
+
+
 def load_results(store: Path) -> dict:
     """``convergence.json``; runs written before runs had coordinates (2 × 2 on cpu_tiny, 4 × 128 tokens
     per process: 2048 per step, training loss only) get those and a key that says so."""
@@ -205,8 +224,16 @@ def load_results(store: Path) -> dict:
     return out
 
 
-def run_one(name: str, lr: float, seed: int, setting: Setting, out: Path, overrides: dict) -> dict | None:
-    folder = run_folder(name, lr, seed, setting)
+def labelled(name: str, label: str | None) -> str:
+    """The name a run is stored, keyed, tabled and plotted under: the optimizer's, with ``--label``
+    appended (``DiLoCo eager``), so that variants of one optimizer (``--set``) share a results file."""
+    return f"{name} {label}" if label else name
+
+
+def run_one(name: str, lr: float, seed: int, setting: Setting, out: Path, overrides: dict,
+            label: str | None = None) -> dict | None:
+    shown = labelled(name, label)
+    folder = run_folder(shown.replace(" ", "-"), lr, seed, setting)
     dump = out / "runs" / folder
     # A run not yet in convergence.json never finished (killed, machine restart): its partial
     # TensorBoard log would be read together with this run's, every early step twice.
@@ -236,8 +263,8 @@ def run_one(name: str, lr: float, seed: int, setting: Setting, out: Path, overri
     console = Timeline.of(getattr(proc, "stdout", "") or "")
     timed = bool(console.steps) and max(console.steps) == steps
     result = {
-        "name": name, "lr": lr, "seed": seed, "replicas": setting.replicas, "shards": setting.shards,
-        "flavor": setting.flavor, "training_steps": steps, "tokens_per_step": setting.tokens_per_step,
+        "name": shown, "optimizer": name, "lr": lr, "seed": seed, "replicas": setting.replicas,
+        "shards": setting.shards, "flavor": setting.flavor, "training_steps": steps, "tokens_per_step": setting.tokens_per_step,
         "global_batch": setting.global_batch, "dataset": setting.dataset, "set": overrides,
         "eval_every": setting.eval_every, "eval_steps": setting.eval_steps, "folder": folder,
         "steps": [k for k, _ in loss], "loss": [v for _, v in loss],
@@ -250,7 +277,7 @@ def run_one(name: str, lr: float, seed: int, setting: Setting, out: Path, overri
         "eval_seconds": console.eval_seconds() if timed else None,
     }
     final = final_heldout(result)
-    print(f"{name} lr {lr:g} seed {seed} {describe(setting)}: held-out {final if final is None else f'{final:.4f}'}, "
+    print(f"{shown} lr {lr:g} seed {seed} {describe(setting)}: held-out {final if final is None else f'{final:.4f}'}, "
           f"training loss {final_loss(result):.4f} in {seconds:.0f} s", file=sys.stderr, flush=True)
     return result
 
@@ -662,6 +689,10 @@ def main(argv=None) -> int:
                    "steps and tokens per step; no grid)")
     p.add_argument("--best-of-replicas", type=int, help="--best-of: take the best lrs of runs at this M (default: the run's)")
     p.add_argument("--set", nargs="*", default=[], metavar="FAMILY.OPTION=VALUE")
+    p.add_argument("--label", help="appended to each optimizer's name in the results (e.g. eager for "
+                   "--set local.merge=eager): a variant is stored, scored and plotted apart from the preset's runs")
+    p.add_argument("--include", nargs="*", default=[], metavar="DIR",
+                   help="--report: other studies' out folders whose runs are shown too (e.g. the baselines)")
     p.add_argument("--seeds", nargs="*", type=int, default=[42], help="[debug] seed of each run (model init)")
     p.add_argument("--out", default="outputs/convergence")
     p.add_argument("--report", action="store_true", help="run nothing: tables and plots of <out>/convergence.json")
@@ -672,6 +703,14 @@ def main(argv=None) -> int:
     out = Path(a.out)
     store = out / "convergence.json"
     results = load_results(store)
+    if a.label is not None and (not a.label.strip() or "|" in a.label):
+        p.error(f"--label {a.label!r}: allowed is a non-empty text without '|'")
+    if a.include and not a.report:
+        p.error("--include: only with --report (a study writes its own out folder)")
+    for folder in a.include:
+        if not (Path(folder) / "convergence.json").exists():
+            p.error(f"--include {folder}: no convergence.json there")
+        results = {**load_results(Path(folder) / "convergence.json"), **results}
     pool = {**(load_results(Path(a.targets_from) / "convergence.json") if a.targets_from else {}), **results}
     if a.report:
         if a.tokens_per_param is not None:
@@ -718,7 +757,8 @@ def main(argv=None) -> int:
         if best_of is not None:
             group = (a.best_of_replicas or setting.replicas, *setting.group[1:])
             found = best_lrs([r for r in best_of.values() if group_of(r) == group])
-            missing = [n for n in names if n not in found]
+            found = {n: found[labelled(n, a.label)] for n in names if labelled(n, a.label) in found}
+            missing = [labelled(n, a.label) for n in names if n not in found]
             if missing:
                 print(f"# --best-of {a.best_of}: no runs of {', '.join(missing)} at M = {group[0]}, {group[1]}, "
                       f"{group[2]} steps, {group[3]} tokens/step: skipped", file=sys.stderr, flush=True)
@@ -728,13 +768,12 @@ def main(argv=None) -> int:
         for name, grid in lrs.items():
             for lr in grid:
                 for seed in a.seeds:
-                    key = run_key(name, lr, seed, setting)
+                    key = run_key(labelled(name, a.label), lr, seed, setting)
                     if key in results:
                         continue
-                    run = run_one(name, lr, seed, setting, out, overrides)
-                    if run is not None:
-                        results[key] = run
-                        store.write_text(json.dumps(results))  # after every run: a long study can be resumed
+                    run = run_one(name, lr, seed, setting, out, overrides, a.label)
+                    if run is not None:  # written after every run: a long study can be resumed
+                        results = record_run(store, key, run)
     pool = {**pool, **results}
     shown = {k: r for k, r in results.items() if group_of(r) in {s.group for s in settings}}
     if not shown:

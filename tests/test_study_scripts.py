@@ -211,7 +211,7 @@ def test_report_filters_by_m_flavor_and_steps(tmp_path, capsys):
 def test_a_study_runs_each_point_once_and_m8_can_take_m2_s_best_lrs(tmp_path, monkeypatch, capsys):
     launched = []
 
-    def fake_run(name, lr, seed, where, out, overrides):  # no training: what would run, and a curve
+    def fake_run(name, lr, seed, where, out, overrides, label=None):  # no training: what would run, and a curve
         launched.append((name, lr, seed, where.replicas, where.shards, where.flavor, where.training_steps))
         return run(name, seed, where, [6.0, 4.0, 3.0, 2.0, 2.0 + (lr != 0.027)], lr=lr)
 
@@ -230,6 +230,59 @@ def test_a_study_runs_each_point_once_and_m8_can_take_m2_s_best_lrs(tmp_path, mo
     assert "### M = 8 replicas × S = 1, cpu_micro (63,096 parameters), 40 steps" in out
     assert "| final held-out gap to AdamW-HSDP | M=2, cpu_micro (63k), 1.3 tok/param | M=2, cpu_tiny " in out  # all of it
     assert len(json.loads((tmp_path / "convergence.json").read_text())) == 12
+
+
+def test_a_labelled_variant_is_stored_and_scored_apart_and_takes_its_own_best_lr(tmp_path, monkeypatch, capsys):
+    launched = []
+
+    def fake_run(name, lr, seed, where, out, overrides, label=None):
+        launched.append((name, label, lr, seed, overrides))
+        good = 0.054 if label else 0.027  # the variant's best lr is not the preset's
+        return {**run(convergence.labelled(name, label), seed, where, [6.0, 4.0, 3.0, 2.0, 2.0 + (lr != good)], lr=lr),
+                "optimizer": name}
+
+    monkeypatch.setattr(convergence, "run_one", fake_run)
+    monkeypatch.setattr(convergence, "plot_group", lambda *args: [])
+    monkeypatch.setattr(convergence, "plot_gap_vs_n", lambda *args: None)
+    study = ["--out", str(tmp_path), "--steps", "40", "--eval-every", "10", "--replicas", "2", "--flavor", "cpu_micro"]
+    grid = ["--lr-grid", "1", "2"]
+    assert convergence.main([*study, "--optimizers", "AdamW", "DiLoCo", *grid]) == 0
+    assert convergence.main([*study, "--optimizers", "DiLoCo", *grid, "--label", "eager", "--set", "local.merge=eager"]) == 0
+    assert launched[4:] == [("DiLoCo", "eager", lr, 42, {"local": {"merge": "eager"}}) for lr in (0.027, 0.054)]
+    stored = json.loads((tmp_path / "convergence.json").read_text())
+    assert sorted({r["name"] for r in stored.values()}) == ["AdamW", "DiLoCo", "DiLoCo eager"] and len(stored) == 6
+    assert {r["optimizer"] for r in stored.values() if r["name"] == "DiLoCo eager"} == {"DiLoCo"}
+    out = capsys.readouterr().out
+    assert "| DiLoCo eager | 0.054 * | 1 |" in out and "| DiLoCo | 0.027 * | 1 |" in out
+    # the variant's second seed runs at the variant's best lr, not the preset's
+    assert convergence.main([*study, "--optimizers", "DiLoCo", "--label", "eager", "--best-of", str(tmp_path),
+                             "--seeds", "43"]) == 0
+    assert launched[-1][:4] == ("DiLoCo", "eager", 0.054, 43)
+
+
+def test_two_writers_of_one_results_file_keep_each_other_s_runs(tmp_path):
+    store = tmp_path / "convergence.json"
+    first, second = results_of(run("AdamW", 42, setting(), [6.0, 2.0])), results_of(run("DeMo", 42, setting(), [6.0, 3.0]))
+    convergence.record_run(store, *next(iter(first.items())))  # a study that loaded the file before this run was in
+    held = convergence.record_run(store, *next(iter(second.items())))
+    assert set(held) == set(first) | set(second) == set(json.loads(store.read_text()))
+
+
+def test_report_includes_other_folders_and_refuses_what_it_cannot_do(tmp_path, capsys):
+    base, variants = tmp_path / "base", tmp_path / "variants"
+    for folder, runs in ((base, [run("AdamW", 42, setting(steps=40), [6.0, 4.0, 3.0, 2.0, 2.0])]),
+                         (variants, [run("DiLoCo eager", 42, setting(steps=40), [6.0, 4.0, 3.0, 2.5, 2.2])])):
+        folder.mkdir()
+        (folder / "convergence.json").write_text(json.dumps(results_of(*runs)))
+    assert convergence.main(["--report", "--out", str(variants), "--include", str(base)]) == 0
+    out = capsys.readouterr().out
+    assert "| DiLoCo eager | 0.027 | 42: 2.2000 | 2.2000 | +10.0 % |" in out
+    for args, expected in ((["--out", str(variants), "--include", str(base)], "--include: only with --report"),
+                           (["--report", "--out", str(variants), "--include", str(tmp_path)], "no convergence.json there"),
+                           (["--out", str(variants), "--label", "a|b"], "--label 'a|b': allowed is a non-empty text")):
+        with pytest.raises(SystemExit) as exit_:
+            convergence.main(args)
+        assert exit_.value.code == 2 and expected in capsys.readouterr().err
 
 
 # ---- training time apart from evaluation time ---------------------------------------------------------
