@@ -264,7 +264,8 @@ def run_one(name: str, lr: float, seed: int, setting: Setting, out: Path, overri
     timed = bool(console.steps) and max(console.steps) == steps
     result = {
         "name": shown, "optimizer": name, "lr": lr, "seed": seed, "replicas": setting.replicas,
-        "shards": setting.shards, "flavor": setting.flavor, "training_steps": steps, "tokens_per_step": setting.tokens_per_step,
+        "shards": setting.shards, "flavor": setting.flavor, "training_steps": steps,
+        "tokens_per_step": setting.tokens_per_step,
         "global_batch": setting.global_batch, "dataset": setting.dataset, "set": overrides,
         "eval_every": setting.eval_every, "eval_steps": setting.eval_steps, "folder": folder,
         "steps": [k for k, _ in loss], "loss": [v for _, v in loss],
