@@ -79,26 +79,31 @@ def parameter_count(flavor: str) -> int:
 
 def parse_overrides(items: list[str]) -> dict[str, dict]:
     """``["local.Kx=2", "demo.chunk=32"]`` → ``{"local": {"Kx": 2}, "demo": {"chunk": 32}}``;
-    ``commopt.kernels=triton`` (the one ``[commopt]`` key a benchmark varies) → ``{"commopt": {...}}``.
+    ``commopt.kernels=triton`` (the one ``[commopt]`` key a benchmark varies) → ``{"commopt": {...}}``;
+    an optimizer's name in place of its family (``DiLoCo.lr_scale=1``) → ``{"DiLoCo": {...}}``, for
+    that optimizer alone (its family's other presets keep theirs; :func:`options_of`).
     A malformed item or an unknown family: ``ConfigError`` with one line."""
     import ast
     import difflib
 
-    from titan_commopt.optim import FAMILIES
+    from titan_commopt.optim import FAMILIES, available_names, owns_replicate_sync
     from titan_commopt.options import ConfigError
 
+    names = [n for n in available_names() if owns_replicate_sync(n)]
     out: dict[str, dict] = {}
     for item in items or []:
         key, eq, value = item.partition("=")
         family, dot, option = key.partition(".")
         if not eq or not dot or not family or not option:
-            raise ConfigError(f"--set {item!r}: allowed is FAMILY.OPTION=VALUE, e.g. demo.chunk=32")
+            raise ConfigError(f"--set {item!r}: allowed is FAMILY.OPTION=VALUE or OPTIMIZER.OPTION=VALUE, "
+                              f"e.g. demo.chunk=32, DiLoCo.lr_scale=1")
         if family == "commopt" and option != "kernels":
             raise ConfigError(f"--set {item!r}: of [commopt] only commopt.kernels=auto|torch|triton is taken here")
-        if family not in FAMILIES and family != "commopt":
-            close = difflib.get_close_matches(family, list(FAMILIES), n=1)
+        if family not in FAMILIES and family not in names and family != "commopt":
+            close = difflib.get_close_matches(family, [*FAMILIES, *names], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"--set {item!r}: unknown family {family!r}{hint} (known: {', '.join(FAMILIES)})")
+            raise ConfigError(f"--set {item!r}: unknown family or optimizer {family!r}{hint} (known: "
+                              f"{', '.join(FAMILIES)}; {', '.join(names)})")
         try:
             parsed = ast.literal_eval(value)
         except (ValueError, SyntaxError):
@@ -110,22 +115,29 @@ def parse_overrides(items: list[str]) -> dict[str, dict]:
 def resolved_of(name: str, overrides: dict[str, dict], hparams=None):
     """What ``name`` trains with given ``--set FAMILY.OPTION=VALUE`` overrides (the user's keys):
     the registry's one resolution, preset on every key not overridden."""
-    from titan_commopt.optim import family_of, resolve
+    from titan_commopt.optim import resolve
 
     kernels = overrides.get("commopt", {}).get("kernels", "auto")
-    return resolve(name, overrides.get(family_of(name).key, {}), hparams, kernels=kernels)
+    return resolve(name, options_of(name, overrides), hparams, kernels=kernels)
+
+
+def options_of(name: str, overrides: dict[str, dict]) -> dict:
+    """The ``--set`` options ``name`` trains with: its family's, then its own (``NAME.OPTION``) over them."""
+    from titan_commopt.optim import family_of
+
+    return {**overrides.get(family_of(name).key, {}), **overrides.get(name, {})}
 
 
 def cli_overrides(name: str, overrides: dict[str, dict]) -> list[str]:
-    """The same overrides as torchtitan command-line flags (the optimizer's family, and ``[commopt]
-    kernels``)."""
+    """The same overrides as torchtitan command-line flags (the optimizer's family's and its own, and
+    ``[commopt] kernels``)."""
     from titan_commopt.optim import family_of, owns_replicate_sync
 
     if not owns_replicate_sync(name):
         return []
     family = family_of(name).key
     out = [arg for kernels in overrides.get("commopt", {}).values() for arg in ("--commopt.kernels", str(kernels))]
-    for option, value in overrides.get(family, {}).items():
+    for option, value in options_of(name, overrides).items():
         flag = f"--commopt.{family}.{option}"
         if isinstance(value, bool):
             out.append(flag if value else f"--commopt.{family}.no-{option}")

@@ -716,9 +716,15 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     addrs = setup(a.subnet)
     results, calibration = {}, None
+
+    def save() -> None:  # after every run too: an interrupted --to-loss study keeps the runs it finished
+        if a.json:
+            Path(a.json).write_text(json.dumps({"calibration": calibration, "target": fixed_target, "runs": results},
+                                               indent=1))
     try:
         if a.match_8b_ratio:
             calibration = calibrate(addrs, a, overrides, out)
+            save()
             rates = [calibration["rate"]]
         for rate in rates:
             applied = shape(rate, a.delay)
@@ -758,6 +764,7 @@ def main(argv=None) -> int:
                         if name == "AdamW" and a.budget_x and r["time_to_loss_s"]:
                             budget = min(x for x in (a.budget, a.budget_x * r["time_to_loss_s"]) if x)
                         results.setdefault(f"{rate}/{name}", []).append(r)
+                        save()
                         t = r["time_to_loss_s"]
                         print(f"  {name}, round {round_}: " + (
                             f"held-out {r['target']:.4f} at step {r['iso_loss_step']:.0f} after {t:.1f} training s"
@@ -787,8 +794,7 @@ def main(argv=None) -> int:
                          "link A→B /step", "link B→A /step", "ledger R sent /step /node", "final loss"], rows), flush=True)
     finally:
         teardown()
-    if a.json:
-        Path(a.json).write_text(json.dumps({"calibration": calibration, "target": fixed_target, "runs": results}, indent=1))
+    save()
     title = f"two nodes over a tc-shaped link: {a.flavor}, |R|=2 x |S|={a.nproc_per_node}, batch {a.batch} x seq {a.seq_len}"
     if a.to_loss is not None:
         if a.plot_loss and results:

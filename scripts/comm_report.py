@@ -89,7 +89,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts._bench_common import flavor_names, human, param_shapes, parse_overrides, resolved_of, table  # noqa: E402
+from scripts._bench_common import (  # noqa: E402
+    flavor_names, human, options_of, param_shapes, parse_overrides, resolved_of, table,
+)
 
 
 def _shards(shapes, shard: int) -> list:
@@ -430,10 +432,13 @@ def check_args(a) -> list[str]:
         return out + [str(error)]
     chosen = [n for n in (a.optimizers or names) if n in names]
     for key, given in overrides.items():  # each family's options, as the first chosen name of it resolves them
-        family = FAMILIES[key]
-        name = next((n for n in chosen if n not in ("AdamW", "Adam") and family_of(n) is family), next(iter(family.presets)))
+        if key == "commopt":
+            continue
+        family = FAMILIES[key] if key in FAMILIES else family_of(key)
+        name = key if key not in FAMILIES else next(
+            (n for n in chosen if n not in ("AdamW", "Adam") and family_of(n) is family), next(iter(family.presets)))
         try:
-            resolve(name, given)
+            resolve(name, options_of(name, overrides) if key == name else given)
         except ConfigError as error:
             out += [f"--set: {line}" for line in str(error).splitlines()]
     return out

@@ -232,8 +232,9 @@ def proc_ok(proc) -> bool:
     (["--optimizers", "Adamm"], "--optimizers 'Adamm': allowed is one of AdamW"),
     (["--set", "local.Kx=-1"], "--set: [commopt.local] Kx = -1: allowed is an integer >= 0"),
     (["--set", "demo.chnk=3"], "unknown key 'chnk'; did you mean 'chunk'?"),
-    (["--set", "dem.chunk=3"], "unknown family 'dem'; did you mean 'demo'?"),
-    (["--set", "chunk=3"], "--set 'chunk=3': allowed is FAMILY.OPTION=VALUE"),
+    (["--set", "dem.chunk=3"], "unknown family or optimizer 'dem'; did you mean 'demo'?"),
+    (["--set", "DiLoCoo.Kx=3"], "unknown family or optimizer 'DiLoCoo'; did you mean 'DiLoCo'?"),
+    (["--set", "chunk=3"], "--set 'chunk=3': allowed is FAMILY.OPTION=VALUE or OPTIMIZER.OPTION=VALUE"),
     (["--flavor", "9B"], "--flavor '9B': allowed is one of debugmodel"),
     (["--replicate", "0"], "--replicate 0: allowed is an integer >= 1"),
     (["--shard", "-1"], "--shard -1: allowed is an integer >= 1"),
@@ -253,6 +254,18 @@ def test_comm_report_bad_argument_is_one_line_exit_2(capsys, args, expected):
     assert rc == 2 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], err
+
+
+def test_set_of_one_optimizer_leaves_its_family_alone():
+    from scripts._bench_common import cli_overrides, parse_overrides
+
+    overrides = parse_overrides(["local.Kx=16", "DiLoCo.lr_scale=1", "DiLoCo.Kx=8"])
+    assert cli_overrides("DiLoCo", overrides) == ["--commopt.local.Kx", "8", "--commopt.local.lr_scale", "1"]
+    assert cli_overrides("DES-LOC", overrides) == ["--commopt.local.Kx", "16"]
+    rows = {r["optimizer"]: r for r in comm_report.report("cpu_tiny", 2, 2, ["DiLoCo", "LocalAdam"], overrides)}
+    plain = {r["optimizer"]: r for r in comm_report.report("cpu_tiny", 2, 2, ["DiLoCo", "LocalAdam"], parse_overrides(["local.Kx=16"]))}
+    assert rows["DiLoCo"]["R_sent"] == pytest.approx(2 * plain["DiLoCo"]["R_sent"])
+    assert rows["LocalAdam"]["R_sent"] == plain["LocalAdam"]["R_sent"]
 
 
 def test_comm_report_param_dtype_changes_only_the_all_gathers():
