@@ -568,7 +568,8 @@ def main(argv=None) -> int:
     p.add_argument("--replicate", type=int, default=2, help="|R| (dp_replicate degree), >= 1")
     p.add_argument("--shard", type=int, default=1, help="|S| (FSDP degree), >= 1")
     p.add_argument("--optimizers", nargs="*", help="names (default: every registered one)")
-    p.add_argument("--set", nargs="*", default=[], metavar="FAMILY.OPTION=VALUE", help="family options, e.g. demo.chunk=32 local.Kx=64")
+    p.add_argument("--set", nargs="*", default=[], metavar="FAMILY.OPTION=VALUE",
+                   help="family options, e.g. demo.chunk=32 local.Kx=64; an optimizer's name for it alone, e.g. DiLoCo.Kx=64")
     p.add_argument("--param-dtype", default="bfloat16", choices=_dtype_choices("mixed_precision_param"),
                    help="[training] mixed_precision_param: FSDP2's all-gather dtype (S column); "
                    "default torchtitan's, bfloat16")
