@@ -113,8 +113,8 @@ def parse_overrides(items: list[str]) -> dict[str, dict]:
 
 
 def resolved_of(name: str, overrides: dict[str, dict], hparams=None):
-    """What ``name`` trains with given ``--set FAMILY.OPTION=VALUE`` overrides (the user's keys):
-    the registry's one resolution, preset on every key not overridden."""
+    """What ``name`` trains with given ``--set FAMILY.OPTION=VALUE`` / ``NAME.OPTION=VALUE`` overrides
+    (the user's keys, :func:`options_of`): the registry's one resolution, preset on every key not overridden."""
     from titan_commopt.optim import resolve
 
     kernels = overrides.get("commopt", {}).get("kernels", "auto")

@@ -431,14 +431,18 @@ def check_args(a) -> list[str]:
     except ConfigError as error:
         return out + [str(error)]
     chosen = [n for n in (a.optimizers or names) if n in names]
-    for key, given in overrides.items():  # each family's options, as the first chosen name of it resolves them
+    for key, given in overrides.items():
         if key == "commopt":
             continue
-        family = FAMILIES[key] if key in FAMILIES else family_of(key)
-        name = key if key not in FAMILIES else next(
-            (n for n in chosen if n not in ("AdamW", "Adam") and family_of(n) is family), next(iter(family.presets)))
+        if key in FAMILIES:  # a family's options, as the first chosen name of it resolves them
+            family = FAMILIES[key]
+            name = next((n for n in chosen if n not in ("AdamW", "Adam") and family_of(n) is family),
+                        next(iter(family.presets)))
+            options = given
+        else:  # one optimizer's own, over its family's
+            name, options = key, options_of(key, overrides)
         try:
-            resolve(name, options_of(name, overrides) if key == name else given)
+            resolve(name, options)
         except ConfigError as error:
             out += [f"--set: {line}" for line in str(error).splitlines()]
     return out

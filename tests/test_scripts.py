@@ -262,8 +262,9 @@ def test_set_of_one_optimizer_leaves_its_family_alone():
     overrides = parse_overrides(["local.Kx=16", "DiLoCo.lr_scale=1", "DiLoCo.Kx=8"])
     assert cli_overrides("DiLoCo", overrides) == ["--commopt.local.Kx", "8", "--commopt.local.lr_scale", "1"]
     assert cli_overrides("DES-LOC", overrides) == ["--commopt.local.Kx", "16"]
-    rows = {r["optimizer"]: r for r in comm_report.report("cpu_tiny", 2, 2, ["DiLoCo", "LocalAdam"], overrides)}
-    plain = {r["optimizer"]: r for r in comm_report.report("cpu_tiny", 2, 2, ["DiLoCo", "LocalAdam"], parse_overrides(["local.Kx=16"]))}
+    names = ["DiLoCo", "LocalAdam"]
+    rows = {r["optimizer"]: r for r in comm_report.report("cpu_tiny", 2, 2, names, overrides)}
+    plain = {r["optimizer"]: r for r in comm_report.report("cpu_tiny", 2, 2, names, parse_overrides(["local.Kx=16"]))}
     assert rows["DiLoCo"]["R_sent"] == pytest.approx(2 * plain["DiLoCo"]["R_sent"])
     assert rows["LocalAdam"]["R_sent"] == plain["LocalAdam"]["R_sent"]
 
