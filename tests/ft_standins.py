@@ -16,12 +16,15 @@ SETTINGS = FtSettings(enable=True, replica_id=0, group_size=2)
 
 
 class StandInManager:
-    """What ReplicaGroupFT asks of torchft's Manager; ``commits`` scripts should_commit's answers."""
+    """What ReplicaGroupFT asks of torchft's Manager; ``commits`` scripts should_commit's answers.
+    ``_quorum_id`` is torchft's id of the quorum (the same attribute): a test sets it to a new one
+    before a step to stand for a quorum that changed (a group lost or joined)."""
 
     def __init__(self, commits=()):
         self.commits = list(commits)
         self.step = 0
         self.fns = {}
+        self._quorum_id = 0
 
     def register_state_dict_fn(self, key, load, save):
         self.fns[key] = (load, save)

@@ -52,6 +52,9 @@ _NOT_COMMITTED = re.compile(r"fault tolerance: step (\d+) not committed")
 _HEALED = re.compile(r"fault tolerance: replica group (\d+) healed from a peer at step (\d+) in ([0-9.]+) s")
 _FINGERPRINT = re.compile(r"fault tolerance: replica group (\d+), rank (\d+): parameters at step (\d+): "
                           r"fingerprint ([0-9a-f]+)")
+_ANCHORS = re.compile(r"fault tolerance: replica group (\d+), rank (\d+): anchors at step (\d+): "
+                      r"fingerprint ([0-9a-f]+)")
+_SYNCS_FAILED = re.compile(r"fault tolerance: (\d+) R sync\(s\) in flight failed \((.*?)\): ")
 _KILLED = re.compile(r"fault tolerance: " + KILL_ENV + r"=\S+: this process kills itself now")
 _R_SENT = re.compile(r"step:\s*(\d+)\s+loss:.*R sent:\s*(\S+)/step")
 _LISTENING = re.compile(r"Lighthouse listening on: http://\S+:(\d+)")
@@ -171,6 +174,8 @@ class GroupLog:
     not_committed: dict[int, list[int]] = field(default_factory=dict)
     heals: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # (step healed to, seconds)
     fingerprints: dict[int, tuple[int, str]] = field(default_factory=dict)  # (last step, fingerprint)
+    anchors: dict[int, tuple[int, str]] = field(default_factory=dict)  # (last step, the anchors' fingerprint)
+    syncs_failed: dict[int, list[tuple[int, str]]] = field(default_factory=dict)  # (how many, why)
     killed: set = field(default_factory=set)  # ranks that killed themselves (KILL_ENV)
 
     @classmethod
@@ -199,6 +204,10 @@ class GroupLog:
                 log.heals.setdefault(rank, []).append((int(found.group(2)), float(found.group(3))))
             elif found := _FINGERPRINT.search(rest):
                 log.fingerprints[int(found.group(2))] = (int(found.group(3)), found.group(4))
+            elif found := _ANCHORS.search(rest):
+                log.anchors[int(found.group(2))] = (int(found.group(3)), found.group(4))
+            elif found := _SYNCS_FAILED.search(rest):
+                log.syncs_failed.setdefault(rank, []).append((int(found.group(1)), found.group(2)))
             elif _KILLED.search(rest):
                 log.killed.add(rank)
         return log

@@ -8,7 +8,7 @@ import torch
 
 from titan_commopt.optim import FAMILIES, resolve
 from titan_commopt.titan.common.replica_group_training import ReplayBatches
-from titan_commopt.titan.config.fault_tolerance_keys import FtSettings, in_flight_problems, problems
+from titan_commopt.titan.config.fault_tolerance_keys import FtSettings, evaluation_problems, problems
 from tests.ft_standins import SETTINGS, StandInManager, fault_tolerant_container, train_step
 
 NAMES = sorted(name for family in FAMILIES.values() for name in family.presets)
@@ -195,13 +195,21 @@ def test_a_bad_fault_tolerance_variable_is_one_line_before_any_process_group(mon
     assert problems(FtSettings(), dp_replicate=1, lighthouse=None) == []  # without fault tolerance, not read
 
 
-def test_an_r_collective_in_flight_across_steps_is_refused_under_fault_tolerance():
-    (line,) = in_flight_problems(SETTINGS, resolve("DeMo", {"overlap": True}))
-    assert line.startswith("[commopt.demo] overlap = true:")
-    (line,) = in_flight_problems(SETTINGS, resolve("LocalAdam", {"fragments": 2, "sync_delay": 1}))
-    assert line.startswith("[commopt.local] sync_delay = 1:")
-    (line,) = in_flight_problems(SETTINGS, resolve("DiLoCo", {"merge": "eager"}))
-    assert line.startswith("[commopt.local] merge = 'eager':") and line.endswith('set it to "additive"'), line
-    assert in_flight_problems(SETTINGS, resolve("DiLoCo", {"merge": "additive"})) == []
-    assert in_flight_problems(SETTINGS, resolve("FlexDeMo")) == []
-    assert in_flight_problems(FtSettings(), resolve("DeMo", {"overlap": True})) == []
+def test_an_evaluation_whose_global_model_is_a_mean_over_the_groups_is_refused_under_fault_tolerance():
+    """A sync in flight across steps is a transaction of its own under fault tolerance
+    (tests/test_fault_tolerance_fragments.py): nothing of it is refused. An evaluation follows a
+    step's commit, where no R collective may run: a family whose global model is a mean over the
+    groups is refused with validation on, an eager merge's (each group's anchor holds its own share) too."""
+    (line,) = evaluation_problems(SETTINGS, resolve("DiLoCo", {"merge": "eager"}), validating=True)
+    assert line.startswith("[validation] enable = true with [optimizer] name = 'DiLoCo' under [fault_tolerance] enable "
+                           "= true: its global model between syncs is the mean of the replica groups' anchors"), line
+    assert line.endswith("set [validation] enable = false, or set [commopt.local] merge = 'delayed'"), line
+    (line,) = evaluation_problems(SETTINGS, resolve("SparseLoCo", {"merge": "eager"}), validating=True)
+    assert line.endswith("or set [commopt.sparseloco] merge = 'delayed'"), line
+    (line,) = evaluation_problems(SETTINGS, resolve("DES-LOC"), validating=True)
+    assert "the mean of the replica groups' parameters" in line
+    for name, options in [("DiLoCo", {"merge": "delayed"}), ("DiLoCo", {"fragments": 2, "sync_delay": 1}),
+                          ("SparseLoCo", {"sync_delay": 1}), ("DeMo", {"overlap": True})]:
+        assert evaluation_problems(SETTINGS, resolve(name, options), validating=True) == [], (name, options)
+    assert evaluation_problems(SETTINGS, resolve("DiLoCo", {"merge": "eager"}), validating=False) == []
+    assert evaluation_problems(FtSettings(), resolve("DiLoCo", {"merge": "eager"}), validating=True) == []

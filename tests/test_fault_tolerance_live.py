@@ -11,6 +11,9 @@
   the outer optimizer's momentum and the sync schedule a heal must carry), and it is the algorithm
   torchft itself ships, so its behaviour under failures is the one users compare with; SparseLoCo
   (and DES-LOC, whose optimizer states sync too) get a short run below.
+- Streaming DiLoCo (fragments in flight across steps), 2 groups x 1 process: group 1 dies while two
+  fragments' all-reduces are in flight; the survivor waits in the quorum, the relaunched group heals
+  from it, both fail those fragments alike (each back to its anchor) and end on the same anchors.
 - Launchers killed alone, three groups, a heal cut short: a worker whose launcher (``titan_commopt.run``
   or plain ``torchrun``) is SIGKILLed leaves by itself instead of heartbeating on as a zombie group;
   two failures at different times, one while the relaunched group applies its heal, one group
@@ -172,6 +175,42 @@ def test_diloco_group_killed_between_steps_inside_a_period_heals_and_syncs(tmp_p
     assert not survivor.not_committed and not again.not_committed
 
 
+# ---- streaming DiLoCo: a group lost while fragments are in flight ----
+STREAM_STEPS = 12
+STREAM_KILL_AT = 7
+
+
+def test_streaming_diloco_group_lost_with_fragments_in_flight_heals_and_both_fail_them_alike(tmp_path):
+    """Streaming DiLoCo (Kx 4, 2 fragments, sync_delay 3: from step 2 on a fragment's all-reduce is in
+    flight after every step), 2 groups x 1 process, a quorum needing both (the lighthouse's
+    ``--min_replicas 2``). Group 1 dies before step 7's quorum with fragment 0 (issued after update 4)
+    and fragment 1 (after 6) in flight. The survivor waits in that quorum for the relaunched group,
+    which heals from it (the survivor's state and the records of its syncs in flight, not their
+    collectives); the quorum is a new one, so both fail those two fragments alike (each back to its
+    anchor) and train on together. The survivor commits every step once, in one process; both end on
+    the same anchors, the global model (their parameters differ by each one's local progress)."""
+    args = [*TINY, "--optimizer.name", "DiLoCo", "--commopt.local.Kx", "4", "--commopt.local.fragments", "2",
+            "--commopt.local.sync_delay", "3", "--training.steps", str(STREAM_STEPS), "--validation.enable", "false"]
+    wait = {QUORUM_TIMEOUT_ENV: str(START_S)}  # the survivor's quorum waits out the relaunch's start-up
+    with FtJob(tmp_path, args, nproc=1, launcher=False, min_replicas=2) as job:
+        survivor, victim = job.start(env={0: wait, 1: {**wait, KILL_ENV: f"{STREAM_KILL_AT}:quorum"}})
+        job.until(lambda: not victim.running(), f"group 1 killing itself at step {STREAM_KILL_AT}", RUN_S, [survivor])
+        assert victim.log().killed == {0}, victim.tail()
+        again = job.launch(1, env=wait, label="group1_relaunched")
+        survivor_log, again_log = job.finish([survivor, again])
+    why = f"the quorum changed before they merged, step {STREAM_KILL_AT}"
+    assert sorted(survivor_log.loss_by_step()) == list(range(1, STREAM_STEPS + 1))
+    assert survivor.text().count("Training starts at step 1") == 1  # never restarted
+    assert not survivor_log.not_committed and not again_log.not_committed and not survivor_log.heals
+    (healed_at, _), = again_log.heals[0]
+    assert healed_at == STREAM_KILL_AT - 1  # what the survivor had committed stands
+    assert survivor_log.syncs_failed[0] == again_log.syncs_failed[0] == [(2, why)]
+    assert sorted(again_log.loss_by_step()) == list(range(STREAM_KILL_AT, STREAM_STEPS + 1))
+    assert again_log.r_sent[0] == {s: b for s, b in survivor_log.r_sent[0].items() if s >= STREAM_KILL_AT}
+    assert survivor_log.anchors[0][0] == again_log.anchors[0][0] == STREAM_STEPS
+    assert survivor_log.anchors[0] == again_log.anchors[0]
+
+
 # ---- launchers killed alone; three groups, failures at different times, one during a heal ----
 ORPHAN_STEPS = 8
 
@@ -294,9 +333,9 @@ FT_ON = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--fau
      "replica groups"),
     (FT_ON, None, "[fault_tolerance] enable = true: TORCHFT_LIGHTHOUSE is not set: every replica group"),
     (FT_ON, "127.0.0.1", "[fault_tolerance] enable = true: TORCHFT_LIGHTHOUSE = '127.0.0.1': not an address"),
-    ([*FT_ON, "--optimizer.name", "DeMo", "--commopt.demo.overlap"], "http://127.0.0.1:29510",
-     "[commopt.demo] overlap = true: under [fault_tolerance] enable = true no R collective may stay in flight across "
-     "steps"),
+    ([*FT_ON, "--optimizer.name", "DiLoCo", "--commopt.local.merge", "eager"], "http://127.0.0.1:29510",
+     "[validation] enable = true with [optimizer] name = 'DiLoCo' under [fault_tolerance] enable = true: its global "
+     "model between syncs is the mean of the replica groups' anchors"),
 ])
 def test_bad_fault_tolerance_setting_is_one_line(monkeypatch, cli, lighthouse, expected):
     from titan_commopt.options import ConfigError

@@ -117,3 +117,38 @@ def test_an_error_inside_a_task_reaches_the_caller():
 
     with pytest.raises(RuntimeError, match="boom"):
         Runtime().run(task())
+
+
+def test_fail_drops_the_tasks_of_other_epochs_and_hands_back_their_records():
+    """Live fault tolerance: a task belongs to the epoch (the quorum) it was started in; ``fail(epoch)``
+    drops the others (their collectives waited for, not resumed) and returns their records; records
+    ``adopt``-ed from a peer (a heal: no collective here) fail whatever the epoch."""
+    log: list = []
+    rt = Runtime()
+    rt.epoch = 1
+    rt.start(_task(log, "a", 1), due=10, record="a")
+    rt.epoch = 2
+    rt.start(_task(log, "b", 1), due=10, record="b")
+    assert rt.records() == [(1, 10, "a"), (2, 10, "b")]
+    log.clear()
+    assert rt.fail(2) == ["a"] and log == ["wait a0"] and rt.in_flight == 1
+    healed = Runtime()
+    healed.adopt(rt.records())
+    assert healed.in_flight == 1 and healed.fail(2) == ["b"] and healed.in_flight == 0
+    rt.advance(10)
+    assert log[-1] == "got b0" and rt.in_flight == 0
+
+
+def test_drop_waits_for_a_collective_without_its_result_and_swallows_its_error():
+    """``Pending.drop``: a sync that can no longer land waits for its collectives (the parts of a
+    composite one too) without running their result code; an error (a peer gone) is not raised."""
+    class Failing:
+        def wait(self) -> None:
+            raise RuntimeError("connection closed by peer")
+
+    finished: list = []
+    inner = Pending(Failing(), lambda: finished.append("inner"), None)
+    outer = Pending(None, lambda: finished.append("outer"), None, parts=(inner,))
+    outer.drop()
+    outer.drop()
+    assert finished == [] and outer.wait() is None

@@ -131,14 +131,17 @@ def test_bad_toml_fault_tolerance_is_one_line_each(capsys, monkeypatch, args, ex
         assert sum(f"bad config: {start}" in line for line in lines) == 1, (start, lines)
 
 
-def test_toml_sync_in_flight_across_steps_is_refused(capsys, monkeypatch):
+def test_toml_eager_merge_with_an_evaluation_is_refused(capsys, monkeypatch):
+    """A sync in flight across steps runs under fault tolerance (a transaction of its own); an eager
+    merge's global model, the mean of the groups' anchors, cannot be evaluated there."""
     from titan_commopt.train import main
 
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510")
     (line,) = refusal(capsys, lambda: main([
-        "--job.config_file", str(CONFIG), "--optimizer.name", "DeMo", "--commopt.demo.overlap", "true",
-        "--fault_tolerance.enable", "--fault_tolerance.group_size", "2"]))
-    assert "[commopt.demo] overlap = true: under [fault_tolerance] enable = true no R collective" in line
+        "--job.config_file", str(CONFIG), "--optimizer.name", "DiLoCo", "--commopt.local.merge", "eager",
+        "--validation.enable", "true", "--fault_tolerance.enable", "--fault_tolerance.group_size", "2"]))
+    assert ("[validation] enable = true with [optimizer] name = 'DiLoCo' under [fault_tolerance] enable = true: its "
+            "global model between syncs is the mean of the replica groups' anchors") in line
 
 
 CLI_BAD = [  # config module arguments → the start of each line expected (in 0.3's command-line spelling)
@@ -175,9 +178,12 @@ def test_optimizer_that_cannot_commit_with_the_quorum_is_refused(monkeypatch):
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510")
     flags = ("--parallelism.data_parallel_replicate_degree", "1", "--fault_tolerance.enable",
              "--fault_tolerance.group_size", "2")
-    overlapped = parse(*flags, "--optimizer.name", "DeMo", "--optimizer.commopt.demo.overlap")
-    (line,) = fault_tolerance_problems(overlapped)
-    assert line.startswith("--optimizer.commopt.demo.overlap: under --fault_tolerance.enable no R collective")
+    assert fault_tolerance_problems(parse(*flags, "--optimizer.name", "DeMo", "--optimizer.commopt.demo.overlap")) == []
+    eager = parse(*flags, "--optimizer.name", "DiLoCo", "--optimizer.commopt.local.merge", "eager")
+    (line,) = fault_tolerance_problems(eager)
+    assert line.startswith("--validator.enable with --optimizer.name DiLoCo under --fault_tolerance.enable: its global "
+                           "model between syncs is the mean of the replica groups' anchors"), line
+    assert line.endswith("set --validator.no-enable, or set --optimizer.commopt.local.merge delayed"), line
     muon = parse(*flags, config="cpu_debugmodel_adamw")
     muon.optimizer = OptimizersContainer.Config(param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="DistMuon")])
     (line,) = fault_tolerance_problems(muon)

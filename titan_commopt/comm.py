@@ -32,6 +32,7 @@ step that is being closed when they become readable.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -257,14 +258,18 @@ def has_avg(group: dist.ProcessGroup) -> bool:
 
 T = TypeVar("T")
 _UNSET: Any = object()
+_DROPPING = threading.local()  # set while Pending.drop waits: see managed_group
 
 
 class Pending(Generic[T]):
     """A collective in flight. ``wait()`` blocks until it has completed, then returns its result
-    (a second ``wait()`` returns the same result without waiting)."""
+    (a second ``wait()`` returns the same result without waiting). ``drop()`` waits for it without
+    taking its result. ``parts``: the collectives a composite one (a fused all-reduce, two at once)
+    waits for in its ``finish``, which ``drop()`` reaches without running ``finish``."""
 
-    def __init__(self, work: Any, finish: Callable[[], T], timer: Optional["_Timer"]) -> None:
-        self._work, self._finish, self._timer = work, finish, timer
+    def __init__(self, work: Any, finish: Callable[[], T], timer: Optional["_Timer"],
+                 parts: Sequence["Pending[Any]"] = ()) -> None:
+        self._work, self._finish, self._timer, self._parts = work, finish, timer, tuple(parts)
         self._result = _UNSET
 
     @classmethod
@@ -280,6 +285,27 @@ class Pending(Generic[T]):
                 self._timer.stop()
             self._result = self._finish()
         return self._result
+
+    def drop(self) -> None:
+        """Wait for the collective to complete and leave its result unread: nothing is written into
+        the tensors it was issued for, and an error (a peer lost; a process group a quorum has since
+        rebuilt) is neither raised nor reported to a fault-tolerant run's Manager, whose next step it
+        would otherwise fail. A sync that can no longer be applied is dropped this way (``overlap.py``)."""
+        if self._result is not _UNSET:
+            return
+        self._result = None
+        for part in self._parts:
+            part.drop()
+        work = self._work
+        if work is None:
+            return
+        _DROPPING.on = True  # managed_group's wait then reports nothing to the Manager
+        try:
+            work.wait()
+        except Exception:  # noqa: BLE001 (a dropped collective's failure is not this step's)
+            pass
+        finally:
+            _DROPPING.on = False
 
 
 class _Timer:
@@ -381,7 +407,7 @@ def all_reduce_fused(
 
     if not async_op:
         return finish()
-    return Pending(None, finish, None)
+    return Pending(None, finish, None, parts=(reduced,))
 
 
 # torch 2.13 deprecates all_gather_into_tensor (a FutureWarning on every rank) for all_gather_single
@@ -439,7 +465,7 @@ def all_gather_mean(
 
     if not async_op:
         return finish()
-    return Pending(None, finish, None)
+    return Pending(None, finish, None, parts=(gathered,))
 
 
 def reduce_scatter(
@@ -559,6 +585,9 @@ def managed_group(
             self._work, self._done, self._failed, self._finished = work, done, failed, False
 
         def wait(self, timeout: Any = None) -> bool:
+            if getattr(_DROPPING, "on", False):  # Pending.drop: the work is waited for, nothing reported
+                self._drop()
+                return True
             if not self._finished:
                 waiting(True)
                 try:
@@ -568,6 +597,18 @@ def managed_group(
                 (self._done if ok and manager.errored() is None else self._failed)()
                 self._finished = True
             return True
+
+        def _drop(self) -> None:
+            """``Pending.drop``: wait for torchft's own work (its ``_ManagedWork`` would report an
+            error to the Manager), errors ignored; neither ``done()`` nor ``failed()`` runs."""
+            if not self._finished:
+                self._finished = True
+                raw = getattr(self._work, "_work", None)
+                if raw is not None:
+                    try:
+                        raw.wait()
+                    except Exception:  # noqa: BLE001 (the process group may be gone)
+                        pass
 
     def issue(launch: Callable[[], Any], done: Callable[[], None], failed: Callable[[], None], value: Any) -> Any:
         before()

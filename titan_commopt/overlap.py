@@ -19,8 +19,14 @@ Which work hides behind which collective is then decided by the runtime, in one 
   forward and backward (DeMo's ``overlap``: due at t + 1; the local-adaptive family's ``sync_delay``:
   due at t + τ).
 - :meth:`Runtime.drain` completes every parked task now (before a checkpoint, at the end of training);
-  :meth:`Runtime.abandon` waits for their collectives and drops the tasks (their results belong to
-  a state that a load replaces).
+  :meth:`Runtime.abandon` drops them: waits for their collectives without reading their results
+  (``Pending.drop``) and closes the tasks (their results belong to a state that a load replaces).
+
+Under live fault tolerance a parked task is one side of a transaction (``titan/common/replica_group.py``):
+it is started in an *epoch* (:attr:`Runtime.epoch`, the quorum its collective was issued in) with a
+*record*, what its optimizer needs to undo it without the task (``CommOptimizer.fail_syncs``);
+:meth:`Runtime.fail` drops the tasks of every other epoch and returns their records; :meth:`Runtime.records`
+and :meth:`Runtime.adopt` carry them to a group that heals (which has the records, not the collectives).
 
 Every rank drives the same tasks in the same order, so the collectives on each process group are
 issued in the same order on every rank, as a process group requires. The runtime issues nothing
@@ -58,8 +64,20 @@ def _resume(task: Task, value: Any) -> tuple[bool, Yielded]:
 @dataclass
 class _Parked:
     due: int
-    task: Task
+    task: Optional[Task]  # None: adopted from a peer's heal, no collective here (it can only fail)
     yielded: Yielded
+    record: Any = None
+    epoch: Any = None
+
+
+def _drop(entry: _Parked) -> None:
+    """Wait for ``entry``'s collectives without their results and close its task."""
+    yielded = entry.yielded
+    for pending in (yielded if isinstance(yielded, (list, tuple)) else [yielded]):
+        if isinstance(pending, Pending):
+            pending.drop()
+    if entry.task is not None:
+        entry.task.close()
 
 
 class Runtime:
@@ -67,6 +85,8 @@ class Runtime:
 
     def __init__(self) -> None:
         self._parked: list[_Parked] = []
+        # The quorum a task started now belongs to (live fault tolerance sets it at every quorum); None without.
+        self.epoch: Any = None
 
     # ---- this step ---------------------------------------------------------------------------
     def run(self, *tasks: Task) -> None:
@@ -83,11 +103,12 @@ class Runtime:
                 queue.append((task, yielded))
 
     # ---- across steps ------------------------------------------------------------------------
-    def start(self, task: Task, due: int) -> None:
-        """Run ``task`` to its first yield and park it until ``advance(n)`` with ``n >= due``."""
+    def start(self, task: Task, due: int, record: Any = None) -> None:
+        """Run ``task`` to its first yield and park it until ``advance(n)`` with ``n >= due``, in the
+        current :attr:`epoch`; ``record``: what undoes it without the task (module docstring)."""
         running, yielded = _resume(task, None)
         if running:
-            self._parked.append(_Parked(due, task, yielded))
+            self._parked.append(_Parked(due, task, yielded, record, self.epoch))
 
     def advance(self, now: int) -> None:
         """Complete every parked task due at ``now`` or earlier, in the order they were started."""
@@ -104,11 +125,28 @@ class Runtime:
             self._finish(entry)
 
     def abandon(self) -> None:
-        """Wait for the collectives of every parked task and drop the tasks unfinished."""
+        """Drop every parked task unfinished: its collectives waited for, their results not read."""
         parked, self._parked = self._parked, []
         for entry in parked:
-            _wait(entry.yielded)
-            entry.task.close()
+            _drop(entry)
+
+    def fail(self, epoch: Any) -> list[Any]:
+        """Drop every parked task started in another epoch than ``epoch`` (and every adopted one), as
+        :meth:`abandon` does; their records, in start order."""
+        failed = [entry for entry in self._parked if entry.task is None or entry.epoch != epoch]
+        self._parked = [entry for entry in self._parked if not (entry.task is None or entry.epoch != epoch)]
+        for entry in failed:
+            _drop(entry)
+        return [entry.record for entry in failed]
+
+    def records(self) -> list[tuple[Any, int, Any]]:
+        """``(epoch, due, record)`` of every parked task, in start order (what a heal carries)."""
+        return [(entry.epoch, entry.due, entry.record) for entry in self._parked]
+
+    def adopt(self, records: Sequence[tuple[Any, int, Any]]) -> None:
+        """Park a peer's tasks by their records (:meth:`records`), without their collectives: a healed
+        group knows what its peer had in flight, and :meth:`fail` drops them whatever the epoch."""
+        self._parked += [_Parked(due, None, None, record, epoch) for epoch, due, record in records]
 
     @property
     def in_flight(self) -> int:
@@ -121,6 +159,8 @@ class Runtime:
 
     @staticmethod
     def _finish(entry: _Parked) -> None:
+        if entry.task is None:  # adopted: nothing here to complete (Runtime.fail drops it first)
+            return
         running, yielded = _resume(entry.task, _wait(entry.yielded))
         while running:
             running, yielded = _resume(entry.task, _wait(yielded))

@@ -22,7 +22,12 @@ let the parameters themselves differ between syncs. The adapter needs two answer
   copied, the param groups, and the attributes the family names in ``step_attributes`` (its step
   counters, flags, DeMo's plan). No conversion, no re-plan; memory is one copy of the state. The
   parameters are not in it: they are the model's (the container copies them). ``state_dict()`` stays
-  what crosses processes and disks (checkpoints, a heal from a peer).
+  what crosses processes and disks (checkpoints, a heal from a peer: ``heal_state()``). A sync parked
+  on ``self.runtime`` across steps is kept by its record; a restore fails it.
+- ``fail_syncs(epoch)`` / ``_fail_sync(record)``: live fault tolerance's rule for a sync in flight
+  across steps (``titan/common/replica_group.py``): one that was issued in another quorum fails, and
+  the family undoes what it began (``_fail_sync``: its fragment back to its global copy, its outer
+  state as it was). Only the families that keep syncs in flight across steps define ``_fail_sync``.
 - ``global_params(ledger=...)``: a context manager inside which every parameter's local shard holds
   the *global model*, the model a user keeps (what an evaluation on held-out text measures), and on
   exit each replica's own values are back bit for bit (copies of what was overwritten, not a
@@ -56,6 +61,8 @@ from titan_commopt.topology import Topology
 from .common import local
 
 __all__ = ["CommOptimizer", "Snapshot", "named_params"]
+
+_NO_QUORUM = object()  # an epoch no sync was issued in: fail_syncs(_NO_QUORUM) fails every one
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,7 @@ class Snapshot:
 
     def __init__(self, attributes: dict[str, Any]) -> None:
         self._attributes = attributes
+        self.in_flight: list = []  # a CommOptimizer's syncs in flight when it was taken (Runtime.records)
 
     @classmethod
     @torch.no_grad()
@@ -162,6 +170,10 @@ class CommOptimizer(torch.optim.Optimizer):
         self.options = options  # the run's Resolved value
         self.ledger = ledger if ledger is not None else comm.get_ledger()
         self.runtime = Runtime()
+        # What state_dict() first does with the syncs in flight (_settle_for_save): lands them; live fault
+        # tolerance turns it off (landing them would be an R collective after a step's commit): it fails them
+        self.lands_on_save = True
+        self._reading_for_heal = False
 
     def replicas_in_sync(self) -> bool:
         """Whether every replica holds the same parameters now (when the drift check may run)."""
@@ -184,21 +196,69 @@ class CommOptimizer(torch.optim.Optimizer):
     def snapshot(self) -> Snapshot:
         """The raw state before a step, for :meth:`restore` (the module docstring). A sync parked on
         :attr:`runtime` across steps (DeMo's ``overlap``, the streaming ``sync_delay``, an overlapped
-        ``merge``) is a suspended generator that cannot be copied, so there is none: a
-        ``RuntimeError`` (live fault tolerance, the one caller, refuses those options before anything
-        is built)."""
-        if self.runtime.in_flight:
-            raise RuntimeError(
-                f"{type(self).__name__}.snapshot(): {self.runtime.in_flight} R sync(s) in flight across steps "
-                "cannot be copied (overlap / sync_delay / merge)"
-            )
-        return Snapshot.take(self, ("state", "param_groups", *self.step_attributes))
+        ``merge``) is a suspended generator, which is not copied: its record is kept (``Runtime.records``)."""
+        snapshot = Snapshot.take(self, ("state", "param_groups", *self.step_attributes))
+        snapshot.in_flight = self.runtime.records()
+        return snapshot
 
+    @torch.no_grad()
     def restore(self, snapshot: Snapshot) -> None:
         """Put the state of :meth:`snapshot` back, bit for bit; a sync the undone step parked on
-        :attr:`runtime` is dropped with it."""
+        :attr:`runtime` is dropped with it, and every sync that was in flight when the snapshot was
+        taken fails (:meth:`fail_syncs`'s rule: a step that does not commit ends its quorum)."""
         self.runtime.abandon()
         snapshot.restore(self)
+        for _, _, record in snapshot.in_flight:
+            self._fail_sync(record)
+
+    @torch.no_grad()  # the failed fragments' parameters are written in place
+    def fail_syncs(self, epoch: Any) -> int:
+        """Live fault tolerance's rule for a sync in flight across steps, this optimizer's side (the
+        rule: ``titan/common/replica_group.py``): every sync parked on :attr:`runtime` that was not
+        issued in ``epoch`` (the quorum now), and every one a heal adopted, fails: its collective is
+        dropped (``Runtime.fail``) and what it began is undone (:meth:`_fail_sync`). How many failed."""
+        records = self.runtime.fail(epoch)
+        for record in records:
+            self._fail_sync(record)
+        return len(records)
+
+    def _fail_sync(self, record: Any) -> None:
+        """Undo the sync of ``record`` (what the family passed to ``Runtime.start``), which will not
+        land: the family's own rule (its docstring). Only families that keep a sync in flight across
+        steps have one."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no R sync in flight across steps")
+
+    def _settle_for_save(self) -> None:
+        """What a family's ``state_dict()`` first does with its syncs in flight across steps: lands them
+        (:attr:`lands_on_save`, the default: a checkpoint then holds none, and a run resumed from it goes
+        on as the run that saved); under live fault tolerance, where landing them would be an R
+        collective after a step's commit, fails them (:meth:`fail_syncs`: every group checkpoints after
+        the same step and fails the same ones, so the groups stay equal, and a job resumed from disk has
+        none in flight); leaves them as they are while a heal reads the state (:meth:`heal_state`)."""
+        if self._reading_for_heal:
+            return
+        if self.lands_on_save:
+            self.flush()
+        else:
+            self.fail_syncs(_NO_QUORUM)
+
+    def heal_state(self) -> dict[str, Any]:
+        """What a healing group takes from this one: :meth:`state_dict` (the checkpoint's form: it
+        crosses processes) and the records of the syncs in flight (``Runtime.records``), which stay in
+        flight here (read on torchft's quorum thread while this group waits for the quorum, which then
+        fails them: :meth:`fail_syncs`)."""
+        self._reading_for_heal = True
+        try:
+            return {"state": self.state_dict(), "in_flight": self.runtime.records()}
+        finally:
+            self._reading_for_heal = False
+
+    def load_heal_state(self, saved: dict[str, Any]) -> None:
+        """Inverse of :meth:`heal_state`: the peer's state, and its syncs in flight adopted by their
+        records (``Runtime.adopt``): they fail at the quorum (their collectives are not here)."""
+        self.load_state_dict(saved["state"])
+        self.runtime.adopt(saved["in_flight"])
+
     @contextmanager
     def global_params(self, *, ledger: "Optional[comm.CommLedger]" = None) -> Iterator[None]:
         """Inside: the global model in every parameter's local shard; after: each replica's own

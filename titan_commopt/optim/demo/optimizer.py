@@ -350,7 +350,7 @@ class DeMo(CommOptimizer):
             return loss
         task = self._exchange(self._plan_for(active), grad)
         if self.overlap:
-            self.runtime.start(task, due=self._clock + 1)
+            self.runtime.start(task, due=self._clock + 1, record=self._clock)
         else:
             self.runtime.run(task)
         return loss
@@ -365,6 +365,12 @@ class DeMo(CommOptimizer):
         payloads = yield comm.all_gather(send, R, self.topology.replicate, async_op=True,
                                          ledger=self.ledger)  # the only R traffic
         plan.apply(payloads, sent, self._rules.phi)
+
+    def _fail_sync(self, record: Any) -> None:
+        """``overlap`` under live fault tolerance: the aggregated update of step ``record`` will not land
+        (its quorum ended before it did). Nothing to undo: it had not touched the parameters, and every
+        replica drops it alike, so they stay equal; the share of each replica's momentum it carried
+        left the momentum at the exchange (eq. 8) and is lost with it, as a lost all-gather's would be."""
 
     def _plan_for(self, active: list[tuple[torch.Tensor, dict]]) -> Plan:
         if self._plan is None or self._plan.key != Plan.key_of(active):
@@ -385,8 +391,9 @@ class DeMo(CommOptimizer):
         float32 coefficients come back bit for bit, except those below 2^-32 of their chunk's largest,
         which come back as zero (exact zeros, as eq. 8 leaves with λ = 1, stay zero). The price: the
         momentum takes 8 bytes per element in the checkpoint and, while it is written, in memory. A
-        pending update (``overlap``) is applied first: see :meth:`flush`."""
-        self.flush()
+        pending update (``overlap``) is applied first (see :meth:`flush`; under live fault tolerance it is
+        dropped instead: ``CommOptimizer._settle_for_save``)."""
+        self._settle_for_save()
         sd = super().state_dict()
         params = [p for group in self.param_groups for p in group["params"]]
         state = {}

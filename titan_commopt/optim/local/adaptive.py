@@ -786,16 +786,48 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
                 self.runtime.start(
                     sync_overlapped(self._overlap_entries(due), self._reduce, self._merge,
                                     self.topology.replicate_size, self._outer_delta),
-                    due=n + min(kinds[kind] for kind in due))
+                    due=n + min(kinds[kind] for kind in due), record=("overlapped", n))
             return
         if due:
             states = self._due_states(due)
             if self._sync_delay or self._alpha is not None:  # lerp at τ = 0: lands by advance(n) below
                 self.runtime.start(sync_streaming(states, self._reduce, self._outer, self._alpha),
-                                   due=n + self._sync_delay)
+                                   due=n + self._sync_delay, record=("streaming", n))
             else:
                 self.runtime.run(sync_in_place(states, self._reduce, self._outer))
         self.runtime.advance(n)
+
+    def _fail_sync(self, record: tuple[str, int]) -> None:
+        """Live fault tolerance: the sync issued after update n (``record``: how it lands, n) will not
+        land, its quorum having ended first (the rule: ``titan/common/replica_group.py``). Of each of its
+        fragments:
+
+        - a parameter with an anchor returns to it, its last global copy (the local steps since are lost,
+          as torchft's Streaming DiLoCo loses them); its outer state (anchor, momentum) stays as it was;
+        - ``sync_delay`` (streaming): a state (u_j, v), and a parameter without an anchor (averaging on an
+          exact wire), keeps its local values: it has no global copy (the local steps since its last sync
+          changed that mean), and its next sync averages it;
+        - an overlapped merge (``delayed`` / ``eager``): the parameters' mean in flight and share sent
+          become zero, the sync of nothing an overlapped merge starts from (the next outer step runs on
+          zero: with Nesterov momentum it moves the anchor by the momentum alone, alike on every
+          replica); a state's mean in flight stays this replica's own value sent, as if every replica
+          had sent it.
+
+        Every replica decides alike from the same record, so the global state (anchors, outer momenta)
+        stays the same on all of them."""
+        how, n = record
+        due = self.schedule.due(n)
+        if how == "overlapped":
+            for e in self._overlap_entries(due):
+                if e.anchor is not None:
+                    e.live.copy_(e.anchor)
+                    e.inflight.zero_()
+                    if e.sent is not None:
+                        e.sent.zero_()
+            return
+        states = self._due_states(due)
+        for i, anchor, _ in states.outer:
+            states.tensors[i].copy_(anchor)
 
     def _due_states(self, due: dict[str, set[int]]) -> DueStates:
         out = DueStates()
@@ -849,7 +881,7 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
             states.wait()
             xs.wait()
 
-        return comm.Pending(None, both, None)
+        return comm.Pending(None, both, None, parts=(states, xs))
 
 
 def _nesterov_outer_delta(x: torch.Tensor, anchor: torch.Tensor, buf: Optional[torch.Tensor], delta: torch.Tensor, *,

@@ -597,15 +597,33 @@ class SparseLoCo(LocalSteps, CommOptimizer):
             # period's outer step applies it and issues its own, landing by the next period's end.
             self.runtime.advance(n)
             if n % self.H == 0:
-                self.runtime.start(self._overlapped_outer_step(), due=n + self.H)
+                self.runtime.start(self._overlapped_outer_step(), due=n + self.H, record=("overlapped", n))
             return loss
         if n % self.H == 0:
             if self._sync_delay:
-                self.runtime.start(self._outer_step(streaming=True), due=n + self._sync_delay)
+                self.runtime.start(self._outer_step(streaming=True), due=n + self._sync_delay,
+                                   record=("streaming", n))
             else:
                 self.runtime.run(self._outer_step(streaming=False))
         self.runtime.advance(n)
         return loss
+
+    def _fail_sync(self, record: tuple[str, int]) -> None:
+        """Live fault tolerance: the sync issued after update n (``record``) will not land, its quorum
+        having ended first (the rule: ``titan/common/replica_group.py``). Every parameter returns to its
+        anchor, its last global copy (the local steps since are lost, as torchft's DiLoCo loses them);
+        the anchor and the outer momentum stay as they were. The error feedback keeps what it was at the
+        issue: Δ̂ left it then and is lost with the sync. With an overlapped merge the aggregate in flight
+        and the share sent become zero, the sync of nothing the merge starts from. Every replica decides
+        alike, so the anchors stay equal."""
+        overlapped = record[0] == "overlapped"
+        for pc in self._pieces:
+            st = self.state[pc.p]
+            local(pc.p).copy_(local(st["outer_anchor"]))
+            if overlapped:
+                local(st["inflight_update"]).zero_()
+                if "sent_update" in st:
+                    local(st["sent_update"]).zero_()
 
     def _codec(self, x: torch.Tensor, chunks: tuple[int, ...]) -> ShardCodec:
         key = (tuple(x.shape), chunks, x.device, x.dtype)

@@ -83,8 +83,9 @@ class LocalSteps:
       from it (a streaming sync then lands up to ``sync_delay`` − 1 steps early, at the checkpoint's
       step: the one thing a checkpoint changes in the trajectory; an overlapped outer step, ``merge =
       "delayed"`` / ``"eager"``, only completes its collective, whose result is state, and changes
-      nothing); ``load_state_dict()`` drops the syncs in flight (the state they belong to is replaced)
-      and reads the counter back once.
+      nothing); under live fault tolerance it fails them instead (``CommOptimizer._settle_for_save``:
+      landing them would be an R collective after a step's commit); ``load_state_dict()`` drops the
+      syncs in flight (the state they belong to is replaced) and reads the counter back once.
     """
 
     _n: int
@@ -127,7 +128,7 @@ class LocalSteps:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        self.flush()
+        self._settle_for_save()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

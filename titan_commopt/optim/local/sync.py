@@ -190,8 +190,8 @@ def sync_streaming(due: DueStates, reduce: Reduce, outer: Optional[OuterStep], a
     pending = reduce(snapshots, due.params())
     try:
         yield None  # parked: the collective overlaps the next steps
-    except GeneratorExit:  # dropped by a load: its collective still has to complete
-        pending.wait()
+    except GeneratorExit:  # dropped (a load, a sync that failed): its collective still has to complete
+        pending.drop()
         raise
     if alpha is not None:
         yield pending  # snapshots := mean_R(snapshots)
@@ -285,4 +285,4 @@ def pseudo_gradient_mean(tensors: Sequence[torch.Tensor], anchors: Sequence[Opti
         for t, a, m in zip(tensors, anchors, wire.from_blocks(mean.wait(), numels)):
             t.copy_(m.view_as(t) if a is None else a - m.view_as(t))
 
-    return comm.Pending(None, finish, None)
+    return comm.Pending(None, finish, None, parts=(mean,))

@@ -193,6 +193,10 @@ class CommOptimizersContainer(OptimizersContainer):
         container's state (parameters, optimizer state, counters, ledger totals) from a peer."""
         self.ft = ft
         ft.register_state("commopt_optimizer", self._heal_state, self._load_heal_state)
+        ours = [o for o in self.optimizers if isinstance(o, CommOptimizer)]
+        for optimizer in ours:  # a save fails the syncs in flight: landing them would be an R collective
+            optimizer.lands_on_save = False  # after a commit (CommOptimizer._settle_for_save)
+        ft.track_syncs(ours)  # a sync in flight across steps follows the quorum (replica_group.py)
         if self.steps_taken:  # resumed from a checkpoint on disk
             ft.resume_at(self.steps_taken)
 
@@ -204,21 +208,30 @@ class CommOptimizersContainer(OptimizersContainer):
 
     @torch.no_grad()
     def _restore(self, state: dict[str, Any]) -> None:
+        """The step did not commit: everything as it found it, and every sync then in flight fails
+        (``CommOptimizer.restore``; the rule: ``replica_group.py``), after the parameters are back."""
         self._load_params_and_counters(state)
         for optimizer, saved in zip(self.optimizers, state["optimizers"]):
             optimizer.restore(saved)
+        assert self.ft is not None
+        self.ft.syncs_failed(sum(len(getattr(saved, "in_flight", ())) for saved in state["optimizers"]),
+                             f"step {self.ft.manager.current_step() + 1} did not commit")
 
     def _heal_state(self) -> dict[str, Any]:
         """What a healing group loads from this one: it crosses processes (torchft sends it over
-        HTTP), so each optimizer's is its ``state_dict()``, the checkpoint's form."""
-        return {**self._params_and_counters(), "optimizers": clone_tree([o.state_dict() for o in self.optimizers]),
-                "ledger": self.ledger.state_dict()}
+        HTTP), so each optimizer's is its ``state_dict()``, the checkpoint's form, with the records of
+        its syncs in flight (``CommOptimizer.heal_state``: nothing lands here)."""
+        return {**self._params_and_counters(), "ledger": self.ledger.state_dict(), "optimizers": clone_tree(
+            [o.heal_state() if isinstance(o, CommOptimizer) else o.state_dict() for o in self.optimizers])}
 
     @torch.no_grad()
     def _load_heal_state(self, state: dict[str, Any]) -> None:
         self._load_params_and_counters(state)
         for optimizer, saved in zip(self.optimizers, state["optimizers"]):
-            optimizer.load_state_dict(saved)
+            if isinstance(optimizer, CommOptimizer):
+                optimizer.load_heal_state(saved)
+            else:
+                optimizer.load_state_dict(saved)
         self.ledger.load_state_dict(state["ledger"])
         self._logged = (dict(self.ledger.totals), self.ledger.steps)
 
@@ -312,6 +325,9 @@ class CommOptimizersContainer(OptimizersContainer):
     def state_dict(self) -> dict[str, Any]:
         # Every family makes its state at construction, so torch DCP's / torchtitan 0.3's lr = 0
         # init step (run only on an empty state) never steps ours: nothing to set aside here.
+        if self.ft is not None and self.owns_replicate_sync:  # each optimizer's state_dict fails them
+            self.ft.syncs_failed(sum(o.runtime.in_flight for o in self.optimizers),
+                                 "a checkpoint is written: landing them would be an R collective after the commit")
         flat = super().state_dict()
         ledger = self.ledger if self._ledger_in_checkpoint else None
         if not self.owns_replicate_sync:

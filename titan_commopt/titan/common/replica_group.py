@@ -26,8 +26,29 @@ Per training step, sync quorum (``use_async_quorum=False``):
    the optimizer's state changes unless the step commits.
 
 No R collective is issued after ``commit`` (a group that did not commit heals at the next quorum
-and would not issue it), and none stays in flight across steps: DeMo's ``overlap`` and the
-streaming ``sync_delay`` are refused under fault tolerance (``config/fault_tolerance_keys.py``).
+and would not issue it).
+
+A sync that stays in flight across steps (DeMo's ``overlap``, a streaming fragment's ``sync_delay``,
+an overlapped ``merge = "delayed"`` / ``"eager"``, SparseLoCo's too) is a transaction of its own,
+torchft's rule for Streaming DiLoCo: from the quorum it is issued in to the commit of the step that
+merges it. It merges only if every step in between committed in that same quorum; otherwise it fails
+and the family undoes what it began (``CommOptimizer._fail_sync``: the fragment back to its last
+global copy, its anchor; its outer state as it was), alike on every group. The rule, in two places
+that make one:
+
+- :meth:`ReplicaGroupFT.begin_step`: a quorum whose id (torchft's) differs from the one a sync was
+  issued in fails it (a group lost or joined, or one whose step did not commit: torchft then starts a
+  new quorum). Its collective ran on a process group the quorum has rebuilt: it is dropped, its
+  errors not reported (``comm.Pending.drop``). A group that heals takes its peer's records of the
+  syncs in flight (``CommOptimizer.heal_state``), not their collectives, and fails them the same way,
+  so it rejoins exactly as its peers go on.
+- a step that does not commit (``container.py``): its snapshot puts the state back as the step found
+  it, and every sync that was then in flight fails (``CommOptimizer.restore``); a sync the undone
+  step issued is dropped with it.
+
+A committed step is never lost: only the failed fragment goes back to its anchor; the other
+fragments, the counters and the data keep every committed step. A quorum that does not change
+costs nothing: the syncs in flight land when due, as without fault tolerance (the same bits).
 
 Per-replica state on a heal (momenta, error feedback, local parameters and their inner optimizer
 state) is the peer's copy, as torchft's own DiLoCo does: docs/fault_tolerance.md argues the choice.
@@ -112,6 +133,8 @@ class ReplicaGroupFT:
         self.heals = 0
         self.last_heal_seconds = 0.0
         self._in_step = False
+        self.failed_syncs = 0  # syncs in flight across steps that failed (the rule in the module docstring)
+        self._optimizers: list[Any] = []  # the CommOptimizers whose syncs in flight follow the quorum
         self._quorum_seen: Optional[tuple[int, int]] = None
         self._started = False  # the first quorum was asked
         self._resume_step = 0
@@ -137,11 +160,31 @@ class ReplicaGroupFT:
         (else every group restarted from its own checkpoint would heal from one of them at step 0)."""
         self._resume_step = committed_steps
 
+    def track_syncs(self, optimizers: list[Any]) -> None:
+        """The optimizers (``CommOptimizer``) whose syncs in flight across steps follow the quorum."""
+        self._optimizers = list(optimizers)
+
+    def quorum_id(self) -> Any:
+        """torchft's id of the current quorum (the Manager's ``_quorum_id``, torchft 0.2.0: a new one at
+        every change of membership and after a step some group did not commit; the same on every group)."""
+        if not hasattr(self.manager, "_quorum_id"):
+            raise RuntimeError("fault tolerance: this torchft's Manager has no _quorum_id (torchft 0.2.0's), which "
+                               "a sync in flight across steps needs; pin torchft==0.2.0")
+        return self.manager._quorum_id
+
+    def syncs_failed(self, count: int, why: str) -> None:
+        """``count`` syncs in flight failed (``why``): one line, and the metric."""
+        if count:
+            self.failed_syncs += count
+            logger.warning("fault tolerance: %d R sync(s) in flight failed (%s): each fragment back to its last "
+                           "global copy, its outer state unchanged", count, why)
+
     # ---- one step ----
-    def begin_step(self) -> None:
-        """The quorum of the coming step (and a heal, where this group is behind). Idempotent within a step."""
+    def begin_step(self) -> bool:
+        """The quorum of the coming step (and a heal, where this group is behind), then the rule for the
+        syncs in flight (module docstring). Idempotent within a step: whether it took a quorum now."""
         if self._in_step:
-            return
+            return False
         manager = self.manager
         self._maybe_die("quorum")
         if self._watchdog is not None:
@@ -155,6 +198,8 @@ class ReplicaGroupFT:
             self._wait_for_every_group()
         self.quorum.started = True
         self._in_step = True
+        if self._optimizers:  # before the watchdog: a dropped collective may wait for a peer that is gone
+            self._settle_syncs_in_flight()
         if self._watchdog is not None and self.committed_here:  # not this process's first step
             self._watchdog.arm()
         healed = manager.current_step() != step_before
@@ -168,6 +213,20 @@ class ReplicaGroupFT:
             logger.info("fault tolerance: quorum of %d replica group(s), replica group %d is replica %d "
                         "(step %d)", seen[0], self.replica_id, seen[1], manager.current_step())
             self._quorum_seen = seen
+        return True
+
+    def _settle_syncs_in_flight(self) -> None:
+        """The quorum's side of the rule: a sync issued in another quorum (or adopted by a heal) fails;
+        the ones issued from now on belong to this quorum."""
+        if any(o.runtime.in_flight for o in self._optimizers):
+            epoch = self.quorum_id()
+        else:
+            epoch = getattr(self.manager, "_quorum_id", None)
+        failed = 0
+        for optimizer in self._optimizers:
+            failed += optimizer.fail_syncs(epoch)
+            optimizer.runtime.epoch = epoch
+        self.syncs_failed(failed, f"the quorum changed before they merged, step {self.manager.current_step() + 1}")
 
     def _start_quorum(self) -> None:
         try:
@@ -244,7 +303,8 @@ class ReplicaGroupFT:
     def metrics(self) -> dict[str, float]:
         return {"commopt/ft_replica_groups": float(self.quorum.size()),
                 "commopt/ft_uncommitted_steps": float(self.uncommitted_steps),
-                "commopt/ft_heals": float(self.heals)}
+                "commopt/ft_heals": float(self.heals),
+                "commopt/ft_failed_syncs": float(self.failed_syncs)}
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)

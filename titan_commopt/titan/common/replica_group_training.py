@@ -188,15 +188,27 @@ class ReplicaGroupTraining:
     # ---- the end ----
     def finish(self, trainer: Any) -> None:
         """One line per rank: the fingerprint of its parameter shards (equal on the same rank of every
-        group when the replicas are in sync)."""
+        group when the replicas are in sync); and, for an optimizer that keeps anchors (the global
+        model of DiLoCo, SparseLoCo, an overlapped merge: equal on every group but an eager merge's
+        even where the parameters are not, e.g. with streaming fragments), theirs."""
         from .replica_state import fingerprint
 
+        mask = (1 << 61) - 1
         value = 0
         for part in trainer.model_parts:
             for _, p in part.named_parameters():
-                value = (value * 1_000_003 + fingerprint(p)) & ((1 << 61) - 1)
+                value = (value * 1_000_003 + fingerprint(p)) & mask
         logger.info("fault tolerance: replica group %d, rank %d: parameters at step %d: fingerprint %x",
                     self.replica_id, dist.get_rank(), trainer.step, value)
+        anchors = [state["outer_anchor"] for optimizer in getattr(trainer.optimizers, "optimizers", [])
+                   for group in optimizer.param_groups for p in group["params"]
+                   if "outer_anchor" in (state := optimizer.state.get(p, {}))]
+        if anchors:
+            value = 0
+            for anchor in anchors:
+                value = (value * 1_000_003 + fingerprint(anchor)) & mask
+            logger.info("fault tolerance: replica group %d, rank %d: anchors at step %d: fingerprint %x",
+                        self.replica_id, dist.get_rank(), trainer.step, value)
 
     def shutdown(self) -> None:
         if self.group is not None:

@@ -18,7 +18,7 @@ from .checkpoint import TOML, Spelling
 
 __all__ = [
     "FtSettings", "LIGHTHOUSE_ENV", "LIGHTHOUSE_WAIT_ENV", "QUORUM_TIMEOUT_ENV", "KILL_ENV", "problems",
-    "in_flight_problems", "evaluation_problems", "lighthouse_address", "lighthouse_wait_seconds", "quorum_timeout_s",
+    "evaluation_problems", "lighthouse_address", "lighthouse_wait_seconds", "quorum_timeout_s",
     "kill_point", "wait_for_lighthouse",
 ]
 
@@ -117,38 +117,29 @@ def problems(ft: FtSettings, *, dp_replicate: int, lighthouse: Optional[str], sp
     return out
 
 
-def in_flight_problems(ft: FtSettings, resolved: Any, spelling: Spelling = TOML) -> list[str]:
-    """The resolved optimizer's option that keeps an R collective in flight across steps, refused
-    under fault tolerance: a quorum change between steps rebuilds the process group under it."""
-    if not ft.enable or resolved is None:
-        return []
-    options, section = resolved.options, f"commopt.{resolved.family.key}"
-    why = (f"under {spelling.setting('fault_tolerance', 'enable', True)} no R collective may stay in flight "
-           "across steps (a quorum change between steps aborts it)")
-    if getattr(options, "overlap", False):
-        return [f"{spelling.setting(section, 'overlap', True)}: {why}; set it to false"]
-    if getattr(options, "sync_delay", 0):
-        return [f"{spelling.setting(section, 'sync_delay', options.sync_delay)}: {why}; set it to 0"]
-    if getattr(options, "merge", "additive") in ("delayed", "eager"):  # in flight for a whole period
-        return [f"{spelling.setting(section, 'merge', options.merge)}: {why}; set it to \"additive\""]
-    return []
-
-
 def evaluation_problems(ft: FtSettings, resolved: Any, validating: bool, spelling: Spelling = TOML) -> list[str]:
-    """Validation of a family whose global model between syncs is the mean over R (parameters averaged
-    every Kx > 1 steps, no anchor), refused under fault tolerance: an evaluation follows a step's
-    commit, and no R collective may (a replica group that did not commit would not issue it)."""
+    """Validation of a family whose global model is a mean over R, refused under fault tolerance: an
+    evaluation follows a step's commit, and no R collective may (a replica group that did not commit
+    would not issue it). Such are parameters averaged every Kx > 1 steps without an anchor (the mean of
+    the groups' parameters between syncs) and an eager merge (``merge = "eager"``: each group's anchor
+    holds its own fresh share, the global model is their mean)."""
     if not ft.enable or not validating or resolved is None:
         return []
     options = resolved.options
-    if getattr(options, "outer", None) != "average" or getattr(options, "Kx", 1) == 1:
+    eager = getattr(options, "merge", None) == "eager"
+    if not eager and (getattr(options, "outer", None) != "average" or getattr(options, "Kx", 1) == 1):
         return []
     validation = "validator" if spelling.cli else "validation"
+    if eager:
+        what = "the mean of the replica groups' anchors (an eager merge applies each group's own fresh share)"
+        instead = f"set {spelling.setting(f'commopt.{resolved.family.key}', 'merge', 'delayed')}"
+    else:
+        what = "the mean of the replica groups' parameters"
+        instead = "train a family with an anchor (DiLoCo, SparseLoCo) or a per-step one"
     return [f"{spelling.setting(validation, 'enable', True)} with {spelling.setting('optimizer', 'name', resolved.name)} "
-            f"under {spelling.setting('fault_tolerance', 'enable', True)}: its global model between syncs is the mean "
-            "of the replica groups' parameters, an R collective after the step's commit, which fault tolerance does "
-            f"not allow; set {spelling.setting(validation, 'enable', False)}, or train a family with an anchor "
-            "(DiLoCo, SparseLoCo) or a per-step one"]
+            f"under {spelling.setting('fault_tolerance', 'enable', True)}: its global model between syncs is {what}, "
+            "an R collective after the step's commit, which fault tolerance does not allow; set "
+            f"{spelling.setting(validation, 'enable', False)}, or {instead}"]
 
 
 def lighthouse_address(url: str) -> Optional[tuple[str, int]]:

@@ -31,7 +31,7 @@ from .parse import ParsedJob
 from .resume import initial_load_problem, load_step_problem
 from .section import commopt_of
 from .sources import given_options, user_set_keys
-from .fault_tolerance_keys import LIGHTHOUSE_ENV, FtSettings, evaluation_problems, in_flight_problems, problems as ft_problems
+from .fault_tolerance_keys import LIGHTHOUSE_ENV, FtSettings, evaluation_problems, problems as ft_problems
 from .torchtitan_keys import SpecProblems, torchtitan_problems, world_size_from_env
 
 __all__ = [
@@ -139,9 +139,9 @@ def resolve_job(
         refused_with_ours=_unsupported(job_config, name),
     )
     # need the resolved options: checked once they are valid
-    in_flight = in_flight_problems(ft, resolved) + evaluation_problems(ft, resolved, job_config.validation.enable)
-    if in_flight:
-        raise ConfigError("\n".join(in_flight))
+    evaluating = evaluation_problems(ft, resolved, job_config.validation.enable)
+    if evaluating:
+        raise ConfigError("\n".join(evaluating))
     return resolved
 
 

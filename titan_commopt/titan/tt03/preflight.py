@@ -35,8 +35,7 @@ from titan_commopt.options import ConfigError
 
 from ..common.data import dataset_problems
 from ..config.checkpoint import CLI
-from ..config.fault_tolerance_keys import (LIGHTHOUSE_ENV, FtSettings, evaluation_problems, in_flight_problems,
-                                           problems as ft_problems)
+from ..config.fault_tolerance_keys import LIGHTHOUSE_ENV, FtSettings, evaluation_problems, problems as ft_problems
 from ..config.tokenizer_files import first_damaged, huggingface_files
 from ..config.torchtitan_keys import data_parallel_degree, mesh_problems, spmd_backend_problems, world_size_from_env
 from ..config.validate import checkpoint_to_load_problems
@@ -93,8 +92,8 @@ def override_problems(config: Any) -> list[str]:
 def fault_tolerance_problems(config: Any, settings: Optional[FtSettings] = None) -> list[str]:
     """``--fault_tolerance.*`` of ``config`` (overrides applied; ``settings``: its ``fault_tolerance``,
     read from it unless given): torchtitan's torchft keys that cannot work, the lighthouse's address,
-    the mesh, and an optimizer that cannot run under fault tolerance (an R sync in flight across
-    steps, or a container that cannot commit with the quorum)."""
+    the mesh, and an optimizer that cannot run under fault tolerance (a container that cannot commit
+    with the quorum, or an evaluation that would need an R collective after a commit)."""
     settings = settings or FtSettings.of(getattr(config, "fault_tolerance", None))
     out = ft_problems(settings, dp_replicate=config.parallelism.data_parallel_replicate_degree,
                       lighthouse=os.environ.get(LIGHTHOUSE_ENV), spelling=CLI)
@@ -108,8 +107,7 @@ def fault_tolerance_problems(config: Any, settings: Optional[FtSettings] = None)
     except ConfigError:  # bad options: refused where the optimizer config is made
         return out
     validating = getattr(config.validator, "enable", False)
-    return out + in_flight_problems(settings, resolved, spelling=CLI) + evaluation_problems(
-        settings, resolved, validating, spelling=CLI)
+    return out + evaluation_problems(settings, resolved, validating, spelling=CLI)
 
 
 def config_problems(config: Any, world_size: Any, ft: FtSettings = FtSettings()) -> list[str]:
