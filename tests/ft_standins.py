@@ -75,6 +75,15 @@ def short_periods(name):
     return {"Kx": 2, "Ku": [3 if k else 0 for k in options.Ku], "Kv": 4 if options.Kv else 0}
 
 
+def blocking(name):
+    """:func:`short_periods`, with a preset's streaming sync (DiLoCo's) made blocking: a sync in flight across
+    steps is a transaction of its own (tests/test_fault_tolerance_fragments.py)."""
+    options = short_periods(name)
+    if resolve(name).family.key == "local" and resolve(name).options.sync_delay:
+        options.update(fragments=1, sync_delay=0, merge="additive", merge_alpha=0.0)
+    return options
+
+
 def fault_tolerant_container(name, manager, seed=0, options=short_periods):
     """A :class:`Toy` and its container of optimizer ``name`` (``options(name)``: its options) under
     live fault tolerance with ``manager``, a quorum of one."""

@@ -75,15 +75,18 @@ def _row(name, overrides=None):
     return row
 
 
+BLOCKING = {"fragments": 1, "sync_delay": 0, "merge": "additive"}  # DiLoCo as its 2023 paper runs it
+
+
 @pytest.mark.parametrize("overrides, window", [
     ({}, 0),                                             # the paper's blocking sync
-    ({"local": {"sync_delay": 1}}, 1),
-    ({"local": {"merge": "eager"}}, 32),                 # Kx
-    ({"local": {"merge": "delayed"}}, 32),
-    ({"local": {"merge": "lerp", "merge_alpha": 0.5}}, 0),  # lerp at τ = 0 lands at once
+    ({"sync_delay": 1}, 1),
+    ({"merge": "eager"}, 32),                            # Kx
+    ({"merge": "delayed"}, 32),
+    ({"merge": "lerp", "merge_alpha": 0.5}, 0),          # lerp at τ = 0 lands at once
 ])
 def test_diloco_window_comes_from_the_resolved_options(overrides, window):
-    row = _row("DiLoCo", overrides)
+    row = _row("DiLoCo", {"local": {**BLOCKING, **overrides}})
     o, wire = row["overlap"], row["R_seconds_sync"]
     assert o["cycle_steps"] == 32 and o["syncs_per_cycle"] == 1 and o["sync_wire_s"] == pytest.approx(wire)
     assert o["sync_window_steps"] == window and o["sync_window_s"] == pytest.approx(window * T)
@@ -91,6 +94,17 @@ def test_diloco_window_comes_from_the_resolved_options(overrides, window):
     assert o["sync_exposed_s"] == pytest.approx(exposed)
     assert o["mean_step_s"] == pytest.approx(max(T + exposed / 32, row["R_seconds_step"]))
     assert o["link_s_step"] == pytest.approx(row["R_seconds_step"])
+
+
+def test_the_diloco_preset_streams_two_fragments_of_cpu_tiny_each_hidden_one_step():
+    """The preset (Streaming DiLoCo's fragments of 3 blocks, at least 2; τ = 1): cpu_tiny's 2 blocks make 2
+    fragments, each in flight one step: T of its wire hidden."""
+    row = _row("DiLoCo")
+    o = row["overlap"]
+    assert o["cycle_steps"] == 32 and o["syncs_per_cycle"] == 2 and o["sync_window_steps"] == 1
+    assert o["sync_wire_s"] < row["R_seconds_sync"]  # a fragment's burst, not the model's
+    blocking = _row("DiLoCo", {"local": BLOCKING})["overlap"]
+    assert o["mean_step_s"] < blocking["mean_step_s"]
 
 
 def test_fragments_are_synced_apart_each_with_its_window():
@@ -142,8 +156,10 @@ def test_cli_prints_the_model_and_set_changes_it(capsys):
     assert comm_report.main(args) == 0
     out = capsys.readouterr().out
     assert "exposed      = max(0, w − k·T)" in out and "mean step    = max(T + Σ c·exposed ÷ P, link)" in out
-    assert "| DiLoCo | 1 per 32 steps | 3.81 s | 0 × T = 0 s | 3.81 s |" in out, out
-    assert comm_report.main(args + ["--set", "local.merge=eager"]) == 0
+    assert "| DiLoCo | 2 per 32 steps | 2.95 s | 1 × T = 500 ms | 2.45 s |" in out, out  # the preset streams
+    assert comm_report.main(args + ["--set", "local.merge=additive", "local.sync_delay=0", "local.fragments=1"]) == 0
+    assert "| DiLoCo | 1 per 32 steps | 3.81 s | 0 × T = 0 s | 3.81 s |" in capsys.readouterr().out
+    assert comm_report.main(args + ["--set", "local.merge=eager", "local.sync_delay=0", "local.fragments=1"]) == 0
     assert "| DiLoCo | 1 per 32 steps | 3.81 s | 32 × T = 16 s | 0 s | 0 s |" in capsys.readouterr().out
 
 

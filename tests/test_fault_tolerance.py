@@ -9,9 +9,10 @@ import torch
 from titan_commopt.optim import FAMILIES, resolve
 from titan_commopt.titan.common.replica_group_training import ReplayBatches
 from titan_commopt.titan.config.fault_tolerance_keys import FtSettings, evaluation_problems, problems
-from tests.ft_standins import SETTINGS, StandInManager, fault_tolerant_container, train_step
+from tests.ft_standins import SETTINGS, StandInManager, blocking, fault_tolerant_container, train_step
 
 NAMES = sorted(name for family in FAMILIES.values() for name in family.presets)
+EAGER = {"merge": "eager", "sync_delay": 0}  # DiLoCo's preset streams (sync_delay 1); an overlapped merge needs 0
 
 
 def _state(model, container):
@@ -29,11 +30,12 @@ def _equal(a, b):
 @pytest.mark.parametrize("name", NAMES)
 def test_a_step_that_does_not_commit_changes_nothing_and_its_retry_equals_a_committed_step(name):
     steps = 7  # past a local-step family's first syncs (short_periods; SparseLoCo's preset H is 2)
-    ref_model, ref = fault_tolerant_container(name, StandInManager())
+    ref_model, ref = fault_tolerant_container(name, StandInManager(), options=blocking)
     for t in range(1, steps + 1):
         assert train_step(ref_model, ref, t)
 
-    model, container = fault_tolerant_container(name, StandInManager(commits=[True, True, False, True, False, True]))
+    model, container = fault_tolerant_container(name, StandInManager(commits=[True, True, False, True, False, True]),
+                                                options=blocking)
     t = 1
     while t <= steps:
         before = _state(model, container)
@@ -200,7 +202,7 @@ def test_an_evaluation_whose_global_model_is_a_mean_over_the_groups_is_refused_u
     (tests/test_fault_tolerance_fragments.py): nothing of it is refused. An evaluation follows a
     step's commit, where no R collective may run: a family whose global model is a mean over the
     groups is refused with validation on, an eager merge's (each group's anchor holds its own share) too."""
-    (line,) = evaluation_problems(SETTINGS, resolve("DiLoCo", {"merge": "eager"}), validating=True)
+    (line,) = evaluation_problems(SETTINGS, resolve("DiLoCo", EAGER), validating=True)
     assert line.startswith("[validation] enable = true with [optimizer] name = 'DiLoCo' under [fault_tolerance] enable "
                            "= true: its global model between syncs is the mean of the replica groups' anchors"), line
     assert line.endswith("set [validation] enable = false, or set [commopt.local] merge = 'delayed'"), line
@@ -208,8 +210,8 @@ def test_an_evaluation_whose_global_model_is_a_mean_over_the_groups_is_refused_u
     assert line.endswith("or set [commopt.sparseloco] merge = 'delayed'"), line
     (line,) = evaluation_problems(SETTINGS, resolve("DES-LOC"), validating=True)
     assert "the mean of the replica groups' parameters" in line
-    for name, options in [("DiLoCo", {"merge": "delayed"}), ("DiLoCo", {"fragments": 2, "sync_delay": 1}),
+    for name, options in [("DiLoCo", {"merge": "delayed", "sync_delay": 0}), ("DiLoCo", {"fragments": 2, "sync_delay": 1}),
                           ("SparseLoCo", {"sync_delay": 1}), ("DeMo", {"overlap": True})]:
         assert evaluation_problems(SETTINGS, resolve(name, options), validating=True) == [], (name, options)
-    assert evaluation_problems(SETTINGS, resolve("DiLoCo", {"merge": "eager"}), validating=False) == []
-    assert evaluation_problems(FtSettings(), resolve("DiLoCo", {"merge": "eager"}), validating=True) == []
+    assert evaluation_problems(SETTINGS, resolve("DiLoCo", EAGER), validating=False) == []
+    assert evaluation_problems(FtSettings(), resolve("DiLoCo", EAGER), validating=True) == []

@@ -29,7 +29,7 @@ CONFIGS = {
     "DiLoCo streaming": ("DiLoCo", STREAMING),
     "DiLoCo lerp": ("DiLoCo", {"Kx": 4, "fragments": 2, "sync_delay": 1, "merge": "lerp", "merge_alpha": 0.5}),
     "LocalAdam streaming": ("LocalAdam", {"Kx": 4, "Ku": [4], "Kv": 4, "fragments": 2, "sync_delay": 2}),
-    "DiLoCo delayed": ("DiLoCo", {"Kx": 4, "merge": "delayed"}),
+    "DiLoCo delayed": ("DiLoCo", {"Kx": 4, "merge": "delayed", "sync_delay": 0}),
     "LocalAdam eager": ("LocalAdam", {"Kx": 4, "Ku": [4], "Kv": 4, "merge": "eager"}),
     "SparseLoCo streaming": ("SparseLoCo", {"H": 4, "sync_delay": 3}),
     "SparseLoCo eager": ("SparseLoCo", {"H": 4, "merge": "eager"}),

@@ -5,7 +5,7 @@
   survivor undoes that step, goes on alone without a restart, the relaunched group heals from it and
   rejoins; both end on the same parameters, and the losses up to the kill are those of a run that
   never failed (FlexDeMo's no-failure run, which is also its short run).
-- DiLoCo, the same, killed between steps inside an outer period: the run checks the replicas'
+- DiLoCo (blocking), the same, killed between steps inside an outer period: the run checks the replicas'
   parameters at every sync (``[commopt] check_replicas_every``), and they end equal. DiLoCo rather
   than SparseLoCo: it runs on the local-step engine DES-LOC, MT-DAO and LocalAdam share (the anchor,
   the outer optimizer's momentum and the sync schedule a heal must carry), and it is the algorithm
@@ -60,13 +60,16 @@ def _flexdemo(steps: int) -> list[str]:
 # DiLoCo: an outer step every KX steps; group 1 dies before the quorum of step DILOCO_KILL_AT, inside the
 # period that ends at step 8; both runs end on a sync.
 KX = 4
+# blocking, as its 2023 paper runs it: the replicas equal after every sync (the preset streams; its sync in
+# flight across steps: the streaming test below)
+DILOCO_BLOCKING = ["--commopt.local.fragments", "1", "--commopt.local.sync_delay", "0", "--commopt.local.merge", "additive"]
 DILOCO_KILL_AT = 6
 DILOCO_STEPS = 40
 
 
 def _diloco(steps: int) -> list[str]:
     return [*TINY, *NO_WATCHDOG, "--optimizer.name", "DiLoCo", "--commopt.local.Kx", str(KX), "--lr_scheduler.warmup_steps",
-            str(2 * KX), "--training.steps", str(steps), "--commopt.check_replicas_every", str(KX)]
+            str(2 * KX), "--training.steps", str(steps), "--commopt.check_replicas_every", str(KX), *DILOCO_BLOCKING]
 
 
 def _run(tmp, args: list[str], nproc: int = NPROC) -> list[GroupLog]:
@@ -333,7 +336,8 @@ FT_ON = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--fau
      "replica groups"),
     (FT_ON, None, "[fault_tolerance] enable = true: TORCHFT_LIGHTHOUSE is not set: every replica group"),
     (FT_ON, "127.0.0.1", "[fault_tolerance] enable = true: TORCHFT_LIGHTHOUSE = '127.0.0.1': not an address"),
-    ([*FT_ON, "--optimizer.name", "DiLoCo", "--commopt.local.merge", "eager"], "http://127.0.0.1:29510",
+    ([*FT_ON, "--optimizer.name", "DiLoCo", "--commopt.local.merge", "eager", "--commopt.local.sync_delay", "0"],
+     "http://127.0.0.1:29510",
      "[validation] enable = true with [optimizer] name = 'DiLoCo' under [fault_tolerance] enable = true: its global "
      "model between syncs is the mean of the replica groups' anchors"),
 ])

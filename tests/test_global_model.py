@@ -28,9 +28,17 @@ STEPS = 9
 PERIOD = 4  # every sync period of the local-step families here: steps 4 and 8 sync
 EVALUATE_AT = (1, 4, 6)  # before the first sync, at one, between two
 HPARAMS = BaseHParams(lr=0.01, weight_decay=0.0)
+
+
+def _lands(resolved) -> int:
+    """Steps from a sync's issue to its landing: an anchor family's global model is the outer step's
+    result, which the parameters take where the sync lands (DiLoCo's preset streams, α = 0: τ = 1)."""
+    return getattr(resolved.options, "sync_delay", 0) if resolved is not None else 0
+
+
 # Short periods, so that the nine steps cross syncs (each family's preset keeps its other values).
 OPTIONS = {
-    "DiLoCo": {"Kx": PERIOD},
+    "DiLoCo": {"Kx": PERIOD, "fragments": 1},  # the preset's streaming sync, all at once: lands one step on
     "DES-LOC": {"Kx": PERIOD, "Ku": [2 * PERIOD], "Kv": 2 * PERIOD},
     "DES-LOC-ADOPT": {"Kx": PERIOD, "Ku": [2 * PERIOD], "Kv": 2 * PERIOD},
     "LocalAdam": {"Kx": PERIOD, "Ku": [PERIOD], "Kv": PERIOD},
@@ -133,7 +141,7 @@ def _one_name(name: str, rank: int, topo: Topology) -> dict:
                 o.step()
             else:
                 _stock_step(o, m)
-        if step % PERIOD == 0:
+        if step > _lands(resolved) and (step - _lands(resolved)) % PERIOD == 0:
             last_sync = params(model)
         if step not in EVALUATE_AT:
             continue
@@ -276,7 +284,7 @@ def _hsdp(rank: int, world: int) -> dict:
             for m, c in twins:
                 _hsdp_backward(m, replica, shard, step)
                 c.step()
-            if step % PERIOD == 0:
+            if step > _lands(resolved) and (step - _lands(resolved)) % PERIOD == 0:
                 last_sync = full(model)
             if step not in EVALUATE_AT:
                 continue

@@ -282,9 +282,21 @@ def test_fragments_schedule_and_options():
     names = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.ffn_norm.weight", "layers.1.w",
              "layers.2.w", "layers.13.w", "norm.weight", "output.weight", "l1.weight"]
     assert [local_sync.block_index(n) for n in names] == [None, 0, 0, 1, 2, 13, None, None, None]
-    assert local_sync.strided_partition(names, 3) == [0, 0, 0, 1, 2, 1, 1, 2, 0]
+    assert local_sync.strided_partition(names, 3) == [0, 0, 0, 1, 2, 0, 1, 2, 0]  # block 13 is the 4th: i = 3
     assert local_adaptive([torch.zeros(2, requires_grad=True) for _ in names], names=names, fragments=3,
-                          fragment_layout="strided").schedule.fragment_of == [0, 0, 0, 1, 2, 1, 1, 2, 0]
+                          fragment_layout="strided").schedule.fragment_of == [0, 0, 0, 1, 2, 0, 1, 2, 0]
+    # an nn.Sequential's numbered blocks 0 and 2 fill both fragments; a fragment left empty is not one
+    assert local_sync.strided_partition(["0.weight", "0.bias", "2.weight", "2.bias"], 2) == [0, 0, 1, 1]
+    one_block = local_adaptive([torch.zeros(2, requires_grad=True) for _ in range(3)], fragments=3,
+                               names=["layers.0.a", "layers.0.b", "layers.0.c"], fragment_layout="strided")
+    assert one_block.schedule.fragments == 1 and one_block.schedule.fragment_of == [0, 0, 0]
+    # "auto": Streaming DiLoCo's 3 blocks a fragment, at least 2 where there are 2 blocks; the blocks counted once
+    assert local_adaptive([torch.zeros(2, requires_grad=True) for _ in names], names=names, fragments="auto",
+                          fragment_layout="strided").schedule.fragment_of == [0, 0, 0, 1, 0, 1, 1, 0, 1]  # 4 blocks: F = 2
+    llama8b = ["tok_embeddings.weight"] + [f"layers.{k}.{w}" for k in range(32) for w in ("attention.wq.weight", "ffn_norm.weight")]
+    assert [la.fragment_count("auto", llama8b[:1 + 2 * L]) for L in (0, 1, 2, 3, 5, 6, 7, 32)] == [1, 1, 2, 2, 2, 2, 3, 11]
+    assert la.fragment_count(4, llama8b) == 4 and la.fragment_count("auto", ["w1", "w2"]) == 1  # no blocks: one fragment
+    assert la.settings(resolve("DES-LOC", {"fragments": "auto", "fragment_layout": "strided"}))["fragments"] == "auto"
     p = [torch.zeros(3, requires_grad=True) for _ in range(2)]
     assert local_adaptive(p, fragments=5).schedule.fragments == 2  # at most one fragment per parameter
     with pytest.raises(ConfigError, match=r"sync_delay = 4: allowed is an integer >= 0 below the smallest period > 0, "
@@ -295,8 +307,9 @@ def test_fragments_schedule_and_options():
     with pytest.raises(ConfigError) as e:
         resolve("DES-LOC", {"sync_delay": la.PRESETS["DES-LOC"]["Kx"]})  # Kx is the smallest period
     assert "[commopt.local] sync_delay" in str(e.value)
-    with pytest.raises(ConfigError):
-        resolve("DES-LOC", {"fragments": 0})
+    for bad in (0, "all"):
+        with pytest.raises(ConfigError, match="fragments"):
+            resolve("DES-LOC", {"fragments": bad})
 
 
 # ---- config, registry, analytic bytes --------------------------------------------------------------
@@ -911,14 +924,20 @@ def test_overlapped_merge_options():
         resolve("DiLoCo", {"merge": "streaming"})
     with pytest.raises(ConfigError, match=r"^\[commopt.local\] merge_alpha = 0.5 with merge = 'eager': merge_alpha is "
                        r"read only by merge = \"lerp\""):
-        resolve("DiLoCo", {"merge": "eager", "merge_alpha": 0.5})
+        resolve("DiLoCo", {"merge": "eager", "merge_alpha": 0.5, "sync_delay": 0})
+    with pytest.raises(ConfigError, match=r"^\[commopt.local\] merge = 'eager' with sync_delay = 1"):
+        resolve("DiLoCo", {"merge": "eager"})  # the preset's streaming sync_delay: an overlapped merge needs 0
     with pytest.raises(ConfigError, match=r"^\[commopt.local\] merge_alpha = 1.5"):
         resolve("DiLoCo", {"merge": "lerp", "merge_alpha": 1.5})
     assert resolve("DiLoCo", {"merge": "lerp", "merge_alpha": 0.5}).options.merge_alpha == 0.5
-    for name in ("DiLoCo", "LocalAdam", "DES-LOC", "MT-DAO"):  # presets keep the blocking sync
-        assert resolve(name).options.merge == "additive"
+    for name in ("LocalAdam", "DES-LOC", "MT-DAO"):  # presets keep the blocking sync
+        assert resolve(name).options.merge == "additive" and resolve(name).options.sync_delay == 0
         assert "merge" not in resolve(name).record()["state_shape"]
-    assert resolve("DiLoCo", {"merge": "eager"}).record()["state_shape"]["merge"] == "eager"
+    streaming = resolve("DiLoCo").options  # DiLoCo streams as Streaming DiLoCo does (its authors' follow-up)
+    assert (streaming.fragments, streaming.fragment_layout, streaming.sync_delay, streaming.merge,
+            streaming.merge_alpha) == ("auto", "strided", 1, "lerp", 0.0)
+    assert "merge" not in resolve("DiLoCo").record()["state_shape"]  # no state of its own: blocking checkpoints resume
+    assert resolve("DiLoCo", {"merge": "eager", "sync_delay": 0}).record()["state_shape"]["merge"] == "eager"
     # averaging keeps an anchor under an overlapped merge; the Nesterov momentum only where it steps
     opt = local_adaptive(p, Kx=4, Ku=(0,), Kv=8, merge="delayed")
     assert set(opt.state[p[0]]) == {"step", "exp_avg", "exp_avg_sq", "outer_anchor", "inflight_x",

@@ -32,7 +32,7 @@ CASES = {
                               "--commopt.local.outer_wire_dtype", "fp4"],
     # eager overlapped outer steps: step 3's sync in flight at the step-4 checkpoint (its mean saved, not
     # applied), applied at step 6 from the loaded state: losses 7 and 8 see it
-    "DiLoCo eager": ["--commopt.local.Kx", "3", "--commopt.local.merge", "eager"],
+    "DiLoCo eager": ["--commopt.local.Kx", "3", "--commopt.local.merge", "eager", "--commopt.local.sync_delay", "0"],
 }
 
 

@@ -140,7 +140,7 @@ def test_comm_report_link_time_per_step_and_per_sync(capsys):
     assert comm_report.main(["--flavor", "cpu_tiny", "--optimizers", "DiLoCo", "--link", "1gbit"]) == 0
     out = capsys.readouterr().out
     assert "time = wire bytes per rank × 8 / 1gbit" in out and "wire = 2·(W−1)/W·n" in out
-    assert "| DiLoCo | 29.0 KiB | 0.238 ms | 929.2 KiB | 7.61 ms |" in out, out
+    assert "| DiLoCo | 29.0 KiB | 0.238 ms | ≤ 929.2 KiB | ≤ 7.61 ms |" in out, out  # fragments: a burst's bound
 
 
 def test_step_overhead_runs():

@@ -247,8 +247,10 @@ def test_a_labelled_variant_is_stored_and_scored_apart_and_takes_its_own_best_lr
     study = ["--out", str(tmp_path), "--steps", "40", "--eval-every", "10", "--replicas", "2", "--flavor", "cpu_micro"]
     grid = ["--lr-grid", "1", "2"]
     assert convergence.main([*study, "--optimizers", "AdamW", "DiLoCo", *grid]) == 0
-    assert convergence.main([*study, "--optimizers", "DiLoCo", *grid, "--label", "eager", "--set", "local.merge=eager"]) == 0
-    assert launched[4:] == [("DiLoCo", "eager", lr, 42, {"local": {"merge": "eager"}}) for lr in (0.027, 0.054)]
+    eager = ["--set", "local.merge=eager", "local.sync_delay=0"]  # the DiLoCo preset streams (sync_delay 1)
+    assert convergence.main([*study, "--optimizers", "DiLoCo", *grid, "--label", "eager", *eager]) == 0
+    assert launched[4:] == [("DiLoCo", "eager", lr, 42, {"local": {"merge": "eager", "sync_delay": 0}})
+                            for lr in (0.027, 0.054)]
     stored = json.loads((tmp_path / "convergence.json").read_text())
     assert sorted({r["name"] for r in stored.values()}) == ["AdamW", "DiLoCo", "DiLoCo eager"] and len(stored) == 6
     assert {r["optimizer"] for r in stored.values() if r["name"] == "DiLoCo eager"} == {"DiLoCo"}

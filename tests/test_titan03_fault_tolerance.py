@@ -139,7 +139,7 @@ def test_toml_eager_merge_with_an_evaluation_is_refused(capsys, monkeypatch):
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510")
     (line,) = refusal(capsys, lambda: main([
         "--job.config_file", str(CONFIG), "--optimizer.name", "DiLoCo", "--commopt.local.merge", "eager",
-        "--validation.enable", "true", "--fault_tolerance.enable", "--fault_tolerance.group_size", "2"]))
+        "--commopt.local.sync_delay", "0", "--validation.enable", "true", "--fault_tolerance.enable", "--fault_tolerance.group_size", "2"]))
     assert ("[validation] enable = true with [optimizer] name = 'DiLoCo' under [fault_tolerance] enable = true: its "
             "global model between syncs is the mean of the replica groups' anchors") in line
 
@@ -179,7 +179,8 @@ def test_optimizer_that_cannot_commit_with_the_quorum_is_refused(monkeypatch):
     flags = ("--parallelism.data_parallel_replicate_degree", "1", "--fault_tolerance.enable",
              "--fault_tolerance.group_size", "2")
     assert fault_tolerance_problems(parse(*flags, "--optimizer.name", "DeMo", "--optimizer.commopt.demo.overlap")) == []
-    eager = parse(*flags, "--optimizer.name", "DiLoCo", "--optimizer.commopt.local.merge", "eager")
+    eager = parse(*flags, "--optimizer.name", "DiLoCo", "--optimizer.commopt.local.merge", "eager",
+                  "--optimizer.commopt.local.sync_delay", "0")
     (line,) = fault_tolerance_problems(eager)
     assert line.startswith("--validator.enable with --optimizer.name DiLoCo under --fault_tolerance.enable: its global "
                            "model between syncs is the mean of the replica groups' anchors"), line

@@ -67,9 +67,11 @@ LOCAL_CASES = {
     "DES-LOC-ADOPT": dict(Kx=2, Ku=[3], Kv=6, clip_threshold=0.02),  # ADOPT under the coordinate clip
     "MT-DAO": dict(Kx=2, Ku=[3], Kv=3, beta1=[0.9], beta2=0.99, clip_threshold=0.05),
     "LocalAdam": dict(Kx=3, Ku=[3], Kv=3),
-    "DiLoCo": dict(Kx=2),
+    # blocking, as the simulation below (the preset's streaming sync against its own simulation:
+    # tests/test_local_adaptive.py's streaming cases, on the same engine)
+    "DiLoCo": dict(Kx=2, fragments=1, sync_delay=0, merge="additive"),
     # each rank's pseudo-gradient of its own piece on the FP4 wire (blocks and scales per local shard)
-    "DiLoCo/fp4": dict(Kx=2, outer_wire_dtype="fp4"),
+    "DiLoCo/fp4": dict(Kx=2, outer_wire_dtype="fp4", fragments=1, sync_delay=0, merge="additive"),
 }
 DION_CASES = {
     "Dion": dict(rank_fraction=0.25),

@@ -60,7 +60,8 @@ def test_fault_tolerance_refuses_an_evaluation_that_needs_the_mean_over_replicas
 
 # ---- one real run, with and without evaluations -----------------------------------------------------
 DILOCO = ["--model.flavor", "cpu_tiny", "--parallelism.data_parallel_replicate_degree", "2",
-          "--optimizer.name", "DiLoCo", "--commopt.local.Kx", "4", "--training.steps", "8"]
+          "--optimizer.name", "DiLoCo", "--commopt.local.Kx", "4", "--training.steps", "8",
+          "--commopt.local.fragments", "1"]  # the preset's sync in flight one step (τ = 1), all parameters at once
 EVALUATED_AT = [1, 3, 6]  # torchtitan validates after step 1 and every freq steps
 
 
@@ -83,7 +84,8 @@ def test_validation_loss_at_the_expected_steps_on_the_same_held_out_batches(dilo
     (_, proc, tb), _ = diloco_runs
     steps, values = zip(*sorted(tb["validation_metrics/loss"]))
     assert list(steps) == EVALUATED_AT
-    # steps 1 and 3 precede the first outer step (step 4): one anchor, the same held-out batches
+    # steps 1 and 3 precede the first outer step (issued after step 4, merged after 5): one anchor, the same
+    # held-out batches
     assert values[0] == values[1] and values[2] < values[1]
     for step, value in zip(steps, values):
         assert f"validate step: {step:2}  loss: {value:7.4f}" in proc.stdout

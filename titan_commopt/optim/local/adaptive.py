@@ -116,11 +116,11 @@ from ..muon.options import MuonOptions, is_muon_matrix, muon_problems, routed_gr
 from .global_model import anchors_swapped_in, replica_mean_swapped_in
 from .steps import LocalSteps, column_chunks, chunk_limit, trainable
 from .update import fused_local_update, gradient_clip, local_update
-from .sync import (OVERLAPPED_MERGES, DueStates, OverlapEntry, Params, Periods, SyncSchedule, pseudo_gradient_mean,
-                   sync_in_place, sync_overlapped, sync_streaming)
+from .sync import (OVERLAPPED_MERGES, DueStates, OverlapEntry, Params, Periods, SyncSchedule, block_index,
+                   pseudo_gradient_mean, sync_in_place, sync_overlapped, sync_streaming)
 
-__all__ = ["Config", "PRESETS", "LocalAdaptive", "FAMILY", "check", "resolve_periods", "sync_schedule", "local_r_bytes",
-           "local_s_bytes", "moment_key"]
+__all__ = ["Config", "PRESETS", "LocalAdaptive", "FAMILY", "check", "resolve_periods", "sync_schedule", "fragment_count",
+           "local_r_bytes", "local_s_bytes", "moment_key"]
 
 SECTION = "commopt.local"
 
@@ -193,10 +193,12 @@ class _Own:
         "received). The moments (u_j, v) keep transfer_dtype. Averaging then keeps an anchor too (x at the last "
         "sync).",
     )
-    fragments: int = option(
-        1, "Streaming sync: parameters (with their states) split into this many fragments, balanced "
-        "by size; each is synced once per period at its own offset (fragment f of a state with "
-        "period K when (step − ⌊f·K/F⌋) % K == 0). 1 = everything at once.", ge=1,
+    fragments: Union[int, str] = option(
+        1, "Streaming sync: parameters (with their states) split into this many fragments F; each is synced once "
+        "per period at its own offset (fragment f of a state with period K when (step − ⌊f·K/F⌋) % K == 0). "
+        "1 = everything at once. \"auto\" = Streaming DiLoCo's 3 blocks a fragment (Douillard et al. 2025, "
+        "§2.2, Fig. 6): ⌈L/3⌉ for a model of L numbered blocks (layers.<k>.), at least 2 where L ≥ 2 (11 for "
+        "llama3 8B's 32 layers, 2 for our CPU flavors' 2–4).", ge=1, auto=True, kind=int,
     )
     fragment_layout: Literal["size", "strided"] = option(
         "size", "How parameters are split into fragments: size = greedy by size, balanced in elements; strided = "
@@ -269,8 +271,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "LocalAdam": {"base": "adam", "Kx": 32, "Ku": [32], "Kv": 32},
     # DiLoCo: states never synced (persistent local state), Nesterov outer step every Kx with the paper's
     # outer lr 0.7 and momentum 0.9 (the Config defaults); its inner lr a quarter of AdamW-HSDP's (the study).
+    # Its sync streamed as its authors' Streaming DiLoCo does it: strided fragments of 3 blocks, each in
+    # flight for one inner step and then taken as it lands (τ = 1, α = 0), the link hidden behind that step.
     "DiLoCo": {"base": "adam", "Kx": 32, "Ku": [0], "Kv": 0, "outer": "nesterov", "outer_lr": 0.7,
-               "outer_momentum": 0.9, "lr_scale": 0.25},
+               "outer_momentum": 0.9, "lr_scale": 0.25,
+               "fragments": "auto", "fragment_layout": "strided", "sync_delay": 1, "merge": "lerp", "merge_alpha": 0.0},
     # MuLoCo: DiLoCo with Muon as the inner optimizer, as its authors ran it for the worker count nearest two
     # sites (K = 1: outer lr 0.7, momentum 0.6, H = 30), their Muon (μ 0.9, undamped, no Nesterov, MuLoCo's
     # Newton–Schulz in bf16, √(fan_out/fan_in)) and their AdamW of the routed parameters (β 0.9, 0.99, at the
@@ -308,9 +313,14 @@ PRESET_SOURCES: dict[str, str] = {
     "Local Adam period of DES-LOC §4.1 and MT-DAO appendix E.2 Table 3 (the DiLoCo paper's own H = 500 is "
     "longer than our CPU runs). lr_scale: our study's (docs/benchmarks.md §8: at cpu_tiny, 20 tokens per "
     "parameter, its best inner lr was 0.25× AdamW-HSDP's, the lowest tried (the optimum may lie lower); at "
-    "cpu_micro 0.5×). Alternative, from our "
-    "small-model study (0.2 M parameters, 500 steps, docs/benchmarks.md §8H.1): outer_momentum = 0.5 (+13 % of "
-    "AdamW-HSDP's training loss where 0.9 was +33 %)",
+    "cpu_micro 0.5×). The sync streamed as the same authors' Streaming DiLoCo (Douillard et al. 2025, arXiv "
+    "2501.18512): strided fragments (§2.2, Figs. 6a, 7) of 3 blocks (§2.2, Fig. 6: fragments = \"auto\"), τ = 1 (its main "
+    "runs, §2.3; < 0.2 % loss up to τ = 10 in Fig. 8), α = 0 (torchft 0.2.0's fragment_update_alpha and MaxText's "
+    "communication_overlapping_alpha default; Fig. 8 runs α = 0 and 0.5); on our yardstick it costs the seed noise "
+    "(docs/benchmarks.md §8.6). Its other changes stay options: the FP4 wire (outer_wire_dtype = \"fp4\"), its "
+    "outer lr 0.4 (§3.2). Alternatives: blocking DiLoCo as the 2023 paper runs it, fragments = 1, "
+    "sync_delay = 0, merge = \"additive\"; from our small-model study (0.2 M parameters, 500 steps, "
+    "docs/benchmarks.md §8H.1): outer_momentum = 0.5 (+13 % of AdamW-HSDP's training loss where 0.9 was +33 %)",
     "MuLoCo": "MuLoCo (Thérien et al. 2025, arXiv 2505.23725) at K = 1, the worker count of their tables nearest "
     "our two sites (the other is K = 16): bentherien/muloco-1 33cc333 muloco-1.md L67-69 (outer lr 0.7, outer "
     "momentum 0.6, H = 30 = Kx; also muloco/pytorch/muloco.py L270-272) with DiLoCo's never-synced states "
@@ -507,10 +517,24 @@ def periodic(resolved: Resolved) -> Optional[PeriodicSyncs]:
                          states=tuple(schedule_kind[key] for key, _ in states))
 
 
+BLOCKS_PER_FRAGMENT = 3  # Streaming DiLoCo's fragment size at every scale (Douillard et al. 2025, §2.2, Fig. 6)
+
+
+def fragment_count(fragments: Union[int, str], names: Sequence[str]) -> int:
+    """``fragments`` as a number: ``"auto"`` → ⌈L / 3⌉ for the L numbered blocks among ``names``, at least 2
+    where L ≥ 2 (a model of 2–5 blocks still streams), 1 without blocks; a number as it is. From the names
+    alone, hence the same on every replica."""
+    if fragments != "auto":
+        return int(fragments)
+    blocks = len({k for k in map(block_index, names) if k is not None})
+    return max(min(2, blocks), math.ceil(blocks / BLOCKS_PER_FRAGMENT), 1)
+
+
 def sync_schedule(cfg: Config, periods: Periods, names: Sequence[str], sizes: Sequence[int]) -> SyncSchedule:
     """Which fragment of which state is due after which update, for the parameters ``names`` (in the
     optimizer's order) of ``sizes`` local elements: split by size or strided by block (``fragment_layout``)."""
-    return SyncSchedule(periods, sizes, cfg.fragments, names if cfg.fragment_layout == "strided" else None)
+    return SyncSchedule(periods, sizes, fragment_count(cfg.fragments, names),
+                        names if cfg.fragment_layout == "strided" else None)
 
 
 def settings(resolved: Resolved) -> dict[str, Any]:
@@ -519,8 +543,8 @@ def settings(resolved: Resolved) -> dict[str, Any]:
     o, p = resolved.options, resolve_periods(resolved.options, resolved.hparams)
     return {"Kx": p.Kx, "Ku": list(p.Ku), "Kv": p.Kv, "transfer_dtype": o.transfer_dtype,
             **({"outer_wire_dtype": o.outer_wire_dtype} if o.outer_wire_dtype != "same" else {}),
-            **({"fragments": o.fragments} if o.fragments > 1 else {}),
-            **({"fragment_layout": o.fragment_layout} if o.fragments > 1 and o.fragment_layout != "size" else {}),
+            **({"fragments": o.fragments} if o.fragments != 1 else {}),
+            **({"fragment_layout": o.fragment_layout} if o.fragments != 1 and o.fragment_layout != "size" else {}),
             **({"merge": o.merge} if o.merge != "additive" else {})}
 
 

@@ -95,15 +95,19 @@ def block_index(name: str) -> Optional[int]:
 def strided_partition(names: Sequence[str], fragments: int) -> list[int]:
     """Fragment of each parameter, strided as Streaming DiLoCo's fragments (Douillard et al. 2025, §2.2,
     Fig. 2: fragment p holds the blocks p, p + F, p + 2F, …, which it finds slightly better than
-    consecutive ones): block k (:func:`block_index`) in fragment k mod F; parameters outside a
-    numbered block (embeddings, final norm, output) round-robin over the fragments in their order.
-    Deterministic from the names alone, hence the same on every replica."""
+    consecutive ones): the i-th block (:func:`block_index`, in the order of their numbers: a model's
+    ``layers.<i>.``, or ``0, 2`` of an ``nn.Sequential`` with an activation between) in fragment i mod F;
+    parameters outside a numbered block (embeddings, final norm, output) round-robin over the fragments
+    in their order. Deterministic from the names alone, hence the same on every replica."""
+    blocks = {k: i for i, k in enumerate(sorted({k for k in map(block_index, names) if k is not None}))}
     out, loose = [], 0
     for name in names:
         k = block_index(name)
         if k is None:
-            k, loose = loose, loose + 1
-        out.append(k % fragments)
+            out.append(loose % fragments)
+            loose += 1
+        else:
+            out.append(blocks[k] % fragments)
     return out
 
 
@@ -117,9 +121,11 @@ class SyncSchedule:
     def __init__(self, periods: Periods, sizes: Sequence[int], fragments: int,
                  names: Optional[Sequence[str]] = None) -> None:
         self.periods = periods
-        self.fragments = max(1, min(fragments, len(sizes)))
-        self.fragment_of = (partition(sizes, self.fragments) if names is None
-                            else strided_partition(names, self.fragments))
+        fragments = max(1, min(fragments, len(sizes)))
+        fragment_of = partition(sizes, fragments) if names is None else strided_partition(names, fragments)
+        used = sorted(set(fragment_of))  # a layout can leave a fragment empty (fewer blocks than F): not one
+        self.fragments = max(1, len(used))
+        self.fragment_of = [used.index(f) for f in fragment_of]
         self._offsets = [(kind, period, offsets(period, self.fragments)) for kind, period in periods.kinds()
                          if period > 0]
 
