@@ -4,7 +4,7 @@
     .venv/bin/python scripts/comm_report.py --flavor 300M --replicate 2 --shard 1 --png out.png
     .venv/bin/python scripts/comm_report.py --flavor cpu_tiny --replicate 2 --shard 2 --set local.Kx=2
     .venv/bin/python scripts/comm_report.py --flavor 8B --replicate 2 --shard 8 --link 100gbit
-    .venv/bin/python scripts/comm_report.py --flavor 8B --replicate 2 --shard 8 --link 1gbit --step-seconds projected --set local.merge=eager
+    .venv/bin/python scripts/comm_report.py --flavor 8B --replicate 2 --shard 8 --link 1gbit --step-seconds projected --set local.merge=eager local.sync_delay=0
 
 The model is torchtitan's llama3 ``Transformer`` built on the meta device. R bytes come from each
 family's byte formula (``Family.r_bytes``, the one the ledger is tested against) on

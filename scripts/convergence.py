@@ -43,8 +43,8 @@ training curve (``loss_metrics/global_avg_loss``), rank 0's cumulative R bytes
 the evaluation seconds apart), and the coordinates: name, lr, seed, M, S, flavor, steps, tokens per
 step. A run whose coordinates are already there is not repeated, so a study grows over invocations;
 each run is added under a file lock (two studies may share one ``--out``). **Variants**: ``--set``
-is not a coordinate, so a variant gets ``--label`` (``--label eager --set local.merge=eager``: stored,
-tabled and plotted as ``DiLoCo eager``, its own best lr, ``--best-of`` with the same label takes it);
+is not a coordinate, so a variant gets ``--label`` (``--label eager --set local.merge=eager
+local.sync_delay=0``: stored, tabled and plotted as ``DiLoCo eager``, its own best lr, ``--best-of`` with the same label takes it);
 ``--report --include DIR ...`` shows other folders' runs beside ``--out``'s (the baselines).
 
 **The numbers**, per (M, flavor, steps) and optimizer at its best lr (lowest mean final held-out loss):
@@ -691,7 +691,7 @@ def main(argv=None) -> int:
     p.add_argument("--best-of-replicas", type=int, help="--best-of: take the best lrs of runs at this M (default: the run's)")
     p.add_argument("--set", nargs="*", default=[], metavar="FAMILY.OPTION=VALUE")
     p.add_argument("--label", help="appended to each optimizer's name in the results (e.g. eager for "
-                   "--set local.merge=eager): a variant is stored, scored and plotted apart from the preset's runs")
+                   "--set local.merge=eager local.sync_delay=0): a variant is stored, scored and plotted apart from the preset's runs")
     p.add_argument("--include", nargs="*", default=[], metavar="DIR",
                    help="--report: other studies' out folders whose runs are shown too (e.g. the baselines)")
     p.add_argument("--seeds", nargs="*", type=int, default=[42], help="[debug] seed of each run (model init)")
