@@ -32,7 +32,7 @@ from titan_commopt.optim.demo import DeMo
 from titan_commopt.topology import Topology
 from titan_commopt.titan.common.replica_group import Quorum
 from tests.dist_utils import run_distributed
-from tests.ft_standins import StandInManager, Toy, fault_tolerant_container, grads, short_periods, train_step
+from tests.ft_standins import StandInManager, Toy, blocking, fault_tolerant_container, grads, train_step
 
 HP = BaseHParams(lr=1e-2)
 WARMUP = 3  # steps before the snapshot; the undone step is the 4th: a sync step of every family here
@@ -101,11 +101,13 @@ def changes(before: dict, after: dict) -> list[str]:
 # ---- the optimizers, their steps, their snapshots ---------------------------------------------------
 def options_of(name) -> dict:
     """Options under which the undone step changes the whole state on a :class:`Toy`: the local-step
-    families sync within a few steps; DeMo keeps a part of each chunk (a top-k of every coefficient of
-    the toy's chunks would empty the momentum every step)."""
+    families sync within a few steps, and land their sync in that step (DiLoCo's streaming preset made
+    blocking: a sync in flight across steps is tests/test_fault_tolerance_fragments.py's); DeMo keeps a
+    part of each chunk (a top-k of every coefficient of the toy's chunks would empty the momentum every
+    step)."""
     if resolve(name).family.key == "demo":
         return {"topk": 16}
-    return short_periods(name)
+    return blocking(name)
 
 
 def build(name, topology, fsdp_mesh=None):
