@@ -19,7 +19,7 @@ from tests.titan_utils import CONFIG, ONLY_ON_03, launch_03
 pytestmark = ONLY_ON_03
 
 DILOCO = ["--optimizer.name", "DiLoCo", "--optimizer.commopt.local.Kx", "3", "--training.steps", "4",
-          "--metrics.log_freq", "1"]
+          "--metrics.log_freq", "1", "--optimizer.commopt.local.fragments", "1"]  # the preset's τ = 1, one fragment
 EVALUATED_AT = [1, 2, 4]  # after step 1 and every freq = 2 steps
 
 
