@@ -116,7 +116,7 @@ from ..muon.options import MuonOptions, is_muon_matrix, muon_problems, routed_gr
 from .global_model import anchors_swapped_in, replica_mean_swapped_in
 from .steps import LocalSteps, column_chunks, chunk_limit, trainable
 from .update import fused_local_update, gradient_clip, local_update
-from .sync import (OVERLAPPED_MERGES, DueStates, OverlapEntry, Params, Periods, SyncSchedule, block_index,
+from .sync import (OVERLAPPED_MERGES, DueStates, OverlapEntry, Params, Periods, SyncSchedule, numbered_blocks,
                    pseudo_gradient_mean, sync_in_place, sync_overlapped, sync_streaming)
 
 __all__ = ["Config", "PRESETS", "LocalAdaptive", "FAMILY", "check", "resolve_periods", "sync_schedule", "fragment_count",
@@ -526,7 +526,7 @@ def fragment_count(fragments: Union[int, str], names: Sequence[str]) -> int:
     alone, hence the same on every replica."""
     if fragments != "auto":
         return int(fragments)
-    blocks = len({k for k in map(block_index, names) if k is not None})
+    blocks = len(numbered_blocks(names))
     return max(min(2, blocks), math.ceil(blocks / BLOCKS_PER_FRAGMENT), 1)
 
 

@@ -92,6 +92,11 @@ def block_index(name: str) -> Optional[int]:
     return int(found.group(1)) if found else None
 
 
+def numbered_blocks(names: Sequence[str]) -> list[int]:
+    """The distinct block numbers (:func:`block_index`) among ``names``, in order."""
+    return sorted({k for k in map(block_index, names) if k is not None})
+
+
 def strided_partition(names: Sequence[str], fragments: int) -> list[int]:
     """Fragment of each parameter, strided as Streaming DiLoCo's fragments (Douillard et al. 2025, §2.2,
     Fig. 2: fragment p holds the blocks p, p + F, p + 2F, …, which it finds slightly better than
@@ -99,7 +104,7 @@ def strided_partition(names: Sequence[str], fragments: int) -> list[int]:
     ``layers.<i>.``, or ``0, 2`` of an ``nn.Sequential`` with an activation between) in fragment i mod F;
     parameters outside a numbered block (embeddings, final norm, output) round-robin over the fragments
     in their order. Deterministic from the names alone, hence the same on every replica."""
-    blocks = {k: i for i, k in enumerate(sorted({k for k in map(block_index, names) if k is not None}))}
+    blocks = {k: i for i, k in enumerate(numbered_blocks(names))}
     out, loose = [], 0
     for name in names:
         k = block_index(name)
