@@ -21,7 +21,10 @@ rendezvous, the initial parameter broadcast and the first steps are left out):
 - tokens/s of the whole job from the mean step time;
 - bytes that crossed the link: tx counters of both veth ends read when node A's console prints the
   line of step ``--warmup`` and of step ``--steps``, divided by the window's steps;
-- the ledger's R bytes over the same window (``comm/R_sent_bytes_total``), summed over a node's ranks.
+- the ledger's R bytes over the same window (``comm/R_sent_bytes_total``), summed over a node's ranks;
+- with two rates or more, each slower rate's floor, max(compute step, the busier direction's link bytes
+  per step ÷ the rate), the compute step being the same optimizer's mean on the fastest rate of the
+  run, and the mean step ÷ that floor, also for each of ``--repeats`` runs (their spread).
 
 **Time to AdamW-HSDP's loss** (``--to-loss``, issue 39): each optimizer trains (its own ``--schedule``
 length, default ``--steps``) with the global model evaluated on held-out text (torchtitan's
@@ -384,6 +387,14 @@ def time_to_loss(name: str, sampler: ConsoleSampler, target: float | None, stopp
     }
 
 
+def floor_ratio(step_s: float, compute_s: float, link_bytes_per_step: list[float], rate: str) -> tuple[float, float]:
+    """The physical floor of a step on this link and the step's ratio to it: no overlap can make the
+    mean step shorter than the larger of its compute (the same optimizer's step on the fastest link of
+    the run) and the time its busier direction's bytes need at ``rate``."""
+    floor = max(compute_s, max(link_bytes_per_step) * 8 / parse_link(rate))
+    return floor, step_s / floor
+
+
 def crossing(curve: list, target: float) -> dict:
     """Where a held-out curve (``[training s, loss, step]`` per evaluation) first reaches ``target``:
     the evaluation, and the step and training seconds interpolated before it (None: never)."""
@@ -572,6 +583,35 @@ def to_loss_table(rate_results: dict[str, list], names: list[str]) -> str:
                   "reached at step: interpolated (first evaluation at or below), per round",
                   "training s to loss (per round)", "÷ AdamW-HSDP (per round)", "÷ AdamW-HSDP, mean (range)",
                   "training s/step", "evaluation s", "link A→B /step", "load average, start–end (per round)"], rows)
+
+
+def window_table(results: dict, rate: str, rates: list[str], names: list[str]) -> str:
+    """Window mode's table at one rate: each optimizer's fastest run, the spread of its runs, and
+    (where the run also measured a faster rate, whose step is the compute) its step ÷ the floor."""
+    fastest = max(rates, key=parse_link)
+    base = results.get(f"{rate}/AdamW")
+    rows = []
+    for name in names:
+        r = results.get(f"{rate}/{name}")
+        if r is None:
+            continue
+        speedup = f"{base['step_s'] / r['step_s']:.1f}x" if base else "-"
+        runs = r["step_s_runs"]
+        compute = results.get(f"{fastest}/{name}")
+        if compute is not None and parse_link(rate) < parse_link(fastest):
+            floor, ratio = floor_ratio(r["step_s"], compute["step_s"], r["link_bytes_per_step"], rate)
+            spread = [floor_ratio(s, compute["step_s"], r["link_bytes_per_step"], rate)[1] for s in runs]
+            r["floor_s"], r["floor_ratio"] = floor, ratio
+            over_floor = f"{floor:.3f} s: {ratio:.2f}x ({min(spread):.2f}-{max(spread):.2f})"
+        else:
+            over_floor = "-"
+        rows.append([name, f"{r['step_s']:.3f}", f"{min(runs):.3f}-{max(runs):.3f} ({len(runs)})",
+                     f"{r['step_s_median']:.3f}", f"{r['tokens_per_s']:.0f}", speedup, over_floor,
+                     human(r["link_bytes_per_step"][0]), human(r["link_bytes_per_step"][1]),
+                     human(r["ledger_r_node_per_step"]), f"{r['loss']:.3f}"])
+    return table(["optimizer", "step s (mean)", "runs' means", "step s (median)", "tokens/s", "speed-up vs AdamW-HSDP",
+                  f"floor, step ÷ floor (runs) vs {fastest}", "link A→B /step", "link B→A /step",
+                  "ledger R sent /step /node", "final loss"], rows)
 
 
 def parse_schedule(items: list[str], names: list[str]) -> dict[str, int]:
@@ -775,24 +815,16 @@ def main(argv=None) -> int:
                         continue
                     print(f"  {name}: {r['step_s']:.3f} s/step ({load})", file=sys.stderr, flush=True)
                     kept = results.get(f"{rate}/{name}")
-                    if kept is None or r["step_s"] < kept["step_s"]:
-                        results[f"{rate}/{name}"] = r
+                    runs = (kept["step_s_runs"] if kept else []) + [r["step_s"]]
+                    results[f"{rate}/{name}"] = {**(r if kept is None or r["step_s"] < kept["step_s"] else kept),
+                                                 "step_s_runs": runs}
             if a.to_loss is not None:
                 rate_results = {key.split("/", 1)[1]: v for key, v in results.items() if key.split("/", 1)[0] == rate}
                 print(to_loss_table(rate_results, names), flush=True)
-                continue
-            base = results.get(f"{rate}/AdamW")
-            rows = []
-            for name in names:
-                r = results.get(f"{rate}/{name}")
-                if r is None:
-                    continue
-                speedup = f"{base['step_s'] / r['step_s']:.1f}x" if base else "-"
-                rows.append([name, f"{r['step_s']:.3f}", f"{r['step_s_median']:.3f}", f"{r['tokens_per_s']:.0f}", speedup,
-                             human(r["link_bytes_per_step"][0]), human(r["link_bytes_per_step"][1]),
-                             human(r["ledger_r_node_per_step"]), f"{r['loss']:.3f}"])
-            print(table(["optimizer", "step s (mean)", "step s (median)", "tokens/s", "speed-up vs AdamW-HSDP",
-                         "link A→B /step", "link B→A /step", "ledger R sent /step /node", "final loss"], rows), flush=True)
+        if a.to_loss is None:  # after every rate: the floor needs the fastest rate's step
+            for rate in rates:
+                print(f"\n## {rate}: window steps {a.warmup + 1}-{a.steps}, fastest of {a.repeats} run(s)\n"
+                      + window_table(results, rate, rates, names), flush=True)
     finally:
         teardown()
     save()

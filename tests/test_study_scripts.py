@@ -489,3 +489,24 @@ def test_bench_netns_times_adamw_to_its_own_held_out_loss(tmp_path):
     assert r["reached_at_step"] in (1, 2, 4) and 0 <= r["time_to_loss_s"] <= r["train_s"]
     assert r["eval_s"] > 0 and len(r["load_average"]) == 2 and r["link_bytes_per_step"][0] > 0
     assert "| AdamW | the config's | 4 |" in proc.stdout and (tmp_path / "loss.png").stat().st_size > 10_000
+
+
+def test_the_window_table_puts_each_step_over_its_floor():
+    """A step's floor is the larger of its compute (the same optimizer on the fastest link) and its busier
+    direction's bytes ÷ the rate; the ratio is given for the fastest run and the spread of every run."""
+    # 125,000 bytes per step at 10 Mbit/s need 0.1 s of link: the floor, above the 0.06 s of compute
+    floor, ratio = bench_netns.floor_ratio(0.15, 0.06, [125_000.0, 1_000.0], "10mbit")
+    assert floor == pytest.approx(0.1) and ratio == pytest.approx(1.5)
+    assert bench_netns.floor_ratio(0.09, 0.06, [100.0, 125_000.0], "1gbit") == (0.06, pytest.approx(1.5))  # compute-bound
+
+    def run(step_s, runs, link):
+        return {"step_s": step_s, "step_s_runs": runs, "step_s_median": step_s, "tokens_per_s": 1.0,
+                "link_bytes_per_step": link, "ledger_r_node_per_step": 0.0, "loss": 1.0}
+    results = {"10gbit/DiLoCo": run(0.06, [0.06, 0.07], [125_000.0, 125_000.0]),
+               "10mbit/DiLoCo": run(0.12, [0.12, 0.13, 0.15], [125_000.0, 125_000.0])}
+    text = bench_netns.window_table(results, "10mbit", ["10mbit", "10gbit"], ["AdamW", "DiLoCo"])
+    assert "0.100 s: 1.20x (1.20-1.50)" in text and "0.120-0.150 (3)" in text
+    assert results["10mbit/DiLoCo"]["floor_ratio"] == pytest.approx(1.2)
+    # the fastest rate is its own compute: no floor there, nor for a run with one rate only
+    assert "1.20x" not in bench_netns.window_table(results, "10gbit", ["10mbit", "10gbit"], ["DiLoCo"])
+    assert "x (" not in bench_netns.window_table(results, "10mbit", ["10mbit"], ["DiLoCo"])
