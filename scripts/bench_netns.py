@@ -144,19 +144,20 @@ def setup(subnet: str) -> tuple[str, str]:
     return addrs
 
 
-def shape(rate: str, delay: str) -> str:
-    """Shape both ends of the link; returns what was applied."""
-    applied = f"tbf rate {rate}"
+def shape(rate: str, delay: str, queue: str = "400ms") -> str:
+    """Shape both ends of the link; returns what was applied. ``queue``: tbf's ``latency``, the
+    longest a packet waits in the link's FIFO queue (deeper: tail drops later, queueing delay longer)."""
+    applied = f"tbf rate {rate} queue {queue}"
     for ns, dev in zip(NS, VETH):
         sh("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
         netem = delay and sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", delay,
                              "limit", "100000", check=False).returncode == 0
         parent = ["parent", "1:1", "handle", "10:"] if netem else ["root", "handle", "10:"]
-        sh("tc", "-n", ns, "qdisc", "add", "dev", dev, *parent, "tbf", "rate", rate, "burst", "256kbit", "latency", "400ms")
+        sh("tc", "-n", ns, "qdisc", "add", "dev", dev, *parent, "tbf", "rate", rate, "burst", "256kbit", "latency", queue)
         if netem:
-            applied = f"netem delay {delay} + tbf rate {rate}"
+            applied = f"netem delay {delay} + tbf rate {rate} queue {queue}"
         elif delay:
-            applied = f"tbf rate {rate} (no netem in this kernel: no added delay)"
+            applied = f"tbf rate {rate} queue {queue} (no netem in this kernel: no added delay)"
     return applied
 
 
@@ -263,6 +264,9 @@ def train_args(name: str, args, overrides: dict) -> list[str]:
             train += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
     if args.to_loss is not None:
         train += validation_flags(args.dataset, args.eval_every, args.eval_steps, args.batch, args.seq_len)
+    else:  # the window measures training: an evaluation of a global model that needs an average (DES-LOC,
+        # MT-DAO) would put its bytes on the link counters though not in any step's time
+        train += ["--validation.enable", "false"]
     return train
 
 
@@ -452,7 +456,7 @@ def calibrate(addrs, args, overrides: dict, out: Path) -> dict:
     window = argparse.Namespace(**{**vars(args), "to_loss": None, "steps": args.calibrate_steps, "schedule": {}})
 
     def measure(bits_per_s: float | None) -> dict:
-        applied = unshape() if bits_per_s is None else shape(tc_rate(bits_per_s), args.delay)
+        applied = unshape() if bits_per_s is None else shape(tc_rate(bits_per_s), args.delay, args.queue)
         r = run_pair("AdamW", addrs, window, out / f"calibrate_{'unshaped' if bits_per_s is None else tc_rate(bits_per_s)}",
                      overrides)
         print(f"  calibration, AdamW-HSDP over {applied}: {r['step_s']:.3f} s/step, link A→B "
@@ -687,6 +691,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", nargs="+", help="tc rates of the link (default 100mbit 1gbit)")
     p.add_argument("--delay", default="5ms", help="one-way netem delay per end (if the kernel has netem)")
+    p.add_argument("--queue", default="400ms", help="tbf latency: the longest a packet waits in each end's FIFO "
+                   "queue. A bulk transfer fills it, and every small collective crossing the link meanwhile "
+                   "(torchtitan's token count, the clip's norm) waits behind it (docs/benchmarks.md §2)")
     p.add_argument("--optimizers", nargs="*", help="default: AdamW and every registered optimizer")
     p.add_argument("--nproc-per-node", type=int, default=1, help="processes per node = |S|")
     p.add_argument("--flavor", default="cpu_small")
@@ -768,7 +775,7 @@ def main(argv=None) -> int:
             save()
             rates = [calibration["rate"]]
         for rate in rates:
-            applied = shape(rate, a.delay)
+            applied = shape(rate, a.delay, a.queue)
             what = (f"until an evaluation's held-out loss ({a.eval_steps} batches every {a.eval_every} steps) reaches "
                     f"{'AdamW-HSDP' + chr(39) + 's final one' if fixed_target is None else f'{fixed_target:.4f}'}, "
                     f"{a.repeats} round(s)" if a.to_loss is not None else

@@ -29,8 +29,8 @@ due when ``(n − ⌊f·K/F⌋) % K == 0``, so the bytes per period are unchange
 their local progress, t ← t̃ + (t − t at issue) with t̃ = mean_R(t at issue), the outer step's for x
 (τ below the smallest period > 0), or with ``merge = "lerp"`` as Streaming DiLoCo merges (its §2.3,
 Algorithm 2), t ← α·t + (1 − α)·t̃, α = ``merge_alpha``. A checkpoint first merges what is in flight.
-F = 1, τ = 0 (the papers' blocking schedule) are the defaults (docs/benchmarks.md §2 measures the
-others).
+F = 1, τ = 0 (the papers' blocking schedule) are the options' defaults; DiLoCo's preset streams
+(docs/benchmarks.md §8.6 measures it on the yardstick, §2 on a shaped link).
 
 Overlapped outer steps (``merge``; Kale, Douillard, Donchev 2025, "Eager Updates For Overlapped
 Communication and Computation in DiLoCo", arXiv 2502.12996). The sync of a state issued at update n
