@@ -249,7 +249,8 @@ def schedule_of(name: str, args) -> int:
 
 def train_args(name: str, args, overrides: dict) -> list[str]:
     train = [
-        "--model.flavor", args.flavor, "--training.steps", str(schedule_of(name, args)), "--metrics.log_freq", "1",
+        "--model.flavor", args.flavor, "--training.steps", str(schedule_of(name, args)),
+        "--metrics.log_freq", str(getattr(args, "log_freq", 1)),
         "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq_len),
         "--parallelism.data_parallel_replicate_degree", "2",
         "--parallelism.data_parallel_shard_degree", str(args.nproc_per_node),
@@ -700,6 +701,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=36, help="last step of the measured window (--to-loss: the "
                    "training steps, i.e. the lr schedule's length, of an optimizer without a --schedule entry)")
     p.add_argument("--warmup", type=int, default=4, help="steps before the measured window")
+    p.add_argument("--log-freq", type=int, default=1,
+                   help="window mode: [metrics] log_freq. Every log step sends torchtitan's loss all-reduces across "
+                   "R; 1 times every step, 10 is what a user logs. --warmup and --steps must be multiples of it "
+                   "(the step time of a log step is the mean over its interval)")
     p.add_argument("--batch", type=int, default=4, help="sequences per process")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--dataset", help="[training] dataset (default: the config's)")
@@ -739,6 +744,10 @@ def main(argv=None) -> int:
     p.add_argument("--png", help="write a bar chart of mean step time per optimizer and rate")
     p.add_argument("--plot-loss", help="--to-loss: write the held-out loss vs training seconds plot here")
     a = p.parse_args(argv)
+    if a.log_freq < 1 or (a.log_freq > 1 and (a.to_loss is not None or a.match_8b_ratio
+                                                 or a.warmup % a.log_freq or a.steps % a.log_freq)):
+        p.error(f"--log-freq {a.log_freq}: allowed is 1, or (window mode, without --to-loss and --match-8b-ratio) "
+                f"a number dividing --warmup ({a.warmup}) and --steps ({a.steps})")
     names = a.optimizers or [n for n in available_names() if n != "Adam"]
     if "AdamW" in names:
         names = ["AdamW"] + [n for n in names if n != "AdamW"]

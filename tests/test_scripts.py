@@ -224,6 +224,24 @@ def test_bench_netns_runs_or_skips(tmp_path):
     assert "tcb" not in leftover
 
 
+def test_link_queue_probe_runs_or_skips():
+    """A small message's round trip on the shaped link, idle and behind a bulk stream: behind it the
+    round trip grows by the queue the bulk bytes fill (at 100 Mbit/s a 400 ms tbf queue holds 5 MB,
+    more than the 2 MB sent, so the whole transfer is queued ahead of some ping)."""
+    out = subprocess.run(
+        [sys.executable, "scripts/link_queue_probe.py", "--rate", "100mbit", "--queues", "400ms", "--bulk-bytes", "2000000"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc_ok(out)
+    if out.stdout.startswith("SKIP:"):
+        pytest.skip(out.stdout.strip())
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| 400ms"))
+    idle, busy_median, busy_max = (float(cell) for cell in row.strip("|").split("|")[1:4])
+    assert idle < 5 and busy_max > 10 * max(idle, 0.5), out.stdout
+    leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "tcb" not in leftover
+
+
 def proc_ok(proc) -> bool:
     return proc.returncode == 0
 
