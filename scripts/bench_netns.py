@@ -144,21 +144,21 @@ def setup(subnet: str) -> tuple[str, str]:
     return addrs
 
 
-def shape(rate: str, delay: str, queue: str = "400ms") -> str:
+def shape(rate: str, delay: str, queue: str = "400ms", burst: str = "256kbit") -> str:
     """Shape both ends of the link; returns what was applied. ``queue``: tbf's ``latency``, the
-    longest a packet waits in the link's FIFO queue (deeper: tail drops later, queueing delay longer)."""
-    applied = f"tbf rate {rate} queue {queue}"
+    longest a packet waits in the link's FIFO queue (deeper: tail drops later, queueing delay longer);
+    ``burst``: tbf's bucket, the bytes that pass at the veth's speed after the link was idle."""
+    applied = f"tbf rate {rate} queue {queue} burst {burst}"
+    netem = False
     for ns, dev in zip(NS, VETH):
         sh("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
-        netem = delay and sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", delay,
-                             "limit", "100000", check=False).returncode == 0
+        netem = bool(delay) and sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
+                                   delay, "limit", "100000", check=False).returncode == 0
         parent = ["parent", "1:1", "handle", "10:"] if netem else ["root", "handle", "10:"]
-        sh("tc", "-n", ns, "qdisc", "add", "dev", dev, *parent, "tbf", "rate", rate, "burst", "256kbit", "latency", queue)
-        if netem:
-            applied = f"netem delay {delay} + tbf rate {rate} queue {queue}"
-        elif delay:
-            applied = f"tbf rate {rate} queue {queue} (no netem in this kernel: no added delay)"
-    return applied
+        sh("tc", "-n", ns, "qdisc", "add", "dev", dev, *parent, "tbf", "rate", rate, "burst", burst, "latency", queue)
+    if netem:
+        return f"netem delay {delay} + {applied}"
+    return applied + (" (no netem in this kernel: no added delay)" if delay else "")
 
 
 def tx_bytes() -> list[int]:
@@ -457,7 +457,7 @@ def calibrate(addrs, args, overrides: dict, out: Path) -> dict:
     window = argparse.Namespace(**{**vars(args), "to_loss": None, "steps": args.calibrate_steps, "schedule": {}})
 
     def measure(bits_per_s: float | None) -> dict:
-        applied = unshape() if bits_per_s is None else shape(tc_rate(bits_per_s), args.delay, args.queue)
+        applied = unshape() if bits_per_s is None else shape(tc_rate(bits_per_s), args.delay, args.queue, args.burst)
         r = run_pair("AdamW", addrs, window, out / f"calibrate_{'unshaped' if bits_per_s is None else tc_rate(bits_per_s)}",
                      overrides)
         print(f"  calibration, AdamW-HSDP over {applied}: {r['step_s']:.3f} s/step, link A→B "
@@ -701,6 +701,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=36, help="last step of the measured window (--to-loss: the "
                    "training steps, i.e. the lr schedule's length, of an optimizer without a --schedule entry)")
     p.add_argument("--warmup", type=int, default=4, help="steps before the measured window")
+    p.add_argument("--burst", default="256kbit",
+                   help="tbf burst: what passes at the veth's speed after the link was idle (256kbit = 32 KB: at low "
+                   "rates a small sync fits in it and is not shaped; give about two packets, 24kbit, there)")
     p.add_argument("--log-freq", type=int, default=1,
                    help="window mode: [metrics] log_freq. Every log step sends torchtitan's loss all-reduces across "
                    "R; 1 times every step, 10 is what a user logs. --warmup and --steps must be multiples of it "
@@ -784,7 +787,7 @@ def main(argv=None) -> int:
             save()
             rates = [calibration["rate"]]
         for rate in rates:
-            applied = shape(rate, a.delay, a.queue)
+            applied = shape(rate, a.delay, a.queue, a.burst)
             what = (f"until an evaluation's held-out loss ({a.eval_steps} batches every {a.eval_every} steps) reaches "
                     f"{'AdamW-HSDP' + chr(39) + 's final one' if fixed_target is None else f'{fixed_target:.4f}'}, "
                     f"{a.repeats} round(s)" if a.to_loss is not None else
