@@ -40,6 +40,7 @@ def drain():
         c, _ = sink.accept()
         while c.recv(1 << 16):
             pass
+        c.close()  # all received: the sender's recv sees the end
 threading.Thread(target=drain, daemon=True).start()
 c, _ = echo.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 while True:
@@ -61,7 +62,9 @@ def rtt():
     return time.perf_counter() - t
 idle = [rtt() for _ in range(5)]
 b = socket.create_connection((addr, {SINK_PORT}))
-sender = threading.Thread(target=lambda: b.sendall(bytes(bulk))); sender.start()
+def send():  # until B has every byte (sendall returns once the kernel holds them)
+    b.sendall(bytes(bulk)); b.shutdown(socket.SHUT_WR); b.recv(1)
+sender = threading.Thread(target=send); sender.start()
 busy = []
 while sender.is_alive():
     busy.append(rtt()); time.sleep(0.02)
