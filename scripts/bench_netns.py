@@ -250,7 +250,7 @@ def schedule_of(name: str, args) -> int:
 def train_args(name: str, args, overrides: dict) -> list[str]:
     train = [
         "--model.flavor", args.flavor, "--training.steps", str(schedule_of(name, args)),
-        "--metrics.log_freq", str(getattr(args, "log_freq", 1)),
+        "--metrics.log_freq", str(args.log_freq),
         "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq_len),
         "--parallelism.data_parallel_replicate_degree", "2",
         "--parallelism.data_parallel_shard_degree", str(args.nproc_per_node),
@@ -590,10 +590,26 @@ def to_loss_table(rate_results: dict[str, list], names: list[str]) -> str:
                   "training s/step", "evaluation s", "link A→B /step", "load average, start–end (per round)"], rows)
 
 
+def add_floors(results: dict, rates: list[str]) -> None:
+    """Window mode: on each rate slower than the run's fastest, each optimizer's ``floor_s``, its fastest
+    run's ``floor_ratio`` and every run's (``floor_ratio_runs``), the compute being its step on the fastest."""
+    fastest = max(rates, key=parse_link)
+    for rate in rates:
+        if parse_link(rate) >= parse_link(fastest):
+            continue
+        for key, r in results.items():
+            at, name = key.split("/", 1)
+            compute = results.get(f"{fastest}/{name}")
+            if at != rate or compute is None:
+                continue
+            r["floor_s"], r["floor_ratio"] = floor_ratio(r["step_s"], compute["step_s"], r["link_bytes_per_step"], rate)
+            r["floor_ratio_runs"] = [floor_ratio(s, compute["step_s"], r["link_bytes_per_step"], rate)[1]
+                                     for s in r["step_s_runs"]]
+
+
 def window_table(results: dict, rate: str, rates: list[str], names: list[str]) -> str:
     """Window mode's table at one rate: each optimizer's fastest run, the spread of its runs, and
-    (where the run also measured a faster rate, whose step is the compute) its step ÷ the floor."""
-    fastest = max(rates, key=parse_link)
+    (:func:`add_floors`, where the run also measured a faster rate) its step ÷ the floor."""
     base = results.get(f"{rate}/AdamW")
     rows = []
     for name in names:
@@ -601,21 +617,15 @@ def window_table(results: dict, rate: str, rates: list[str], names: list[str]) -
         if r is None:
             continue
         speedup = f"{base['step_s'] / r['step_s']:.1f}x" if base else "-"
-        runs = r["step_s_runs"]
-        compute = results.get(f"{fastest}/{name}")
-        if compute is not None and parse_link(rate) < parse_link(fastest):
-            floor, ratio = floor_ratio(r["step_s"], compute["step_s"], r["link_bytes_per_step"], rate)
-            spread = [floor_ratio(s, compute["step_s"], r["link_bytes_per_step"], rate)[1] for s in runs]
-            r["floor_s"], r["floor_ratio"] = floor, ratio
-            over_floor = f"{floor:.3f} s: {ratio:.2f}x ({min(spread):.2f}-{max(spread):.2f})"
-        else:
-            over_floor = "-"
+        runs, spread = r["step_s_runs"], r.get("floor_ratio_runs")
+        over_floor = (f"{r['floor_s']:.3f} s: {r['floor_ratio']:.2f}x ({min(spread):.2f}-{max(spread):.2f})"
+                      if spread else "-")
         rows.append([name, f"{r['step_s']:.3f}", f"{min(runs):.3f}-{max(runs):.3f} ({len(runs)})",
                      f"{r['step_s_median']:.3f}", f"{r['tokens_per_s']:.0f}", speedup, over_floor,
                      human(r["link_bytes_per_step"][0]), human(r["link_bytes_per_step"][1]),
                      human(r["ledger_r_node_per_step"]), f"{r['loss']:.3f}"])
     return table(["optimizer", "step s (mean)", "runs' means", "step s (median)", "tokens/s", "speed-up vs AdamW-HSDP",
-                  f"floor, step ÷ floor (runs) vs {fastest}", "link A→B /step", "link B→A /step",
+                  f"floor, step ÷ floor (runs) vs {max(rates, key=parse_link)}", "link A→B /step", "link B→A /step",
                   "ledger R sent /step /node", "final loss"], rows)
 
 
@@ -841,6 +851,7 @@ def main(argv=None) -> int:
                 rate_results = {key.split("/", 1)[1]: v for key, v in results.items() if key.split("/", 1)[0] == rate}
                 print(to_loss_table(rate_results, names), flush=True)
         if a.to_loss is None:  # after every rate: the floor needs the fastest rate's step
+            add_floors(results, rates)
             for rate in rates:
                 print(f"\n## {rate}: window steps {a.warmup + 1}-{a.steps}, fastest of {a.repeats} run(s)\n"
                       + window_table(results, rate, rates, names), flush=True)
