@@ -44,6 +44,8 @@ def test_every_registered_name_is_covered():
 def test_optimizer_trains_through_torchtitan_hsdp(tmp_path_factory, name):
     dump, proc, tb = hsdp_run(tmp_path_factory, name)
     assert "Applied FSDP to the model" in proc.stdout and "Applied HSDP" not in proc.stdout
+    # the step's token count did not cross R (titan/common/token_count.py)
+    assert "token count of each step: within the replica" in proc.stdout
     values = losses(tb)
     assert len(values) == HSDP_STEPS and all(math.isfinite(v) for v in values)
     assert values[-1] < values[0]

@@ -26,7 +26,10 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch.distributed as dist
 
+from titan_commopt.topology import Topology
+
 from ..config.fault_tolerance_keys import LIGHTHOUSE_ENV, FtSettings
+from . import token_count
 from .replica_group import ReplicaGroupFT, average_gradients_over_quorum, clone_tree
 
 __all__ = ["ReplicaGroupTraining", "ReplicaGroupSteps", "ReplayBatches"]
@@ -235,9 +238,25 @@ class ReplicaGroupSteps:
 
     def train_step(self, data_iterator: Iterator[Any]) -> None:
         if self.fault_tolerance is None:
-            super().train_step(data_iterator)  # type: ignore[misc]
+            with token_count.per_replica(*self._replica_count()):
+                super().train_step(data_iterator)  # type: ignore[misc]
         else:
             self.fault_tolerance.train_step(self, data_iterator, super().train_step)  # type: ignore[misc]
+
+    def _replica_count(self) -> tuple[Any, Optional[Topology]]:
+        """The batch mesh and R/S/T for ``token_count.per_replica``: an optimizer that owns R counts
+        the step's tokens within the replica (``(None, None)``: torchtitan's count over R × S)."""
+        container = self.optimizers  # type: ignore[attr-defined]
+        parallel_dims = self.parallel_dims  # type: ignore[attr-defined]
+        if not getattr(container, "owns_replicate_sync", False) or not parallel_dims.dp_enabled:
+            return None, None
+        batch, topology = parallel_dims.get_mesh("batch"), container.topology
+        if not getattr(self, "_replica_count_logged", False):
+            self._replica_count_logged = True
+            logger.info("token count of each step: %s", "within the replica (|R| × its S's count: no R collective "
+                        "before the forward)" if token_count.replica_count_applies(batch, topology)
+                        else "torchtitan's, over the batch mesh")
+        return batch, topology
 
     def close(self) -> None:
         if self.fault_tolerance is not None and self.fault_tolerance.group is not None:
