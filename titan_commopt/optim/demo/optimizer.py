@@ -143,7 +143,8 @@ PRESET_SOURCES: dict[str, str] = {
     "chunk size 32, fp32 transfer, only the sign synced; top-k 32 = compression rate 1/32, its best for OLMo2 "
     "1B (Figs. 3–4, ahead of 1/16; also its 64-node run). lr_scale: our study's (docs/benchmarks.md §8). "
     "Alternatives: topk = 16 (1.8× fewer R bytes); the DeToNATION 0.5.2 code defaults, chunk 64, top-k 32, "
-    "sign after aggregation (set chunk = 64, sign_before_sync = false)",
+    "sign after aggregation (set chunk = 64, sign_before_sync = false). overlap stays false (the paper's blocking "
+    "step): on the yardstick it cost +4.2 % and +3.6 % held-out loss (docs/benchmarks.md §8.6, cpu_tiny, two seeds)",
 }
 
 
