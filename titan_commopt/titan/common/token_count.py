@@ -3,16 +3,16 @@
 Before every step's forward, torchtitan (0.2.2 ``dist_utils.dist_sum``, 0.3 ``dist_sum_tensor``, both
 looked up on ``torchtitan.distributed.utils`` at every call) all-reduces the step's count of valid
 labels over its ``batch`` mesh, R × S, and divides the loss by it. For an optimizer that owns R that
-all-reduce is the step's one crossing of the slow link that carries no optimizer bytes, and on a
-link busy with a sync in flight it waits in the link's queue behind it (docs/benchmarks.md §2: 186 ms
-for 8 bytes behind a 2.3 MB stream at 10 Mbit/s): every step of a streamed or overlapped sync stalls.
+all-reduce is one of the step's two crossings of the slow link that carry no optimizer bytes (the
+other: the clip's norm, ``clipping.py``), and on a link busy with a sync in flight it waits in the
+link's queue behind it (docs/benchmarks.md §2: 186 ms for 8 bytes behind a 2.3 MB stream at 10 Mbit/s).
 
 Inside :func:`per_replica` the count is summed over this replica's ranks of the batch mesh only and
 multiplied by |R|: the count torchtitan would have found whenever the replicas count alike (the
 fixed-length sequences of a packed corpus), and otherwise each replica's loss normalized by its own
-batch, as each worker of DiLoCo's and Templar's code and torchtitan's own fault-tolerant DiLoCo (whose
-batch mesh is one replica group's) normalize it. The gradient stays ``1/|R|`` of the replica's mean
-gradient, as ``Topology.grad_scale`` reads it. Only where the replica's part of the batch mesh is its
+batch, as torchtitan's own fault-tolerant DiLoCo normalizes it (its batch mesh is one replica
+group's). The gradient stays ``1/|R|`` of the replica's mean gradient, as ``Topology.grad_scale``
+reads it. Only where the replica's part of the batch mesh is its
 S mesh (no context parallel: torchtitan's batch mesh leaves cp out, S takes it in); elsewhere, and
 for every other call (the evaluation's count, the loss logs), torchtitan's own reduction runs.
 
