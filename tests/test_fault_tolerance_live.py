@@ -14,6 +14,9 @@
 - Streaming DiLoCo (fragments in flight across steps), 2 groups x 1 process: group 1 dies while two
   fragments' all-reduces are in flight; the survivor waits in the quorum, the relaunched group heals
   from it, both fail those fragments alike (each back to its anchor) and end on the same anchors.
+- DeMo at its preset (the exchange overlapped: each step's update lands in the next), 2 groups x 2
+  processes, group 1 killed at step 6's first R collective with step 5's exchange parked: the survivor's
+  undone step drops it, it trains on alone, heals the relaunched group, and both end on the same parameters.
 - Launchers killed alone, three groups, a heal cut short: a worker whose launcher (``titan_commopt.run``
   or plain ``torchrun``) is SIGKILLed leaves by itself instead of heartbeating on as a zombie group;
   two failures at different times, one while the relaunched group applies its heal, one group
@@ -33,6 +36,7 @@ from titan_commopt.titan.config.fault_tolerance_keys import LIGHTHOUSE_ENV, LIGH
 
 from tests.ft_utils import LIGHTHOUSE_BIN, FtJob, GroupLog, KILL_ENV, RUN_S, START_S, alive, free_port, processes_naming
 from tests.titan_utils import CONFIG, EXTRA, LINE, LR, ROOT
+from titan_commopt.optim import resolve
 
 pytestmark = pytest.mark.skipif(LINE != "0.2", reason="the live fault-tolerance runs are torchtitan 0.2.2's")
 
@@ -161,6 +165,34 @@ def test_flexdemo_group_killed_during_a_collective_heals_and_rejoins(tmp_path, f
     # the survivor's peer died inside that step's collective: the step was undone and trained again
     assert all(survivor.not_committed[rank] == [KILL_AT] for rank in range(NPROC)), survivor.not_committed
     assert not again.not_committed
+
+
+def _demo(steps: int) -> list[str]:
+    """DeMo at its preset: its exchange overlapped, each step's update landing in the next step."""
+    return [*TINY, *NO_WATCHDOG, "--optimizer.name", "DeMo", "--optimizer.lr", LR["DeMo"], "--lr_scheduler.warmup_steps",
+            str(WARMUP), "--training.steps", str(steps), "--commopt.check_replicas_every", "5"]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("demo"), _demo(WARMUP))
+
+
+def test_overlapped_demo_group_killed_with_an_exchange_in_flight_heals_and_rejoins(tmp_path, demo_run):
+    """DeMo's preset overlaps: when group 1 dies at its first R collective of step KILL_AT (the clip's),
+    step KILL_AT - 1's exchange is parked, its update not yet landed. The survivor undoes step KILL_AT,
+    which drops that exchange (its update never lands, on either group), trains on alone, heals the
+    relaunched group, and both end on the same parameters, checked every 5 steps."""
+    assert resolve("DeMo").options.overlap  # the preset this test is about
+    _assert_short_run(demo_run, WARMUP, NPROC)
+    steps = KILL_AT + AFTER_KILL
+    with FtJob(tmp_path, _demo(steps)) as job:
+        killed, survivor, again, text = _kill_and_relaunch(job, KILL_AT, "collective")
+    _assert_killed_and_healed(killed, survivor, again, text, demo_run, KILL_AT, steps)
+    assert all(survivor.not_committed[rank] == [KILL_AT] for rank in range(NPROC)), survivor.not_committed
+    assert not again.not_committed
+    # the parked exchange dropped by the undone step, and the survivor's one in flight at the heal's quorum
+    assert all(survivor.syncs_failed[rank][0] == (1, f"step {KILL_AT} did not commit") for rank in range(NPROC))
 
 
 def test_diloco_short_run(diloco_run):

@@ -176,8 +176,9 @@ class ReplicaGroupFT:
         """``count`` syncs in flight failed (``why``): one line, and the metric."""
         if count:
             self.failed_syncs += count
-            logger.warning("fault tolerance: %d R sync(s) in flight failed (%s): each fragment back to its last "
-                           "global copy, its outer state unchanged", count, why)
+            logger.warning("fault tolerance: %d R sync(s) in flight failed (%s): each dropped alike on every group "
+                           "(a local-step fragment back to its last global copy, its outer state unchanged; DeMo's "
+                           "overlapped update not applied)", count, why)
 
     # ---- one step ----
     def begin_step(self) -> bool:
