@@ -56,8 +56,9 @@ KILL_AT = 6
 AFTER_KILL = 34
 
 
-def _flexdemo(steps: int) -> list[str]:
-    return [*TINY, *NO_WATCHDOG, "--optimizer.name", "FlexDeMo", "--optimizer.lr", LR["FlexDeMo"], "--lr_scheduler.warmup_steps",
+def _demo_family(name: str, steps: int) -> list[str]:
+    """FlexDeMo (its preset blocks) or DeMo (its preset overlaps: each step's update lands in the next)."""
+    return [*TINY, *NO_WATCHDOG, "--optimizer.name", name, "--optimizer.lr", LR[name], "--lr_scheduler.warmup_steps",
             str(WARMUP), "--training.steps", str(steps), "--commopt.check_replicas_every", "5"]
 
 
@@ -84,7 +85,7 @@ def _run(tmp, args: list[str], nproc: int = NPROC) -> list[GroupLog]:
 
 @pytest.fixture(scope="module")
 def flexdemo_run(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("flexdemo"), _flexdemo(WARMUP))
+    return _run(tmp_path_factory.mktemp("flexdemo"), _demo_family("FlexDeMo", WARMUP))
 
 
 @pytest.fixture(scope="module")
@@ -157,25 +158,25 @@ def test_flexdemo_short_run(flexdemo_run):
     _assert_short_run(flexdemo_run, WARMUP, NPROC)
 
 
-def test_flexdemo_group_killed_during_a_collective_heals_and_rejoins(tmp_path, flexdemo_run):
+def _killed_in_a_collective(tmp_path, name: str, reference: list[GroupLog]) -> GroupLog:
+    """Group 1 of a ``name`` job killed at its first R collective of step KILL_AT, relaunched: what a
+    kill must show, and the step the survivor's peer died in undone and trained again. The survivor's log."""
     steps = KILL_AT + AFTER_KILL
-    with FtJob(tmp_path, _flexdemo(steps)) as job:
+    with FtJob(tmp_path, _demo_family(name, steps)) as job:
         killed, survivor, again, text = _kill_and_relaunch(job, KILL_AT, "collective")
-    _assert_killed_and_healed(killed, survivor, again, text, flexdemo_run, KILL_AT, steps)
-    # the survivor's peer died inside that step's collective: the step was undone and trained again
+    _assert_killed_and_healed(killed, survivor, again, text, reference, KILL_AT, steps)
     assert all(survivor.not_committed[rank] == [KILL_AT] for rank in range(NPROC)), survivor.not_committed
     assert not again.not_committed
+    return survivor
 
 
-def _demo(steps: int) -> list[str]:
-    """DeMo at its preset: its exchange overlapped, each step's update landing in the next step."""
-    return [*TINY, *NO_WATCHDOG, "--optimizer.name", "DeMo", "--optimizer.lr", LR["DeMo"], "--lr_scheduler.warmup_steps",
-            str(WARMUP), "--training.steps", str(steps), "--commopt.check_replicas_every", "5"]
+def test_flexdemo_group_killed_during_a_collective_heals_and_rejoins(tmp_path, flexdemo_run):
+    _killed_in_a_collective(tmp_path, "FlexDeMo", flexdemo_run)
 
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("demo"), _demo(WARMUP))
+    return _run(tmp_path_factory.mktemp("demo"), _demo_family("DeMo", WARMUP))
 
 
 def test_overlapped_demo_group_killed_with_an_exchange_in_flight_heals_and_rejoins(tmp_path, demo_run):
@@ -185,13 +186,8 @@ def test_overlapped_demo_group_killed_with_an_exchange_in_flight_heals_and_rejoi
     relaunched group, and both end on the same parameters, checked every 5 steps."""
     assert resolve("DeMo").options.overlap  # the preset this test is about
     _assert_short_run(demo_run, WARMUP, NPROC)
-    steps = KILL_AT + AFTER_KILL
-    with FtJob(tmp_path, _demo(steps)) as job:
-        killed, survivor, again, text = _kill_and_relaunch(job, KILL_AT, "collective")
-    _assert_killed_and_healed(killed, survivor, again, text, demo_run, KILL_AT, steps)
-    assert all(survivor.not_committed[rank] == [KILL_AT] for rank in range(NPROC)), survivor.not_committed
-    assert not again.not_committed
-    # the parked exchange dropped by the undone step, and the survivor's one in flight at the heal's quorum
+    survivor = _killed_in_a_collective(tmp_path, "DeMo", demo_run)
+    # the parked exchange, dropped with the undone step
     assert all(survivor.syncs_failed[rank][0] == (1, f"step {KILL_AT} did not commit") for rank in range(NPROC))
 
 
