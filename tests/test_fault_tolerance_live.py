@@ -31,12 +31,12 @@ import sys
 
 import pytest
 
+from titan_commopt.optim import resolve
 from titan_commopt.titan.config.fault_tolerance_keys import LIGHTHOUSE_ENV, LIGHTHOUSE_WAIT_ENV, QUORUM_TIMEOUT_ENV
 
 
 from tests.ft_utils import LIGHTHOUSE_BIN, FtJob, GroupLog, KILL_ENV, RUN_S, START_S, alive, free_port, processes_naming
 from tests.titan_utils import CONFIG, EXTRA, LINE, LR, ROOT
-from titan_commopt.optim import resolve
 
 pytestmark = pytest.mark.skipif(LINE != "0.2", reason="the live fault-tolerance runs are torchtitan 0.2.2's")
 
