@@ -76,14 +76,11 @@ def short_periods(name):
 
 
 def blocking(name):
-    """:func:`short_periods`, with a preset's streaming sync (DiLoCo's) or overlapped exchange (DeMo's) made
-    blocking: a sync in flight across steps is a transaction of its own (tests/test_fault_tolerance_fragments.py)."""
+    """:func:`short_periods`, with a preset's streaming sync (DiLoCo's) made blocking: a sync in flight across
+    steps is a transaction of its own (tests/test_fault_tolerance_fragments.py)."""
     options = short_periods(name)
-    resolved = resolve(name)
-    if resolved.family.key == "local" and resolved.options.sync_delay:
+    if resolve(name).family.key == "local" and resolve(name).options.sync_delay:
         options.update(fragments=1, sync_delay=0, merge="additive", merge_alpha=0.0)
-    if resolved.family.key == "demo" and resolved.options.overlap:
-        options.update(overlap=False)
     return options
 
 

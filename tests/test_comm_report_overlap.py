@@ -136,12 +136,11 @@ def test_eager_des_loc_waits_at_the_next_sync_of_any_state_it_carries():
 
 
 @pytest.mark.parametrize("name, overrides, window", [
-    ("DeMo", {}, 1), ("DeMo", {"demo": {"overlap": False}}, 0), ("FlexDeMo", {"demo": {"overlap": True}}, 1),
+    ("DeMo", {}, 0), ("DeMo", {"demo": {"overlap": True}}, 1), ("FlexDeMo", {"demo": {"overlap": True}}, 1),
     ("SparseLoCo", {}, 0), ("SparseLoCo", {"sparseloco": {"sync_delay": 3}}, 3),
     ("SparseLoCo", {"sparseloco": {"merge": "eager"}}, 30), ("Dion", {}, 0), ("AdamW", {}, 0),
 ])
 def test_every_family_s_window(name, overrides, window):
-    """The preset's window (DeMo's preset overlaps) and the option that changes it."""
     assert _row(name, overrides)["overlap"]["sync_window_steps"] == window
 
 

@@ -14,7 +14,7 @@
 - Streaming DiLoCo (fragments in flight across steps), 2 groups x 1 process: group 1 dies while two
   fragments' all-reduces are in flight; the survivor waits in the quorum, the relaunched group heals
   from it, both fail those fragments alike (each back to its anchor) and end on the same anchors.
-- DeMo at its preset (the exchange overlapped: each step's update lands in the next), 2 groups x 2
+- DeMo with ``overlap`` (its exchange overlapped: each step's update lands in the next), 2 groups x 2
   processes, group 1 killed at step 6's first R collective with step 5's exchange parked: the survivor's
   undone step drops it, it trains on alone, heals the relaunched group, and both end on the same parameters.
 - Launchers killed alone, three groups, a heal cut short: a worker whose launcher (``titan_commopt.run``
@@ -31,7 +31,6 @@ import sys
 
 import pytest
 
-from titan_commopt.optim import resolve
 from titan_commopt.titan.config.fault_tolerance_keys import LIGHTHOUSE_ENV, LIGHTHOUSE_WAIT_ENV, QUORUM_TIMEOUT_ENV
 
 
@@ -56,10 +55,13 @@ KILL_AT = 6
 AFTER_KILL = 34
 
 
-def _demo_family(name: str, steps: int) -> list[str]:
-    """FlexDeMo (its preset blocks) or DeMo (its preset overlaps: each step's update lands in the next)."""
+def _demo_family(name: str, steps: int, *extra: str) -> list[str]:
+    """FlexDeMo or DeMo at its preset (both block), ``extra`` on top."""
     return [*TINY, *NO_WATCHDOG, "--optimizer.name", name, "--optimizer.lr", LR[name], "--lr_scheduler.warmup_steps",
-            str(WARMUP), "--training.steps", str(steps), "--commopt.check_replicas_every", "5"]
+            str(WARMUP), "--training.steps", str(steps), "--commopt.check_replicas_every", "5", *extra]
+
+
+DEMO_OVERLAP = ["--commopt.demo.overlap", "true"]  # each step's update lands in the next step
 
 
 # DiLoCo: an outer step every KX steps; group 1 dies before the quorum of step DILOCO_KILL_AT, inside the
@@ -158,11 +160,12 @@ def test_flexdemo_short_run(flexdemo_run):
     _assert_short_run(flexdemo_run, WARMUP, NPROC)
 
 
-def _killed_in_a_collective(tmp_path, name: str, reference: list[GroupLog]) -> GroupLog:
-    """Group 1 of a ``name`` job killed at its first R collective of step KILL_AT, relaunched: what a
-    kill must show, and the step the survivor's peer died in undone and trained again. The survivor's log."""
+def _killed_in_a_collective(tmp_path, name: str, reference: list[GroupLog], *extra: str) -> GroupLog:
+    """Group 1 of a ``name`` job (``extra``: its options on top) killed at its first R collective of step
+    KILL_AT, relaunched: what a kill must show, and the step the survivor's peer died in undone and
+    trained again. The survivor's log."""
     steps = KILL_AT + AFTER_KILL
-    with FtJob(tmp_path, _demo_family(name, steps)) as job:
+    with FtJob(tmp_path, _demo_family(name, steps, *extra)) as job:
         killed, survivor, again, text = _kill_and_relaunch(job, KILL_AT, "collective")
     _assert_killed_and_healed(killed, survivor, again, text, reference, KILL_AT, steps)
     assert all(survivor.not_committed[rank] == [KILL_AT] for rank in range(NPROC)), survivor.not_committed
@@ -175,18 +178,17 @@ def test_flexdemo_group_killed_during_a_collective_heals_and_rejoins(tmp_path, f
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("demo"), _demo_family("DeMo", WARMUP))
+def demo_overlap_run(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("demo"), _demo_family("DeMo", WARMUP, *DEMO_OVERLAP))
 
 
-def test_overlapped_demo_group_killed_with_an_exchange_in_flight_heals_and_rejoins(tmp_path, demo_run):
-    """DeMo's preset overlaps: when group 1 dies at its first R collective of step KILL_AT (the clip's),
+def test_overlapped_demo_group_killed_with_an_exchange_in_flight_heals_and_rejoins(tmp_path, demo_overlap_run):
+    """DeMo with ``overlap``: when group 1 dies at its first R collective of step KILL_AT (the clip's),
     step KILL_AT - 1's exchange is parked, its update not yet landed. The survivor undoes step KILL_AT,
     which drops that exchange (its update never lands, on either group), trains on alone, heals the
     relaunched group, and both end on the same parameters, checked every 5 steps."""
-    assert resolve("DeMo").options.overlap  # the preset this test is about
-    _assert_short_run(demo_run, WARMUP, NPROC)
-    survivor = _killed_in_a_collective(tmp_path, "DeMo", demo_run)
+    _assert_short_run(demo_overlap_run, WARMUP, NPROC)
+    survivor = _killed_in_a_collective(tmp_path, "DeMo", demo_overlap_run, *DEMO_OVERLAP)
     # the parked exchange, dropped with the undone step
     assert all(survivor.syncs_failed[rank][0] == (1, f"step {KILL_AT} did not commit") for rank in range(NPROC))
 

@@ -47,10 +47,9 @@ DEMO_LR = 0.01
 
 # name -> (registered optimizer, options on top of its preset)
 DEMO_CASES = {
-    "DeMo": ("DeMo", dict(chunk=4, topk=3, beta=0.9, transfer_dtype="fp32", overlap=False)),  # the sim blocks
+    "DeMo": ("DeMo", dict(chunk=4, topk=3, beta=0.9, transfer_dtype="fp32")),
     "DeMo/identity_selected_lambda": ("DeMo", dict(chunk=4, topk=5, beta=0.9, rule="identity", transfer_dtype="fp32",
-                                                   aggregate="mean_selected", momentum_subtraction=0.5, pack=False,
-                                                   overlap=False)),
+                                                   aggregate="mean_selected", momentum_subtraction=0.5, pack=False)),
     "FlexDeMo/demo": ("FlexDeMo", dict(chunk=4, topk=3)),
     "FlexDeMo/random": ("FlexDeMo", dict(replicator="random", compression_rate=0.25)),
     "FlexDeMo/striding": ("FlexDeMo", dict(replicator="striding", compression_rate=0.25)),

@@ -102,11 +102,11 @@ def changes(before: dict, after: dict) -> list[str]:
 def options_of(name) -> dict:
     """Options under which the undone step changes the whole state on a :class:`Toy`: the local-step
     families sync within a few steps, and land their sync in that step (DiLoCo's streaming preset made
-    blocking: a sync in flight across steps is tests/test_fault_tolerance_fragments.py's; DeMo's overlapped
-    preset too: its exchange parked across a restore is the test below); DeMo keeps a part of each chunk (a
-    top-k of every coefficient of the toy's chunks would empty the momentum every step)."""
+    blocking: a sync in flight across steps is tests/test_fault_tolerance_fragments.py's); DeMo keeps a
+    part of each chunk (a top-k of every coefficient of the toy's chunks would empty the momentum every
+    step)."""
     if resolve(name).family.key == "demo":
-        return {"topk": 16, "overlap": False}
+        return {"topk": 16}
     return blocking(name)
 
 

@@ -37,9 +37,8 @@ Where ``[commopt] kernels`` runs Triton (:func:`fused_of`) the DCT replicator's 
 sides are ``plan_triton.py``'s kernels, its wire ``compress/packing_triton.py``'s where the
 registers allow (else the codecs). ``overlap``: step t's exchange stays parked at its all-gather
 until the start of step t+1's, so parameters are one update behind the momenta (a different
-algorithm: the option's default is the paper's blocking step; the DeMo preset turns it on, where the
-yardstick measured its cost at +0.13 %: docs/benchmarks.md §8.6); ``state_dict()`` lands it first, so
-a checkpoint holds no update in flight.
+algorithm, off in both presets, the papers' blocking step: docs/benchmarks.md §8.6);
+``state_dict()`` lands it first, so a checkpoint holds no update in flight.
 """
 
 import dataclasses
@@ -117,9 +116,7 @@ class Config:
 PRESETS: dict[str, dict[str, Any]] = {
     # The Config defaults are DeMo's: chunk 64, top-k 32 of each 64×64 chunk, β 0.999, sign of the aggregate.
     # lr_scale 0.289: at cpu_tiny (20 tokens per parameter, held-out loss) its best lr was half AdamW-HSDP's.
-    # overlap: ours, not the paper's (its exchange blocks); at cpu_tiny it cost +0.13 % held-out loss.
-    "DeMo": {"chunk": 64, "topk": 32, "beta": 0.999, "sign_before_sync": False, "lr_scale": 0.289,
-             "overlap": True},
+    "DeMo": {"chunk": 64, "topk": 32, "beta": 0.999, "sign_before_sync": False, "lr_scale": 0.289},
     # The FlexDeMo paper's experiments: chunk 32, sign before sync (ternary), fp32 transfer; k = 32 →
     # rate 1/32, its best rate for OLMo2 (ahead of 1/16). (DeToNATION 0.5.2's code defaults differ: chunk
     # 64, top-k 32, sign after aggregation — chunk = 64, sign_before_sync = false here.)
@@ -133,12 +130,10 @@ PRESET_SOURCES: dict[str, str] = {
     "compression_topk = 32, compression_decay = 0.999, sign-SGD on the decoded aggregate): top-k 32 of 4096 per chunk, 158× fewer R bytes than AdamW-HSDP at 8B 2×8. lr_scale: our "
     "study's (docs/benchmarks.md §8: at cpu_tiny, 20 tokens per parameter, its best lr was 0.5× AdamW-HSDP's; "
     "at cpu_micro 1×). Alternative, from our small-model study (0.2 M parameters, 500 steps): "
-    "topk = 128 (43× fewer bytes) ended within 1 % of AdamW-HSDP's training loss where top-k 32 was +18 %. "
-    "overlap = true is ours (the paper's exchange blocks the step): each step's all-gather runs behind the next "
-    "step's forward and backward and its update lands one step late; on the yardstick (docs/benchmarks.md §8.6: "
-    "cpu_tiny, 20 tokens per parameter, held-out loss, seeds 42 and 43) it cost +0.5 % and −0.3 % (+0.13 % "
-    "on average; +3.6 % and +2.3 % at the smaller cpu_micro) and hides the exchange (8B on 2 × 8 at 1 Gbit/s per "
-    "rank: 1.143× → 1.000× its floor); overlap = false is the paper's blocking step",
+    "topk = 128 (43× fewer bytes) ended within 1 % of AdamW-HSDP's training loss where top-k 32 was +18 %; "
+    "overlap = true (ours, not the paper's: each step's all-gather behind the next step's forward and backward, "
+    "its update one step late) cost +0.13 % held-out loss at cpu_tiny over two seeds (+2.9 % at cpu_micro) and "
+    "hides the exchange (docs/benchmarks.md §8.6, §2)",
     "FlexDeMo": "DeToNATION/FlexDeMo paper, Experiments, \"Overall Setup\" (ablations in its appendix B): "
     "chunk size 32, fp32 transfer, only the sign synced; top-k 32 = compression rate 1/32, its best for OLMo2 "
     "1B (Figs. 3–4, ahead of 1/16; also its 64-node run). lr_scale: our study's (docs/benchmarks.md §8). "
