@@ -20,6 +20,7 @@ sharding): the batches a step is trained again on pass through torchtitan's coun
 step that does not commit leaves the count as its quorum left it (a heal during it sets the count).
 """
 
+import functools
 import logging
 import os
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -238,24 +239,24 @@ class ReplicaGroupSteps:
 
     def train_step(self, data_iterator: Iterator[Any]) -> None:
         if self.fault_tolerance is None:
-            with token_count.per_replica(*self._replica_count()):
+            with token_count.per_replica(*self._token_count_scope):
                 super().train_step(data_iterator)  # type: ignore[misc]
         else:
             self.fault_tolerance.train_step(self, data_iterator, super().train_step)  # type: ignore[misc]
 
-    def _replica_count(self) -> tuple[Any, Optional[Topology]]:
-        """The batch mesh and R/S/T for ``token_count.per_replica``: an optimizer that owns R counts
-        the step's tokens within the replica (``(None, None)``: torchtitan's count over R × S)."""
+    @functools.cached_property
+    def _token_count_scope(self) -> tuple[Any, Optional[Topology]]:
+        """The batch mesh and R/S/T for ``token_count.per_replica``, decided (and logged) at the first
+        step, once the container and the meshes exist: an optimizer that owns R counts the step's tokens
+        within the replica (``(None, None)``: torchtitan's count over R × S)."""
         container = self.optimizers  # type: ignore[attr-defined]
         parallel_dims = self.parallel_dims  # type: ignore[attr-defined]
         if not getattr(container, "owns_replicate_sync", False) or not parallel_dims.dp_enabled:
             return None, None
         batch, topology = parallel_dims.get_mesh("batch"), container.topology
-        if not getattr(self, "_replica_count_logged", False):
-            self._replica_count_logged = True
-            logger.info("token count of each step: %s", "within the replica (|R| × its S's count: no R collective "
-                        "before the forward)" if token_count.replica_count_applies(batch, topology)
-                        else "torchtitan's, over the batch mesh")
+        logger.info("token count of each step: %s", "within the replica (|R| × its S's count: no R collective "
+                    "before the forward)" if token_count.replica_count_applies(batch, topology)
+                    else "torchtitan's, over the batch mesh")
         return batch, topology
 
     def close(self) -> None:

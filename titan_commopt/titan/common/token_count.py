@@ -68,7 +68,7 @@ def per_replica(batch_mesh: Any, topology: Optional[Topology]) -> Iterator[None]
 
 def _routed(original: Callable[..., Any]) -> Callable[..., Any]:
     def reduce_sum(x: Any, mesh: Any = None, extra_pg: Any = None) -> Any:
-        if _active is None or extra_pg is not None or mesh is None or mesh is not _active[0]:
+        if _active is None or extra_pg is not None or mesh is not _active[0]:  # _active[0] is never None
             return original(x, mesh, extra_pg)
         topology = _active[1]
         return original(x, topology.shard, None) * topology.replicate_size  # no S: x itself
