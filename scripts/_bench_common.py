@@ -77,9 +77,13 @@ def parameter_count(flavor: str) -> int:
     return sum(math.prod(shape) for _, shape in param_shapes(flavor))
 
 
+# The [commopt] keys a benchmark varies (--set commopt.KEY=VALUE)
+COMMON_KEYS = ("kernels", "clip_scope")
+
+
 def parse_overrides(items: list[str]) -> dict[str, dict]:
     """``["local.Kx=2", "demo.chunk=32"]`` → ``{"local": {"Kx": 2}, "demo": {"chunk": 32}}``;
-    ``commopt.kernels=triton`` (the one ``[commopt]`` key a benchmark varies) → ``{"commopt": {...}}``;
+    ``commopt.kernels=triton`` (a key of :data:`COMMON_KEYS`) → ``{"commopt": {...}}``;
     an optimizer's name in place of its family (``DiLoCo.lr_scale=1``) → ``{"DiLoCo": {...}}``, for
     that optimizer alone (its family's other presets keep theirs; :func:`options_of`).
     A malformed item or an unknown family: ``ConfigError`` with one line."""
@@ -97,8 +101,9 @@ def parse_overrides(items: list[str]) -> dict[str, dict]:
         if not eq or not dot or not family or not option:
             raise ConfigError(f"--set {item!r}: allowed is FAMILY.OPTION=VALUE or OPTIMIZER.OPTION=VALUE, "
                               f"e.g. demo.chunk=32, DiLoCo.lr_scale=1")
-        if family == "commopt" and option != "kernels":
-            raise ConfigError(f"--set {item!r}: of [commopt] only commopt.kernels=auto|torch|triton is taken here")
+        if family == "commopt" and option not in COMMON_KEYS:
+            raise ConfigError(f"--set {item!r}: of [commopt] only commopt.kernels=auto|torch|triton and "
+                              "commopt.clip_scope=auto|replicas|replica are taken here")
         if family not in FAMILIES and family not in names and family != "commopt":
             close = difflib.get_close_matches(family, [*FAMILIES, *names], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -130,13 +135,13 @@ def options_of(name: str, overrides: dict[str, dict]) -> dict:
 
 def cli_overrides(name: str, overrides: dict[str, dict]) -> list[str]:
     """The same overrides as torchtitan command-line flags (the optimizer's family's and its own, and
-    ``[commopt] kernels``)."""
+    ``[commopt]``'s :data:`COMMON_KEYS`)."""
     from titan_commopt.optim import family_of, owns_replicate_sync
 
     if not owns_replicate_sync(name):
         return []
     family = family_of(name).key
-    out = [arg for kernels in overrides.get("commopt", {}).values() for arg in ("--commopt.kernels", str(kernels))]
+    out = [arg for key, value in overrides.get("commopt", {}).items() for arg in (f"--commopt.{key}", str(value))]
     for option, value in options_of(name, overrides).items():
         flag = f"--commopt.{family}.{option}"
         if isinstance(value, bool):

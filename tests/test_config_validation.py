@@ -26,6 +26,10 @@ BAD = [
     ("AdamW", "[commopt]\ncheck_replica_every = 3", [], ["unknown key 'check_replica_every'", "did you mean 'check_replicas_every'"]),
     ("AdamW", "[commopt]\nbogus = 1", [], ["unknown key 'bogus'", "known:"]),
     ("AdamW", "[commopt.dionn]\nrank = 4", [], ["unknown key 'dionn'", "did you mean 'dion'"]),
+    ("AdamW", "[commopt]\nclip_scope = 'mine'", [], ["clip_scope = 'mine'", "'auto', 'replicas', 'replica'"]),
+    ("DeMo", "[commopt]\nclip_scope = 'replica'", [],
+     ["[commopt] clip_scope = \"replica\" with [optimizer] name = 'DeMo'", "DiLoCo", "SparseLoCo", "\"replicas\""]),
+    ("AdamW", "", ["--commopt.clip_scope", "replica"], ["clip_scope = \"replica\" with [optimizer] name = 'AdamW'"]),
     # [commopt.dion]
     ("Dion", "[commopt.dion]\nrank = -4", [], ["[commopt.dion] rank = -4", ">= 0"]),
     ("Dion", "[commopt.dion]\nrank_fraction = 0.0", [], ["rank_fraction = 0.0", "> 0 and <= 1"]),

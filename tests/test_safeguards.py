@@ -1,6 +1,7 @@
 """Non-finite steps, replica drift and the container's other runtime rules on real gloo meshes, and a run
 stopped by persistent non-finite gradients."""
 
+import copy
 import re
 
 import pytest
@@ -103,7 +104,7 @@ def test_drift_stops_every_rank_naming_the_parameter(four_rank_results):
 
 
 # ---- one 2-replica world for the container's runtime rules (one spawn for all of them) ----------
-def _own_r_container(topo, name, safeguards=None, **options):
+def _own_r_container(topo, name, safeguards=None, clip_scope="replicas", **options):
     from titan_commopt.optim import build_optimizer, resolve
     from titan_commopt.titan.common.container import CommOptimizersContainer, Safeguards
 
@@ -114,7 +115,7 @@ def _own_r_container(topo, name, safeguards=None, **options):
     opt = build_optimizer(list(model.named_parameters()), topo, resolved, ledger=ledger)
     container = CommOptimizersContainer(
         [model], [opt], name=name, resolved=resolved, topology=topo, ledger=ledger, fsdp_traffic=None,
-        adamw_reference_r_bytes=0, safeguards=safeguards or Safeguards(),
+        adamw_reference_r_bytes=0, safeguards=safeguards or Safeguards(), clip_scope=clip_scope,
     )
     return model, container
 
@@ -128,7 +129,7 @@ def _runtime(rank, world_size):
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_replicate",))
     topo = Topology.from_mesh(mesh, grad_scale=2.0)  # torchtitan: p.grad = g / W
-    out = {}
+    out = {"rank": rank}
 
     # [training] max_norm through torchtitan's clip function: N = sqrt(mean_r |W p.grad_r|^2), one factor.
     model, container = _own_r_container(topo, "LocalAdam")
@@ -160,6 +161,63 @@ def _runtime(rank, world_size):
         moved = not all(torch.equal(a, p) for a, p in zip(snapshot, model.parameters()))
         events.append(("moved" if moved else "skipped", container.consecutive_skips))
     out["events"] = events
+
+    # clip_scope = "replica": each replica by its own norm N_r = |W p.grad_r| (here (r + 1) * sqrt(numel)),
+    # with no collective at all in the clip
+    model, container = _own_r_container(topo, "LocalAdam", clip_scope="replica")
+    clipping.register(container)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5 * (rank + 1))
+    before = [p.grad.clone() for p in model.parameters()]
+    totals = dict(container.ledger.totals)
+    out["own_norm"] = float(dist_utils.clip_grad_norm_(list(model.parameters()), 0.5, foreach=True))
+    out["own_scale"] = [float((p.grad / b).flatten()[0]) for p, b in zip(model.parameters(), before)]
+    out["own_clip_sent"] = dict(container.ledger.totals) != totals
+
+    # ... and a NaN/Inf step is skipped by that replica alone (replica 1, step 1), keeping the schedule:
+    # both replicas sync at step Kx = 2 (parameters, momenta and v: equal after it); the skip and the
+    # steps' counters saved and loaded with this replica's state, the clock set back from the steps taken
+    model, container = _own_r_container(topo, "LocalAdam", clip_scope="replica", Kx=2, Ku=[2], Kv=2)
+    optimizer = container.optimizers[0]
+    trace = []
+    for step in (1, 2):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.5 * (rank + 1))
+        if step == 1 and rank == 1:
+            model[0].weight.grad[0, 0] = float("inf")
+        snapshot = [p.detach().clone() for p in model.parameters()]
+        dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
+        container.step()
+        moved = not all(torch.equal(a, p) for a, p in zip(snapshot, model.parameters()))
+        trace.append((moved, optimizer._n, optimizer._clock, container.steps_to_next_sync()))
+        if step == 1:
+            state = copy.deepcopy(container.state_dict())  # its tensors are the live state's
+    out["alone_trace"] = trace
+    out["alone_skipped"] = container.skipped_steps
+    out["alone_params"] = [p.detach().clone() for p in model.parameters()]
+    _, loaded = _own_r_container(topo, "LocalAdam", clip_scope="replica", Kx=2, Ku=[2], Kv=2)
+    loaded.load_state_dict(state)
+    out["alone_loaded"] = (loaded.optimizers[0]._n, loaded.optimizers[0]._clock, loaded.skipped_steps,
+                           loaded.steps_to_next_sync())
+
+    # ... and a stop it decides (on_nonfinite = "stop", replica 1 at step 1) is agreed at the next R sync,
+    # before step Kx = 3: every rank stops there alike, with replica 1's line
+    model, container = _own_r_container(topo, "LocalAdam", Safeguards(on_nonfinite="stop"), clip_scope="replica",
+                                        Kx=3, Ku=[3], Kv=3)
+    stops = []
+    for step in (1, 2, 3):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        if step == 1 and rank == 1:
+            model[0].weight.grad[0, 0] = float("nan")
+        try:
+            dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
+            container.step()
+            stops.append(("stepped", step))
+        except RunStopped as stopped:
+            stops.append(("stopped", step, stopped.status, stopped.message))
+            break
+    out["alone_stop"] = stops
 
     # next R sync of periodic optimizers (console hint)
     model, container = _own_r_container(topo, "LocalAdam", Kx=4, Ku=[4], Kv=4)
@@ -223,6 +281,12 @@ def runtime_results(two_rank_results):
     return [out["runtime"] for out in two_rank_results]
 
 
+def _own_norm(out):
+    import math
+
+    return (out["rank"] + 1) * math.sqrt(out["numel"])  # g_r = W * p.grad = (r + 1) everywhere
+
+
 def _expected_norm(out):
     import math
 
@@ -233,6 +297,22 @@ RUNTIME_RULES = {
     "max_norm through torchtitan's clip function": lambda out: (
         out["norm"] == pytest.approx(_expected_norm(out), rel=1e-6)
         and out["scale"] == pytest.approx([0.5 / (_expected_norm(out) + 1e-6)] * 4, rel=1e-6)
+    ),
+    "clip_scope replica: each replica by its own norm, no collective": lambda out: (
+        out["own_norm"] == pytest.approx(_own_norm(out), rel=1e-6) and not out["own_clip_sent"]
+        and out["own_scale"] == pytest.approx([0.5 / (_own_norm(out) + 1e-6)] * 4, rel=1e-6)
+    ),
+    # (moved, updates, clock, steps to the next sync) after steps 1 and 2: replica 1 skipped step 1 alone
+    "clip_scope replica: a NaN/Inf step skipped by its replica alone keeps the schedule": lambda out: (
+        out["alone_trace"] == ([(True, 1, 1, 1), (True, 2, 2, 2)] if out["rank"] == 0
+                               else [(False, 0, 1, 1), (True, 1, 2, 2)])
+        and out["alone_skipped"] == out["rank"] and out["alone_loaded"] == (1 - out["rank"], 1, out["rank"], 1)
+    ),
+    "clip_scope replica: a replica's stop agreed at the next R sync": lambda out: (
+        out["alone_stop"][:2] == [("stepped", 1), ("stepped", 2)] and out["alone_stop"][2][:3] == ("stopped", 3, 1)
+        and out["alone_stop"][2][3] == "non-finite gradient at optimizer step 1 on replica 1 ([commopt] on_nonfinite "
+        "= \"stop\"); resume from the last checkpoint once the cause (learning rate, data) is fixed; stopped before "
+        "optimizer step 3, at an R sync"
     ),
     "consecutive non-finite skips reset by a clean step": lambda out: (
         out["events"][:5] == [("skipped", 1), ("skipped", 2), ("moved", 0), ("skipped", 1), ("skipped", 2)]
@@ -261,14 +341,21 @@ def test_runtime_rule_on_two_replicas(runtime_results, rule):
         assert RUNTIME_RULES[rule](out), (rank, {k: v for k, v in out.items()})
 
 
+def test_clip_scope_replica_replicas_equal_after_the_sync_that_follows_a_skip(runtime_results):
+    first, second = (out["alone_params"] for out in runtime_results)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
 def test_persistent_nonfinite_gradients_stop_the_run(tmp_path):
-    """lr = 1e20 turns every weight into Inf after step 1: every later step is skipped, and the third
-    in a row stops the run with one line (rank 0), exit status 1, the skips on disk in TensorBoard."""
+    """lr = 1e20 turns every weight into Inf after step 1: every later step is skipped. DES-LOC's replicas
+    step alone (``clip_scope = "auto"``: each clips and skips by its own gradient), so each skips its own
+    steps and keeps the sync schedule, and the stop its third skip in a row decides (step 4) is agreed at
+    the next R sync (before step Kx = 8): one line (rank 0), exit status 1, the skips on disk in TensorBoard."""
     from tests.titan_utils import run_train
 
     proc, scalars = run_train(
         tmp_path, 2, "--optimizer.name", "DES-LOC", "--optimizer.lr", "1e20", "--model.flavor", "cpu_tiny",
-        "--parallelism.data_parallel_replicate_degree", "2", "--training.steps", "20",
+        "--parallelism.data_parallel_replicate_degree", "2", "--training.steps", "20", "--commopt.local.Kx", "8",
         "--commopt.max_consecutive_skips", "3", check=False, all_ranks=True,
     )
     out = proc.stdout + proc.stderr
@@ -276,17 +363,15 @@ def test_persistent_nonfinite_gradients_stop_the_run(tmp_path):
     lines = [line for line in out.splitlines() if "titan_commopt: the last 3 optimizer steps" in line]
     lines = [line for line in lines if line.startswith("[rank")]  # torchrun's summary shows it too
     assert len(lines) == 1 and lines[0].startswith("[rank0]:"), out[-3000:]
-    assert "max_consecutive_skips = 3" in lines[0]
+    assert "(up to step 4) were all skipped by replica 0" in lines[0] and "max_consecutive_skips = 3" in lines[0]
+    assert lines[0].endswith("stopped before optimizer step 8, at an R sync"), lines[0]
     # torchrun names the first failure's exit status in its log line or, where the rank left an error
     # file, in the summary ("exitcode  : 1"): status 1 either way, and no traceback of ours
     assert re.search(r"exitcode\)?\s*:\s*1\b", out) and "titan_commopt/titan" not in out, out[-3000:]
-    assert sorted(scalars["commopt/skipped_steps"]) == [(1, 0.0), (2, 1.0), (3, 2.0)]
-    # DES-LOC syncs R every Kx steps: the console says when (skipped steps push it back)
-    from titan_commopt.optim.local.adaptive import PRESETS
-
-    kx = PRESETS["DES-LOC"]["Kx"]
-    assert re.search(rf"step:  1 .*R sent: 0B/step .*next R sync at step {kx}\n", out)
-    assert re.search(rf"step:  2 .*next R sync at step {kx + 1}\n", out)
+    assert sorted(scalars["commopt/skipped_steps"]) == [(step, float(step - 1)) for step in range(1, 8)]
+    # the console says when DES-LOC syncs R: skipped steps keep the schedule
+    assert re.search(r"step:  1 .*R sent: 0B/step .*next R sync at step 8\n", out)
+    assert re.search(r"step:  2 .*next R sync at step 8\n", out)
 
 
 def _flush_at_end(rank, world_size):

@@ -53,6 +53,12 @@ def test_optimizer_trains_through_torchtitan_hsdp(tmp_path_factory, name):
     # Muon: AdamW-HSDP's own gradient bytes (ratio 1; the R bytes are held to the formula below)
     assert 0 < ratio < 1 or (family_of(name).key == "muon" and 1 <= ratio < 1.01), ratio
     assert tb["commopt/skipped_steps"][-1][1] == 0
+    # the clip's 8 bytes crossed R (over the world) every step unless each replica clipped alone ([commopt]
+    # clip_scope "auto"): then only the 4-byte agreement on a replica's stop, before a step that syncs R
+    world = [v for _, v in sorted(tb["comm/world_bytes_total"])]
+    per_step = [b - a for a, b in zip([0.0] + world, world)]
+    assert len(per_step) == HSDP_STEPS
+    assert (set(per_step) <= {0.0, 4.0}) if family_of(name).local_steps else min(per_step) >= 8, per_step
     assert_ledger_is_the_comm_report(tb, name, HSDP_STEPS, EXTRA.get(name))
     # the resolved options, once, as text: what the run trained with and where each value came from
     (text,) = read_texts(dump)["commopt/resolved_options/text_summary"]

@@ -176,7 +176,9 @@ class Family:
       that is priced;
     - ``summary``: one line for the docs;
     - ``preset_sources``: ``{optimizer name: where its values come from}`` (paper, section/table),
-      printed beside each preset in ``docs/options.md``.
+      printed beside each preset in ``docs/options.md``;
+    - ``local_steps``: its replicas step alone between syncs, each on its own gradient (its optimizer
+      a ``local.steps.LocalSteps``): ``[commopt] clip_scope = "auto"`` clips each by its own norm.
 
     Every ``options`` dataclass has ``lr`` (negative = unset) and ``lr_scale``: the registry turns
     them into the effective learning rate once (``resolve``), so builders read ``hparams.lr`` only.
@@ -194,6 +196,7 @@ class Family:
     summary: str = ""
     preset_sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
     s_bytes: Optional[Callable[[Sequence[ShardShape], "Resolved"], Bytes]] = None
+    local_steps: bool = False
 
     @property
     def section(self) -> str:

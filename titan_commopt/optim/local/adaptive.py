@@ -661,14 +661,14 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
         delay (``merge = "delayed"``: every replica applies the same mean). With several fragments at
         different offsets, a ``sync_delay`` (local progress is kept at a merge) or ``merge = "eager"``
         (each replica applies its own fresh share), that never happens after the first step. Read from
-        the checkpointed step counter, so it stays right after a resume."""
+        the clock, which a resume sets back."""
         exact = self._merge in ("additive", "delayed") or (self._merge == "lerp" and self._alpha == 0.0)
-        return self._n == 0 or (self._sync_delay == 0 and exact and self.schedule.all_x_due(self._n))
+        return self._clock == 0 or (self._sync_delay == 0 and exact and self.schedule.all_x_due(self._clock))
 
     def steps_to_next_sync(self) -> Optional[int]:
         """Steps until the next R sync of any state (x, u_j or v); ``None`` when one period is 1
         (a sync every step) or all are 0 (never), or with one replica."""
-        return None if not self.topology.replicated else self.schedule.steps_to_next(self._n)
+        return None if not self.topology.replicated else self.schedule.steps_to_next(self._clock)
 
     @contextmanager
     def global_params(self, *, ledger: Optional["comm.CommLedger"] = None) -> Iterator[None]:
@@ -772,7 +772,7 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
                 self._local_update(xs, gs, moments, vs, group, hp, n, corrections)
         if self.muon is not None:
             self.muon.step(matrices, self.runtime, self.ledger)
-        self._sync(n)
+        self._sync(work.clock)
         return loss
 
     def _row_states(self, group: dict) -> list[str]:
@@ -798,8 +798,8 @@ class LocalAdaptive(LocalSteps, CommOptimizer):
 
     # ---- the R syncs (sync.py) ------------------------------------------------------------------
     def _sync(self, n: int) -> None:
-        """Average every (state, fragment) due after update ``n`` in one fused all-reduce: now
-        (``sync_delay`` = 0) or merged after update ``n + sync_delay``; merge what is due now. With an
+        """Average every (state, fragment) due after step ``n`` (the clock) in one fused all-reduce: now
+        (``sync_delay`` = 0) or merged after step ``n + sync_delay``; merge what is due now. With an
         overlapped ``merge``: land what is due, apply it and issue this step's (``sync_overlapped``)."""
         due = self.schedule.due(n) if self._syncs else {}
         if self._overlapped:
@@ -967,6 +967,7 @@ FAMILY = Family(
     settings=settings,
     preset_sources=PRESET_SOURCES,
     s_bytes=local_s_bytes,
+    local_steps=True,
     summary="parameters every Kx, first moments every K_j, second moment every Kv steps (DES-LOC, MT-DAO, "
     "Local Adam, DiLoCo; MuLoCo with a Muon base)",
 )

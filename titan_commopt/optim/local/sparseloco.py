@@ -550,12 +550,12 @@ class SparseLoCo(LocalSteps, CommOptimizer):
         """Right after a blocking or delayed outer step, or a lerp at α = 0 (and before the first step)
         every replica holds the anchor; an eager one applies each replica's own fresh share."""
         exact = self._merge in ("additive", "delayed") or (self._merge == "lerp" and self._alpha == 0.0)
-        return self._n == 0 or (self._sync_delay == 0 and exact and self._n % self.H == 0)
+        return self._clock == 0 or (self._sync_delay == 0 and exact and self._clock % self.H == 0)
 
     def steps_to_next_sync(self) -> Optional[int]:
         if not self.topology.replicated or self.H == 1:
             return None
-        return self.H - self._n % self.H
+        return self.H - self._clock % self.H
 
     @contextmanager
     def global_params(self, *, ledger: Optional["comm.CommLedger"] = None) -> Iterator[None]:
@@ -592,13 +592,19 @@ class SparseLoCo(LocalSteps, CommOptimizer):
                                      weight_decay=group["weight_decay"], step=n, fused=True)  # inner AdamW
         if self.muon is not None:
             self.muon.step(matrices, self.runtime, self.ledger)
+        self._sync(work.clock)
+        return loss
+
+    def _sync(self, n: int) -> None:
+        """The outer step due after step ``n`` (the clock): every H steps, now, after ``sync_delay``
+        steps, or overlapped with the next period (``merge``)."""
         if self._merge in ("delayed", "eager"):
             # The all-gather issued a period ago lands first (its aggregate into inflight_update), then this
             # period's outer step applies it and issues its own, landing by the next period's end.
             self.runtime.advance(n)
             if n % self.H == 0:
                 self.runtime.start(self._overlapped_outer_step(), due=n + self.H, record=("overlapped", n))
-            return loss
+            return
         if n % self.H == 0:
             if self._sync_delay:
                 self.runtime.start(self._outer_step(streaming=True), due=n + self._sync_delay,
@@ -606,7 +612,6 @@ class SparseLoCo(LocalSteps, CommOptimizer):
             else:
                 self.runtime.run(self._outer_step(streaming=False))
         self.runtime.advance(n)
-        return loss
 
     def _fail_sync(self, record: tuple[str, int]) -> None:
         """Live fault tolerance: the sync issued after update n (``record``) will not land, its quorum
@@ -776,6 +781,7 @@ FAMILY = Family(
     settings=settings,
     preset_sources=PRESET_SOURCES,
     s_bytes=sparseloco_s_bytes,
+    local_steps=True,
     summary="H local AdamW (or Muon) steps, then chunked top-k of the error-fed pseudo-gradient in 2-bit values, "
     "one all-gather, outer SGD on their aggregate (SparseLoCo; MuLoCo's 2-bit wire: every value, Muon inside, "
     "Nesterov outer momentum)",

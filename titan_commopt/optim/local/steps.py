@@ -60,11 +60,14 @@ def column_chunks(rows: list[Row], limit: float) -> Iterator[list[list[torch.Ten
 
 @dataclass
 class LocalStep:
-    """One local step's work: ``n`` the update number (1-based); ``grads`` each parameter with a
-    gradient and this replica's gradient of it (``common.replica_grad``, before any dtype cast);
-    ``groups`` per param group its rows (:data:`Row`), in the order of ``param_groups``."""
+    """One local step's work: ``n`` the update number (1-based: what bias corrections count);
+    ``clock`` the step number (1-based: what the sync schedule counts, skipped steps included);
+    ``grads`` each parameter with a gradient and this replica's gradient of it
+    (``common.replica_grad``, before any dtype cast); ``groups`` per param group its rows
+    (:data:`Row`), in the order of ``param_groups``."""
 
     n: int
+    clock: int
     grads: list[tuple[torch.Tensor, torch.Tensor]]
     groups: list[tuple[dict, list[Row]]]
 
@@ -72,9 +75,13 @@ class LocalStep:
 class LocalSteps:
     """Mixed in before ``CommOptimizer`` by the local-step families:
 
-    - one step counter for every parameter: ``self._n`` (a Python int, no host read) and
+    - one update counter for every parameter: ``self._n`` (a Python int, no host read) and
       ``self._step_t``, the CPU scalar tensor every ``state["step"]`` is, so checkpoints carry it;
-    - :meth:`begin_local_step`, the start of every ``step()``;
+    - the clock ``self._clock``, the steps taken: updates and the steps skipped for a NaN/Inf gradient
+      (:meth:`skip_update`), so that a skipped step keeps the sync schedule, as a GradScaler-skipped inner
+      step keeps Templar's; the syncs count it, the update formulas count ``_n``. A checkpoint holds
+      ``_n``; the container, whose saved step count the clock equals, sets it back (:meth:`set_clock`);
+    - :meth:`begin_local_step`, the start of every ``step()``; :meth:`skip_update`, a step without one;
     - ``metrics()``: the syncs in flight on ``runtime`` and the steps to the next sync;
     - ``step_attributes``: the counter and its tensor, kept by ``CommOptimizer.snapshot()`` (the
       tensor is every state's ``step``, but a replica with no trainable shard has no state);
@@ -89,13 +96,33 @@ class LocalSteps:
     """
 
     _n: int
+    _clock: int
     _step_t: torch.Tensor
-    step_attributes = ("_n", "_step_t")
+    step_attributes = ("_n", "_clock", "_step_t")
 
     def start_step_counter(self) -> None:
-        """No update yet: the counter at 0, and the tensor every ``state["step"]`` will be."""
-        self._n = 0
+        """No update yet: the counter and the clock at 0, and the tensor every ``state["step"]`` will be."""
+        self._n = self._clock = 0
         self._step_t = torch.tensor(0.0)
+
+    def set_clock(self, steps: int) -> None:
+        """The clock after a load: ``steps`` taken so far (the container's saved count; updates and
+        skipped steps). ``load_state_dict`` alone sets it to the updates, right where no step was skipped."""
+        self._clock = steps
+
+    def _sync(self, clock: int) -> None:
+        """The family's R syncs due after step ``clock`` (issued, landed, merged); none here (Muon's family
+        averages inside its update)."""
+
+    @torch.no_grad()
+    def skip_update(self) -> None:
+        """A step skipped for a NaN/Inf gradient: no update, no state touched, but the clock moves and
+        the syncs due after this step run as after an update (the other replicas, which may have
+        stepped, sync now too). Nothing moves where ``step()`` would not: no parameter has a gradient."""
+        if not any(p.grad is not None for group in self.param_groups for p in group["params"]):
+            return
+        self._clock += 1
+        self._sync(self._clock)
 
     def begin_local_step(
         self, closure: Optional[Callable[[], Any]], row_states: Callable[[dict], list[str]]
@@ -112,13 +139,14 @@ class LocalSteps:
         if not work:
             return loss, None
         self._n += 1
+        self._clock += 1
         self._step_t.fill_(self._n)
         by_group: dict[int, tuple[dict, list[Row]]] = {}
         for group, p, g in work:
             x, state = local(p), self.state[p]
             row = [x, g if g.dtype == x.dtype else g.to(x.dtype)] + [local(state[key]) for key in row_states(group)]
             by_group.setdefault(id(group), (group, []))[1].append(row)
-        return loss, LocalStep(self._n, [(p, g) for _, p, g in work], list(by_group.values()))
+        return loss, LocalStep(self._n, self._clock, [(p, g) for _, p, g in work], list(by_group.values()))
 
     def metrics(self) -> dict[str, float]:
         out = {"syncs_in_flight": float(self.runtime.in_flight)}
@@ -136,7 +164,7 @@ class LocalSteps:
         super().load_state_dict(state_dict)
         # a checkpoint of per-parameter counters: their largest, then one shared tensor again
         steps = [s["step"] for s in self.state.values() if "step" in s]
-        self._n = int(max(float(t) for t in steps)) if steps else 0
+        self._n = self._clock = int(max(float(t) for t in steps)) if steps else 0
         self._step_t = torch.tensor(float(self._n))
         for s in self.state.values():
             if "step" in s:

@@ -75,8 +75,17 @@ def container_arguments(
         model_parts=model_parts, optimizers=optimizers, name=name, resolved=resolved, topology=topology,
         ledger=ledger, fsdp_traffic=traffic, adamw_reference_r_bytes=adamw_reference,
         safeguards=Safeguards.of(commopt),
+        clip_scope=clip_scope_of(commopt.clip_scope, resolved),
         ledger_in_checkpoint=True if checkpoint is None else ledger_saved(checkpoint),
     )
+
+
+def clip_scope_of(scope: str, resolved: Optional[Resolved]) -> str:
+    """``[commopt] clip_scope`` as the run's container takes it: ``"auto"`` is ``"replica"`` for a family
+    whose replicas step alone between syncs (``Family.local_steps``), ``"replicas"`` for the others."""
+    if scope != "auto":
+        return scope
+    return "replica" if resolved is not None and resolved.family.local_steps else "replicas"
 
 
 def _global_rank() -> int:

@@ -55,6 +55,7 @@ class CommOptimizersContainer(OptimizersContainer):
         adamw_reference_r_bytes: float,
         safeguards: Safeguards = Safeguards(),
         ledger_in_checkpoint: bool = True,
+        clip_scope: str = "replicas",
     ) -> None:
         if resolved is not None and not all(isinstance(o, CommOptimizer) for o in optimizers):
             raise TypeError("optimizers that own the replicate sync must be CommOptimizers")
@@ -78,6 +79,11 @@ class CommOptimizersContainer(OptimizersContainer):
         self.ft: Optional[ReplicaGroupFT] = None  # live fault tolerance: attach_fault_tolerance
         self.eval_ledger = comm.CommLedger()  # what evaluations send (global_model): not training's bytes
         self.committed = True  # whether the last step() stands (always, without fault tolerance)
+        # [commopt] clip_scope (build.clip_scope_of): "replica" clips each replica by its own gradient's
+        # norm, and without fault tolerance skips a NaN/Inf step on that replica alone (skip_update)
+        self.clips_per_replica = clip_scope == "replica"
+        if self.clips_per_replica and not all(hasattr(o, "skip_update") for o in optimizers):
+            raise ValueError("clip_scope = \"replica\" needs optimizers that step alone (the local-step families)")
         if hasattr(OptimizersContainer, "_validate_length"):  # torchtitan 0.2.2's check (0.3 has none)
             self._validate_length(len(model_parts))
         all_params = [p for m in model_parts for p in m.parameters() if p.requires_grad]
@@ -121,18 +127,25 @@ class CommOptimizersContainer(OptimizersContainer):
             norm = torch.nn.utils.get_total_norm(grads, 2.0, False, foreach)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        # Mean over the world of every rank's replica norm² = mean over replicas (each replica has
-        # the same number of ranks); one all-reduce, NaN/Inf anywhere makes it non-finite.
         sq = norm.detach().to(torch.float64).square().reshape(1)
-        world = 1
-        if dist.is_available() and dist.is_initialized():
-            comm.all_reduce(sq, "world", dist.group.WORLD, op="sum", ledger=self.ledger)
-            world = dist.get_world_size()
-        if self.ft is not None:  # the world is one replica group: the mean over the quorum's groups too
-            comm.all_reduce(sq, R, self.topology.replicate, op="mean", ledger=self.ledger)
-        mean_sq = float(sq.item()) / world
+        if self.clips_per_replica:
+            # ‖g_r‖ itself, as each worker of Templar's SparseLoCo and of torchtitan's fault-tolerant DiLoCo
+            # clips: no R collective (under fault tolerance the skip is still agreed over the quorum below).
+            mean_sq = float(sq.item())
+        else:
+            # Mean over the world of every rank's replica norm² = mean over replicas (each replica has
+            # the same number of ranks); one all-reduce, NaN/Inf anywhere makes it non-finite.
+            world = 1
+            if dist.is_available() and dist.is_initialized():
+                comm.all_reduce(sq, "world", dist.group.WORLD, op="sum", ledger=self.ledger)
+                world = dist.get_world_size()
+            if self.ft is not None:  # the world is one replica group: the mean over the quorum's groups too
+                comm.all_reduce(sq, R, self.topology.replicate, op="mean", ledger=self.ledger)
+            mean_sq = float(sq.item()) / world
         total = self.topology.grad_scale * math.sqrt(mean_sq) if math.isfinite(mean_sq) else float("nan")
         self._nonfinite_vote = not math.isfinite(total)
+        if self.clips_per_replica and self.ft is not None:  # a step commits on every group or none
+            self._nonfinite_vote = self._any_replica(self._nonfinite_vote)
         total_norm = torch.tensor(total, dtype=torch.float32, device=device)
         if not self._nonfinite_vote:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach)
@@ -150,9 +163,20 @@ class CommOptimizersContainer(OptimizersContainer):
         grads = [p.grad for _, p in self._named_params()]
         if ft is not None and vote is None:  # one decision over every group of the quorum
             vote = self._any_replica(replica_state.any_nonfinite(grads, ledger=self.ledger))
-        if not self.guard.skip_step(vote, grads, self.steps_taken + 1):
+        alone = self._skips_alone()
+        if alone:
+            if vote is None:  # no clip ran: this replica's own decision
+                vote = replica_state.any_nonfinite_in_replica(grads, self.topology, ledger=self.ledger)
+            if self.steps_to_next_sync() == 1:  # this step's sync crosses R anyway: the replicas' stops agreed
+                self.guard.agree_on_stop(f"before optimizer step {self.steps_taken + 1}, at an R sync")
+        replica = self.topology.replica_index if alone else None
+        if not self.guard.skip_step(vote, grads, self.steps_taken + 1, replica=replica):
             for optimizer in self.optimizers:
                 optimizer.step(*args, **kwargs)
+        else:  # a family that syncs on a schedule keeps it: its clock moves and the syncs due run
+            for optimizer in self.optimizers:
+                if hasattr(optimizer, "skip_update"):
+                    optimizer.skip_update()
         self.steps_taken += 1
         if self.fsdp_traffic is not None:
             self.fsdp_traffic.record(self.ledger)
@@ -180,6 +204,11 @@ class CommOptimizersContainer(OptimizersContainer):
         if self.fsdp_traffic is not None:
             self.fsdp_traffic.record(self.ledger)
         self.ledger.end_step()
+
+    def _skips_alone(self) -> bool:
+        """Whether a NaN/Inf step is this replica's own decision (:attr:`clips_per_replica`, several
+        replicas, no fault tolerance: under it every step is agreed over the quorum to commit)."""
+        return self.clips_per_replica and self.ft is None and self.topology.replicate_size > 1
 
     def _any_replica(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any group of the quorum (one 4-byte all-reduce over R)."""
@@ -234,6 +263,14 @@ class CommOptimizersContainer(OptimizersContainer):
                 optimizer.load_state_dict(saved)
         self.ledger.load_state_dict(state["ledger"])
         self._logged = (dict(self.ledger.totals), self.ledger.steps)
+        self._set_clocks()
+
+    def _set_clocks(self) -> None:
+        """After a load: a family that syncs on a schedule counts the steps taken, skipped ones included
+        (``LocalSteps.set_clock``); its checkpoint holds its updates, this container the steps."""
+        for optimizer in self.optimizers:
+            if hasattr(optimizer, "set_clock"):
+                optimizer.set_clock(self.steps_taken)
 
     def _params_and_counters(self) -> dict[str, Any]:
         """Copies of the parameters (this rank's shards) and the container's counters: what a step
@@ -270,6 +307,8 @@ class CommOptimizersContainer(OptimizersContainer):
         if self.owns_replicate_sync:
             for o in self.optimizers:
                 o.flush()
+            if self._skips_alone():  # a replica's stop not agreed at a sync yet: the run ends with it
+                self.guard.agree_on_stop(f"at the end of training, after optimizer step {self.steps_taken}")
 
     def metrics(self) -> dict[str, float]:
         """The scalars of the steps since the previous call (a log step): the ledger's ``comm/*``
@@ -357,6 +396,7 @@ class CommOptimizersContainer(OptimizersContainer):
             for optimizer, groups in zip(self.optimizers, ours):
                 for group, values in zip(optimizer.param_groups, groups):
                     group.update(values)
+            self._set_clocks()
         self._ledger_in_checkpoint = True
         self._logged = (dict(self.ledger.totals), self.ledger.steps)  # per-step scalars from the checkpoint on
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from titan_commopt import comm
 from titan_commopt.optim.common import local
-from titan_commopt.topology import R, Topology
+from titan_commopt.topology import R, S, T, Topology
 
 from ..config.checkpoint import replica_prefix
 
@@ -33,6 +33,7 @@ __all__ = [
     "ReplicaDriftError",
     "any_rank",
     "any_nonfinite",
+    "any_nonfinite_in_replica",
 ]
 
 def add_replica_prefix(state: dict[str, Any], replica: int) -> dict[str, Any]:
@@ -97,13 +98,28 @@ def any_nonfinite(
 ) -> bool:
     """Whether any rank of ``group`` (default: all ranks) has a NaN/Inf gradient: one 4-byte
     all-reduce(max), so that every rank takes the same decision."""
+    return _any_rank(_nonfinite_flag(grads, group), group, ledger)
+
+
+def any_nonfinite_in_replica(
+    grads: Iterable[Optional[torch.Tensor]], topology: Topology, *, ledger: Optional[comm.CommLedger] = None
+) -> bool:
+    """Whether any rank of this replica (its S × T ranks) has a NaN/Inf gradient: a 4-byte all-reduce(max)
+    over S and over T, none over R (the replica's own decision: every rank of it takes the same)."""
+    flag = _nonfinite_flag(grads, topology.shard)
+    for role in (S, T):
+        comm.all_reduce(flag, role, topology.group(role), op="max", ledger=ledger)
+    return bool(flag.item() > 0)
+
+
+def _nonfinite_flag(grads: Iterable[Optional[torch.Tensor]], group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     present = [local(g) for g in grads if g is not None]
     device = present[0].device if present else comm.control_device(group)  # NCCL takes no CPU tensors
-    # One flag computed on the device (no host sync per tensor), one all-reduce, one .item().
+    # One flag computed on the device (no host sync per tensor), then one all-reduce and one .item().
     flag = torch.zeros(1, device=device)
     for g in present:
         flag = torch.maximum(flag, (~torch.isfinite(g)).any().to(flag.dtype).reshape(1))
-    return _any_rank(flag, group, ledger)
+    return flag
 
 
 def any_rank(

@@ -1,7 +1,10 @@
 """What the container checks around each optimizer step (the ``[commopt]`` common options).
 
 - A NaN/Inf gradient on any rank: every rank skips the step together (``on_nonfinite = "skip"``), or
-  the run stops (``"stop"``); ``max_consecutive_skips`` skipped steps in a row stop it too.
+  the run stops (``"stop"``); ``max_consecutive_skips`` skipped steps in a row stop it too. Where each
+  replica clips by its own norm (``[commopt] clip_scope``: the local-step families), the decision is the
+  replica's alone (its ranks agree by its norm): it skips its own update, and a stop it decides waits
+  for the next agreement (:meth:`StepGuard.agree_on_stop`, the container's: at the next R sync).
 - Every ``check_replicas_every`` optimizer steps the replicas' parameters are compared by fingerprint
   (only at steps where the optimizer keeps replicas equal); a difference stops the run. The same
   check runs before every evaluation of the global model (:func:`stop_if_replicas_differ`).
@@ -50,10 +53,14 @@ class StepGuard:
         self.consecutive_skips = 0
         self._checks_nonfinite = safeguards.on_nonfinite != "off"
         self._stops_on_nonfinite = safeguards.on_nonfinite == "stop"
+        self.pending_stop: Optional[str] = None  # a replica's own stop, until agree_on_stop
 
-    def skip_step(self, vote: Optional[bool], grads: Iterable[Optional[torch.Tensor]], step: int) -> bool:
-        """Whether every rank skips optimizer step ``step`` (1-based). ``vote``: the non-finite
-        decision already agreed by the clip's all-reduce (``None``: not decided, one vote now)."""
+    def skip_step(self, vote: Optional[bool], grads: Iterable[Optional[torch.Tensor]], step: int,
+                  replica: Optional[int] = None) -> bool:
+        """Whether optimizer step ``step`` (1-based) is skipped: by every rank, ``vote`` the non-finite
+        decision the clip's all-reduce agreed (``None``: not decided, one vote now); or, given
+        ``replica`` (its index), by that replica's ranks alone, ``vote`` its own decision: a stop is
+        then kept in :attr:`pending_stop` until :meth:`agree_on_stop`."""
         if not self._checks_nonfinite:
             return False
         nonfinite = replica_state.any_nonfinite(grads, ledger=self.ledger) if vote is None else vote
@@ -62,24 +69,33 @@ class StepGuard:
             return False
         self.skipped_steps += 1
         self.consecutive_skips += 1
-        if self._stops_on_nonfinite:
-            stop_run(
-                f"non-finite gradient at optimizer step {step} on at least one rank "
-                "([commopt] on_nonfinite = \"stop\"); resume from the last checkpoint once the cause "
-                "(learning rate, data) is fixed",
-                TRAINING_STOPPED,
-            )
+        where, by = ("on at least one rank", "on some rank") if replica is None else (f"on replica {replica}", "there")
+        skipped = "" if replica is None else f" by replica {replica}"
+        stop = None
         limit = self.safeguards.max_consecutive_skips
-        if limit and self.consecutive_skips >= limit:
-            stop_run(
-                f"the last {self.consecutive_skips} optimizer steps (up to step {step}) "
-                "were all skipped: every one had a NaN/Inf gradient on some rank, so training cannot "
-                f"recover by itself ([commopt] max_consecutive_skips = {limit}). Check [optimizer] lr "
-                "and the data, then resume from the last checkpoint (max_consecutive_skips = 0 keeps "
-                "skipping)",
-                TRAINING_STOPPED,
-            )
+        if self._stops_on_nonfinite:
+            stop = (f"non-finite gradient at optimizer step {step} {where} ([commopt] on_nonfinite = \"stop\"); "
+                    "resume from the last checkpoint once the cause (learning rate, data) is fixed")
+        elif limit and self.consecutive_skips >= limit:
+            stop = (f"the last {self.consecutive_skips} optimizer steps (up to step {step}) were all skipped"
+                    f"{skipped}: every one had a NaN/Inf gradient {by}, so training cannot recover by itself "
+                    f"([commopt] max_consecutive_skips = {limit}). Check [optimizer] lr and the data, then "
+                    "resume from the last checkpoint (max_consecutive_skips = 0 keeps skipping)")
+        if stop is not None:
+            if replica is None:
+                stop_run(stop, TRAINING_STOPPED)
+            self.pending_stop = self.pending_stop or stop
         return True
+
+    def agree_on_stop(self, when: str) -> None:
+        """The replicas' own stops (:attr:`pending_stop`) agreed over all ranks: one 4-byte all-reduce;
+        if any replica decided one, every rank stops alike, rank 0 printing the first replica's line and
+        ``when`` the run stopped ("before optimizer step 32")."""
+        if not replica_state.any_rank(self.pending_stop is not None, ledger=self.ledger):
+            return
+        findings = comm.all_gather_object(self.pending_stop, "world", dist.group.WORLD)  # the run stops here
+        first = next(text for text in findings if text)
+        stop_run(f"{first}; stopped {when}", TRAINING_STOPPED)
 
     def due_for_drift_check(self, steps_taken: int) -> bool:
         every = self.safeguards.check_replicas_every

@@ -50,6 +50,16 @@ class CommonOptions:
         "go on (torchft never drops a group that still heartbeats). Keep it below the quorum timeout "
         "(TORCHFT_QUORUM_TIMEOUT_SEC, 120 s here). 0 = never.", ge=0,
     )
+    clip_scope: Literal["auto", "replicas", "replica"] = option(
+        "auto", "The gradient norm [training] max_norm clips by, for an optimizer of ours. replicas: "
+        "sqrt(mean over the replicas of |g_r|^2), every replica scaled alike (one 8-byte all-reduce over the "
+        "world every step, which also agrees each step's NaN/Inf skip). replica: each replica by its own "
+        "gradient's norm, as every worker of Templar's SparseLoCo and of torchtitan's fault-tolerant DiLoCo "
+        "clips (no R collective in the step: a NaN/Inf step is skipped by that replica alone, keeping the sync "
+        "schedule, and a stop it decides is agreed at the next R sync); only for the optimizers whose replicas "
+        "step alone between syncs. auto: replica for those (DiLoCo, LocalAdam, DES-LOC, MT-DAO, MuLoCo, "
+        "SparseLoCo), replicas for the others.",
+    )
     max_consecutive_skips: int = option(
         10, "Stop the run (one line, exit status 1) once this many optimizer steps in a row were skipped "
         "for a NaN/Inf gradient (on_nonfinite = \"skip\"): training cannot recover by itself. 0 = never "

@@ -36,7 +36,7 @@ from .torchtitan_keys import SpecProblems, torchtitan_problems, world_size_from_
 
 __all__ = [
     "resolve_options", "resolve_job", "hparams_of", "CheckedJob", "run_warnings", "unread_tables", "short_run_switch",
-    "validating_on_training_text", "SWITCH_MIN_STEPS", "checkpoint_to_load_problems",
+    "validating_on_training_text", "SWITCH_MIN_STEPS", "checkpoint_to_load_problems", "clip_scope_problems",
 ]
 
 # MT-DAO's switch at the end of warm-up (``[commopt.local] switch_at = "warmup"``) is recommended only
@@ -68,7 +68,7 @@ def resolve_options(
     the section's values (every table as given; the chosen family's is checked as resolved),
     ``refused_with_ours`` (settings refused with an optimizer of ours), and the family's own rules.
     ``given(family)``: the family keys the user gave, which the name's preset does not replace."""
-    found = list(found)
+    found = list(found) + clip_scope_problems(getattr(section, "clip_scope", "auto"), name)
     commopt = option_problems(section, "commopt")
     if not owns_replicate_sync(name):
         found += commopt
@@ -89,6 +89,16 @@ def resolve_options(
     if found:
         raise ConfigError("\n".join(found))
     return resolved
+
+
+def clip_scope_problems(scope: str, name: str) -> list[str]:
+    """``[commopt] clip_scope = "replica"`` for an optimizer whose replicas do not step alone: one line."""
+    if scope != "replica" or (owns_replicate_sync(name) and family_of(name).local_steps):
+        return []
+    alone = ", ".join(sorted(n for f in FAMILIES.values() if f.local_steps for n in f.presets))
+    return [f"[commopt] clip_scope = \"replica\" with [optimizer] name = {name!r}: allowed only for the optimizers "
+            f"whose replicas step alone between syncs ({alone}); the others average every step, so every "
+            "replica is clipped alike: \"replicas\" or \"auto\""]
 
 
 # Settings of torchtitan that the optimizers owning R have not been built or tested for: refused
