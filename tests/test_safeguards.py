@@ -178,6 +178,7 @@ def _runtime(rank, world_size):
     # both replicas sync at step Kx = 2 (parameters, momenta and v: equal after it); the skip and the
     # steps' counters saved and loaded with this replica's state, the clock set back from the steps taken
     model, container = _own_r_container(topo, "LocalAdam", clip_scope="replica", Kx=2, Ku=[2], Kv=2)
+    clipping.register(container)  # the clip's norm decides the skip
     optimizer = container.optimizers[0]
     trace = []
     for step in (1, 2):
@@ -204,7 +205,7 @@ def _runtime(rank, world_size):
     # before step Kx = 3: every rank stops there alike, with replica 1's line
     model, container = _own_r_container(topo, "LocalAdam", Safeguards(on_nonfinite="stop"), clip_scope="replica",
                                         Kx=3, Ku=[3], Kv=3)
-    stops = []
+    stops = []  # its clip not routed to it (torchtitan's own runs): the step decides the replica's skip itself
     for step in (1, 2, 3):
         for p in model.parameters():
             p.grad = torch.ones_like(p)
@@ -228,6 +229,18 @@ def _runtime(rank, world_size):
         container.step()
         hints.append(container.steps_to_next_sync())
     out["local_hints"] = hints
+    # a step every replica skips (clip_scope "replicas": agreed) keeps the schedule too
+    model, container = _own_r_container(topo, "LocalAdam", Kx=4, Ku=[4], Kv=4)
+    hints = []
+    for step in range(1, 5):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        if step == 2 and rank == 1:
+            model[0].weight.grad[0, 0] = float("nan")
+        dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
+        container.step()
+        hints.append(container.steps_to_next_sync())
+    out["skipped_together_hints"] = (hints, container.skipped_steps, container.optimizers[0]._n)
     model, container = _own_r_container(topo, "DeMo", replicator="diloco", compression_rate=0.25)
     for p in model.parameters():
         p.grad = torch.ones_like(p)
@@ -319,6 +332,9 @@ RUNTIME_RULES = {
     ),
     "max_consecutive_skips stops the run": lambda out: (
         out["events"][5][:3] == ("stopped", 5, 1) and "last 3 optimizer steps" in out["events"][5][3]
+    ),
+    "a step skipped by every replica keeps the sync schedule": lambda out: (
+        out["skipped_together_hints"] == ([3, 2, 1, 4], 1, 3)
     ),
     "next R sync of a periodic optimizer": lambda out: (
         out["local_hints"] == [4, 3, 2, 1, 4] and out["diloco_hint"] == 3 and out["flexdemo_hint"] is None

@@ -116,9 +116,9 @@ class LocalSteps:
 
     @torch.no_grad()
     def skip_update(self) -> None:
-        """A step skipped for a NaN/Inf gradient: no update, no state touched, but the clock moves and
-        the syncs due after this step run as after an update (the other replicas, which may have
-        stepped, sync now too). Nothing moves where ``step()`` would not: no parameter has a gradient."""
+        """A step skipped for a NaN/Inf gradient: no update (the gradient is not read), but the clock
+        moves and the syncs due after this step run as after an update (the other replicas, which may
+        have stepped, sync now too). Nothing moves where ``step()`` would not: no parameter has a gradient."""
         if not any(p.grad is not None for group in self.param_groups for p in group["params"]):
             return
         self._clock += 1

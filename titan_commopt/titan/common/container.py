@@ -167,7 +167,7 @@ class CommOptimizersContainer(OptimizersContainer):
         if alone:
             if vote is None:  # no clip ran: this replica's own decision
                 vote = replica_state.any_nonfinite_in_replica(grads, self.topology, ledger=self.ledger)
-            if self.steps_to_next_sync() == 1:  # this step's sync crosses R anyway: the replicas' stops agreed
+            if self.steps_to_next_sync() in (None, 1):  # this step syncs R anyway: the replicas' stops agreed
                 self.guard.agree_on_stop(f"before optimizer step {self.steps_taken + 1}, at an R sync")
         replica = self.topology.replica_index if alone else None
         if not self.guard.skip_step(vote, grads, self.steps_taken + 1, replica=replica):
