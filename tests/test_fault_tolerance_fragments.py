@@ -89,6 +89,61 @@ def test_while_the_quorum_stays_a_committed_run_equals_the_engine_without_fault_
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_a_checkpoint_step_lands_the_syncs_in_flight_inside_its_transaction(config):
+    """The trainer says a checkpoint follows step 6 (``checkpoint_follows``): the syncs in flight land in
+    that step, before its commit, as a checkpoint without fault tolerance lands them (the engine without
+    fault tolerance, flushed after step 6, as its ``state_dict`` does), so the checkpoint fails none and the
+    run goes on as that engine's, bit for bit."""
+    name, options = CONFIGS[config]
+    model, container = _container(config, StandInManager())
+    torch.manual_seed(0)
+    bare_model = Toy()
+    bare = build_optimizer(list(bare_model.named_parameters()), Topology(quorum=Quorum(StandInManager(), 1)),
+                           resolve(name, options), ledger=comm.CommLedger())
+    (optimizer,) = container.optimizers
+    for t in range(1, 11):
+        container.checkpoint_follows = lambda t=t: t == IN_FLIGHT_AT
+        assert train_step(model, container, t)
+        for p, g in zip(bare_model.parameters(), grads(bare_model, t)):
+            p.grad = g.clone()
+        bare.step()
+        if t == IN_FLIGHT_AT:
+            assert bare.runtime.in_flight and optimizer.runtime.in_flight == 0, config
+            bare.flush()
+            container.state_dict()  # what the checkpoint reads: nothing left to fail
+        assert _equal(_state(model, container), _state(bare_model, _Bare(bare))), f"{config}: step {t} differs"
+    assert container.ft.failed_syncs == 0
+
+
+def test_the_trainer_says_when_torchtitans_checkpointer_saves():
+    """``checkpoint_follows`` asks torchtitan's own rule (``CheckpointManager._should_save``, this line's),
+    with the step being taken and whether it is the last: every interval-th step and the last one."""
+    import types
+
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    from titan_commopt.titan.common.replica_group_training import _checkpoint_follows
+
+    rule = types.SimpleNamespace(enable=True, load_only=False, enable_first_step_checkpoint=False, interval=4)
+    checkpointer = types.SimpleNamespace(_should_save=lambda *a, **k: CheckpointManager._should_save(rule, *a, **k))
+    trainer = types.SimpleNamespace(checkpointer=checkpointer, step=0)
+    trainer.should_continue_training = lambda: trainer.step < 10
+    follows = []
+    for trainer.step in range(1, 11):
+        follows.append(_checkpoint_follows(trainer))
+    assert [step for step, yes in enumerate(follows, 1) if yes] == [4, 8, 10]
+    rule.enable = False
+    assert not _checkpoint_follows(trainer)
+
+
+class _Bare:
+    """The engine without fault tolerance as :func:`_state` reads a container."""
+
+    def __init__(self, optimizer):
+        self.optimizers = [optimizer]
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_a_quorum_that_changes_before_the_merge_fails_the_fragment_back_to_its_anchor(config):
     manager = StandInManager()
     model, container = _container(config, manager)

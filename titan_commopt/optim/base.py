@@ -234,7 +234,8 @@ class CommOptimizer(torch.optim.Optimizer):
         on as the run that saved); under live fault tolerance, where landing them would be an R
         collective after a step's commit, fails them (:meth:`fail_syncs`: every group checkpoints after
         the same step and fails the same ones, so the groups stay equal, and a job resumed from disk has
-        none in flight); leaves them as they are while a heal reads the state (:meth:`heal_state`)."""
+        none in flight; the container lands them inside the step before a checkpoint, so there are none
+        left to fail); leaves them as they are while a heal reads the state (:meth:`heal_state`)."""
         if self._reading_for_heal:
             return
         if self.lands_on_save:

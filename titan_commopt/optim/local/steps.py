@@ -91,7 +91,8 @@ class LocalSteps:
       step: the one thing a checkpoint changes in the trajectory; an overlapped outer step, ``merge =
       "delayed"`` / ``"eager"``, only completes its collective, whose result is state, and changes
       nothing); under live fault tolerance it fails them instead (``CommOptimizer._settle_for_save``:
-      landing them would be an R collective after a step's commit); ``load_state_dict()`` drops the
+      landing them would be an R collective after a step's commit; the container lands them inside the
+      step before a checkpoint, so a checkpoint finds none); ``load_state_dict()`` drops the
       syncs in flight (the state they belong to is replaced) and reads the counter back once.
     """
 

@@ -13,7 +13,7 @@ a ledger of their own.
 
 import math
 from contextlib import ExitStack, contextmanager
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -79,6 +79,9 @@ class CommOptimizersContainer(OptimizersContainer):
         self.ft: Optional[ReplicaGroupFT] = None  # live fault tolerance: attach_fault_tolerance
         self.eval_ledger = comm.CommLedger()  # what evaluations send (global_model): not training's bytes
         self.committed = True  # whether the last step() stands (always, without fault tolerance)
+        # Under fault tolerance: whether a checkpoint is written after the step being taken, asked once its
+        # quorum (and any heal) is done; the group's trainer sets it (replica_group_training.py)
+        self.checkpoint_follows: Callable[[], bool] = lambda: False
         # [commopt] clip_scope (build.clip_scope_of): "replica" clips each replica by its own gradient's
         # norm, and without fault tolerance skips a NaN/Inf step on that replica alone (skip_update)
         self.clips_per_replica = clip_scope == "replica"
@@ -178,6 +181,12 @@ class CommOptimizersContainer(OptimizersContainer):
                 if hasattr(optimizer, "skip_update"):
                     optimizer.skip_update()
         self.steps_taken += 1
+        if ft is not None and self.checkpoint_follows():
+            # The checkpoint after this step would fail the syncs in flight (landing them after the commit
+            # would be an R collective outside a step): they land now, inside this step's transaction, as a
+            # checkpoint lands them without fault tolerance, and the groups lose no local progress to it.
+            for optimizer in self.optimizers:
+                optimizer.flush()
         if self.fsdp_traffic is not None:
             self.fsdp_traffic.record(self.ledger)
         if self.guard.due_for_drift_check(self.steps_taken) and self.replicas_in_sync():

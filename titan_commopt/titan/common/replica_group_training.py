@@ -7,7 +7,9 @@ after the group's process group exists: ``replica_group.ReplicaGroupFT``), the s
 until it commits (:meth:`ReplicaGroupTraining.train_step`) on the same batches
 (:class:`ReplayBatches`), the token count, the LR schedule that moves only on a commit, what a heal
 carries of the trainer (its step, token count, LR schedule; its data shard skipped to the quorum's
-step) and the fingerprints at the end. :class:`ReplicaGroupSteps` is the Trainer methods that route
+step), whether torchtitan writes a checkpoint after the step being taken (the container then lands its
+syncs in flight inside that step: ``checkpoint_follows``) and the fingerprints at the end.
+:class:`ReplicaGroupSteps` is the Trainer methods that route
 to it, written once: each line's Trainer puts it before torchtitan's in its bases, makes the
 :class:`ReplicaGroupTraining` from its config and hands it what only the line knows how to wire (the
 checkpoint folder and data shard into its config, ``tt022/trainer.py``; on 0.3 also the optimizer
@@ -167,6 +169,7 @@ class ReplicaGroupTraining:
         step_schedule = schedulers.step
         schedulers.step = lambda *a, **k: step_schedule(*a, **k) if trainer.optimizers.committed else None
         group.register_state("commopt_trainer", self._save, self._load)
+        trainer.optimizers.checkpoint_follows = lambda: _checkpoint_follows(trainer)
         group.resume_at(trainer.step - 1)
         if not trainer.optimizers.owns_replicate_sync:
             average_gradients_over_quorum(trainer.model_parts, group)
@@ -217,6 +220,13 @@ class ReplicaGroupTraining:
     def shutdown(self) -> None:
         if self.group is not None:
             self.group.shutdown()
+
+
+def _checkpoint_follows(trainer: Any) -> bool:
+    """Whether torchtitan's train loop writes a checkpoint after the step being taken: its checkpointer's
+    own rule (``CheckpointManager._should_save``, both lines, called as their loops call ``save``)."""
+    should_save = getattr(trainer.checkpointer, "_should_save", None)
+    return bool(should_save is not None and should_save(trainer.step, last_step=not trainer.should_continue_training()))
 
 
 class ReplicaGroupSteps:
