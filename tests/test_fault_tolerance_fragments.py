@@ -46,6 +46,10 @@ def _container(config, manager, seed=0):
 def _state(model, container):
     """Parameters, then every state tensor of every parameter, read raw (no state_dict: nothing lands)."""
     (optimizer,) = container.optimizers
+    return _raw_state(model, optimizer)
+
+
+def _raw_state(model, optimizer):
     out = [p.detach().clone() for p in model.parameters()]
     for p in model.parameters():
         out += [local(v).detach().clone() for _, v in sorted(optimizer.state[p].items()) if isinstance(v, torch.Tensor)]
@@ -62,29 +66,38 @@ def _outer(model, optimizer):
             for k, v in optimizer.state[p].items() if k in ("outer_anchor", "outer_buf", "error_feedback")}
 
 
+class _BareEngine:
+    """The same optimizer without fault tolerance, on the same model and gradients: what a run under a
+    quorum that stays must equal."""
+
+    def __init__(self, config):
+        name, options = CONFIGS[config]
+        torch.manual_seed(0)
+        self.model = Toy()
+        topology = Topology(quorum=Quorum(StandInManager(), 1))
+        self.optimizer = build_optimizer(list(self.model.named_parameters()), topology, resolve(name, options),
+                                         ledger=comm.CommLedger())
+
+    def step(self, t):
+        for p, g in zip(self.model.parameters(), grads(self.model, t)):
+            p.grad = g.clone()
+        self.optimizer.step()
+
+    def state(self):
+        return _raw_state(self.model, self.optimizer)
+
+
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_while_the_quorum_stays_a_committed_run_equals_the_engine_without_fault_tolerance(config):
-    name, options = CONFIGS[config]
     model, container = _container(config, StandInManager())
-    torch.manual_seed(0)
-    bare_model = Toy()
-    bare = build_optimizer(list(bare_model.named_parameters()), Topology(quorum=Quorum(StandInManager(), 1)),
-                           resolve(name, options), ledger=comm.CommLedger())
+    bare = _BareEngine(config)
     (optimizer,) = container.optimizers
     in_flight = 0
     for t in range(1, 11):
         assert train_step(model, container, t)
-        for p, g in zip(bare_model.parameters(), grads(bare_model, t)):
-            p.grad = g.clone()
-        bare.step()
+        bare.step(t)
         in_flight += optimizer.runtime.in_flight
-        got = [p.detach() for p in model.parameters()] + [v for p in model.parameters()
-                                                          for _, v in sorted(optimizer.state[p].items())
-                                                          if isinstance(v, torch.Tensor)]
-        want = [p.detach() for p in bare_model.parameters()] + [v for p in bare_model.parameters()
-                                                                for _, v in sorted(bare.state[p].items())
-                                                                if isinstance(v, torch.Tensor)]
-        assert _equal(got, want), f"{config}: step {t} differs from the engine without fault tolerance"
+        assert _equal(_state(model, container), bare.state()), f"{config}: step {t} differs from the engine"
     assert in_flight and container.ft.failed_syncs == 0
 
 
@@ -94,24 +107,18 @@ def test_a_checkpoint_step_lands_the_syncs_in_flight_inside_its_transaction(conf
     that step, before its commit, as a checkpoint without fault tolerance lands them (the engine without
     fault tolerance, flushed after step 6, as its ``state_dict`` does), so the checkpoint fails none and the
     run goes on as that engine's, bit for bit."""
-    name, options = CONFIGS[config]
     model, container = _container(config, StandInManager())
-    torch.manual_seed(0)
-    bare_model = Toy()
-    bare = build_optimizer(list(bare_model.named_parameters()), Topology(quorum=Quorum(StandInManager(), 1)),
-                           resolve(name, options), ledger=comm.CommLedger())
+    bare = _BareEngine(config)
     (optimizer,) = container.optimizers
     for t in range(1, 11):
         container.checkpoint_follows = lambda t=t: t == IN_FLIGHT_AT
         assert train_step(model, container, t)
-        for p, g in zip(bare_model.parameters(), grads(bare_model, t)):
-            p.grad = g.clone()
-        bare.step()
+        bare.step(t)
         if t == IN_FLIGHT_AT:
-            assert bare.runtime.in_flight and optimizer.runtime.in_flight == 0, config
-            bare.flush()
+            assert bare.optimizer.runtime.in_flight and optimizer.runtime.in_flight == 0, config
+            bare.optimizer.flush()
             container.state_dict()  # what the checkpoint reads: nothing left to fail
-        assert _equal(_state(model, container), _state(bare_model, _Bare(bare))), f"{config}: step {t} differs"
+        assert _equal(_state(model, container), bare.state()), f"{config}: step {t} differs"
     assert container.ft.failed_syncs == 0
 
 
@@ -134,13 +141,6 @@ def test_the_trainer_says_when_torchtitans_checkpointer_saves():
     assert [step for step, yes in enumerate(follows, 1) if yes] == [4, 8, 10]
     rule.enable = False
     assert not _checkpoint_follows(trainer)
-
-
-class _Bare:
-    """The engine without fault tolerance as :func:`_state` reads a container."""
-
-    def __init__(self, optimizer):
-        self.optimizers = [optimizer]
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
