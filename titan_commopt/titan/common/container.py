@@ -1,6 +1,8 @@
 """torchtitan's ``OptimizersContainer`` around our optimizers: one training step's rules, bytes and scalars.
 
-Per ``step()``: the safeguards decide whether every rank skips it (``safeguards.py``); the
+Per ``step()``: the safeguards decide whether every rank skips it, or where each replica clips by its
+own norm (``[commopt] clip_scope``) whether this replica does (``safeguards.py``; a skipped step keeps a
+local-step family's sync schedule: ``skip_update``); the
 optimizers step (under fault tolerance as a transaction around the Manager's commit:
 ``replica_group.py``); FSDP2's estimated traffic is recorded and the run's comm ledger's step closed,
 after the replicas' drift check (its bytes belong to the step). For optimizers that own R the
