@@ -91,11 +91,7 @@ class StepGuard:
         """The replicas' own stops (:attr:`pending_stop`) agreed over all ranks: one 4-byte all-reduce;
         if any replica decided one, every rank stops alike, rank 0 printing the first replica's line and
         ``when`` the run stopped ("before optimizer step 32")."""
-        if not replica_state.any_rank(self.pending_stop is not None, ledger=self.ledger):
-            return
-        findings = comm.all_gather_object(self.pending_stop, "world", dist.group.WORLD)  # the run stops here
-        first = next(text for text in findings if text)
-        stop_run(f"{first}; stopped {when}", TRAINING_STOPPED)
+        stop_if_any_rank_found(self.pending_stop, self.ledger, f"stopped {when}")
 
     def due_for_drift_check(self, steps_taken: int) -> bool:
         every = self.safeguards.check_replicas_every
@@ -121,8 +117,15 @@ def stop_if_replicas_differ(named_params: list[tuple[str, Any]], topology: Topol
         found = None
     except replica_state.ReplicaDriftError as error:
         found = str(error) if valid is None or valid() else None
+    stop_if_any_rank_found(found, ledger, f"stopped {when}: resume from the last checkpoint (each replica's own "
+                           "state), and look for what writes parameters outside the optimizer")
+
+
+def stop_if_any_rank_found(found: Optional[str], ledger: comm.CommLedger, then: str) -> None:
+    """A finding some ranks made (``found``: this rank's line, or None) agreed over all ranks (one 4-byte
+    all-reduce; the lines gathered only when there is one): every rank stops alike, rank 0 printing
+    the first rank's line followed by ``then``."""
     if replica_state.any_rank(found is not None, ledger=ledger):
         findings = comm.all_gather_object(found, "world", dist.group.WORLD)  # the run stops here
         first = next(text for text in findings if text)
-        stop_run(f"{first}; stopped {when}: resume from the last checkpoint (each replica's own state), and "
-                 "look for what writes parameters outside the optimizer", TRAINING_STOPPED)
+        stop_run(f"{first}; {then}", TRAINING_STOPPED)
