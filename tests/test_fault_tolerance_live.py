@@ -13,7 +13,8 @@
   (and DES-LOC, whose optimizer states sync too) get a short run below.
 - Streaming DiLoCo (fragments in flight across steps), 2 groups x 1 process: group 1 dies while two
   fragments' all-reduces are in flight; the survivor waits in the quorum, the relaunched group heals
-  from it, both fail those fragments alike (each back to its anchor) and end on the same anchors.
+  from it, both fail those fragments alike (each back to its anchor) and end on the same anchors; a
+  checkpoint written later, with two fragments in flight, fails none (the step lands them first).
 - DeMo with ``overlap`` (its exchange overlapped: each step's update lands in the next), 2 groups x 2
   processes, group 1 killed at step 6's first R collective with step 5's exchange parked: the survivor's
   undone step drops it, it trains on alone, heals the relaunched group, and both end on the same parameters.
@@ -211,6 +212,9 @@ def test_diloco_group_killed_between_steps_inside_a_period_heals_and_syncs(tmp_p
 # ---- streaming DiLoCo: a group lost while fragments are in flight ----
 STREAM_STEPS = 12
 STREAM_KILL_AT = 7
+# after the relaunch (a checkpoint written before it would be what the relaunched group resumes from);
+# fragment 0 (issued after update 8) and fragment 1 (after 10) are in flight after step 10
+STREAM_CHECKPOINT_AT = 10
 
 
 def test_streaming_diloco_group_lost_with_fragments_in_flight_heals_and_both_fail_them_alike(tmp_path):
@@ -220,10 +224,13 @@ def test_streaming_diloco_group_lost_with_fragments_in_flight_heals_and_both_fai
     and fragment 1 (after 6) in flight. The survivor waits in that quorum for the relaunched group,
     which heals from it (the survivor's state and the records of its syncs in flight, not their
     collectives); the quorum is a new one, so both fail those two fragments alike (each back to its
-    anchor) and train on together. The survivor commits every step once, in one process; both end on
-    the same anchors, the global model (their parameters differ by each one's local progress)."""
+    anchor) and train on together. A checkpoint after step STREAM_CHECKPOINT_AT, with two fragments in
+    flight again, fails none of them: the step lands them inside its own transaction. The survivor
+    commits every step once, in one process; both end on the same anchors, the global model (their
+    parameters differ by each one's local progress)."""
     args = [*TINY, "--optimizer.name", "DiLoCo", "--commopt.local.Kx", "4", "--commopt.local.fragments", "2",
-            "--commopt.local.sync_delay", "3", "--training.steps", str(STREAM_STEPS), "--validation.enable", "false"]
+            "--commopt.local.sync_delay", "3", "--training.steps", str(STREAM_STEPS), "--validation.enable", "false",
+            "--checkpoint.enable", "true", "--checkpoint.interval", str(STREAM_CHECKPOINT_AT)]
     wait = {QUORUM_TIMEOUT_ENV: str(START_S)}  # the survivor's quorum waits out the relaunch's start-up
     with FtJob(tmp_path, args, nproc=1, launcher=False, min_replicas=2) as job:
         survivor, victim = job.start(env={0: wait, 1: {**wait, KILL_ENV: f"{STREAM_KILL_AT}:quorum"}})
@@ -237,7 +244,9 @@ def test_streaming_diloco_group_lost_with_fragments_in_flight_heals_and_both_fai
     assert not survivor_log.not_committed and not again_log.not_committed and not survivor_log.heals
     (healed_at, _), = again_log.heals[0]
     assert healed_at == STREAM_KILL_AT - 1  # what the survivor had committed stands
-    assert survivor_log.syncs_failed[0] == again_log.syncs_failed[0] == [(2, why)]
+    assert survivor_log.syncs_failed[0] == again_log.syncs_failed[0] == [(2, why)]  # none at the checkpoint
+    for k in range(2):  # each group wrote it (torchft: a folder per replica group)
+        assert (tmp_path / f"out{k}" / "checkpoint" / f"replica_{k}" / f"step-{STREAM_CHECKPOINT_AT}").is_dir()
     assert sorted(again_log.loss_by_step()) == list(range(STREAM_KILL_AT, STREAM_STEPS + 1))
     assert again_log.r_sent[0] == {s: b for s, b in survivor_log.r_sent[0].items() if s >= STREAM_KILL_AT}
     assert survivor_log.anchors[0][0] == again_log.anchors[0][0] == STREAM_STEPS
