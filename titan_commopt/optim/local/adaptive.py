@@ -320,7 +320,10 @@ PRESET_SOURCES: dict[str, str] = {
     "communication_overlapping_alpha default; Fig. 8 runs α = 0 and 0.5); on our yardstick it costs the seed noise "
     "(docs/benchmarks.md §8.6). Its other changes stay options: the FP4 wire (outer_wire_dtype = \"fp4\"), its "
     "outer lr 0.4 (§3.2). Alternatives: blocking DiLoCo as the 2023 paper runs it, fragments = 1, "
-    "sync_delay = 0, merge = \"additive\"; from our small-model study (0.2 M parameters, 500 steps, "
+    "sync_delay = 0, merge = \"additive\"; for a link slower than the compute, from our study (docs/benchmarks.md "
+    "§2, §8.6: cpu_tiny, two seeds): fragments = 4, fragment_layout = \"size\", sync_delay = 7 (a fragment in "
+    "flight nearly all the period: 1.19× of the floor at 10 Mbit/s where the preset is 1.43×, −3.8 % held-out "
+    "loss against it); from our small-model study (0.2 M parameters, 500 steps, "
     "docs/benchmarks.md §8H.1): outer_momentum = 0.5 (+13 % of AdamW-HSDP's training loss where 0.9 was +33 %)",
     "MuLoCo": "MuLoCo (Thérien et al. 2025, arXiv 2505.23725) at K = 1, the worker count of their tables nearest "
     "our two sites (the other is K = 16): bentherien/muloco-1 33cc333 muloco-1.md L67-69 (outer lr 0.7, outer "
