@@ -296,7 +296,9 @@ PRESET_SOURCES: dict[str, str] = {
     "lr_scale: our study's (docs/benchmarks.md §8). Alternatives, from our small-model studies (0.2 M "
     "parameters, 300–500 steps, docs/benchmarks.md §4): Kx = 16, Ku = [48], Kv = 96 with lr_scale = 0.7 "
     "(+6.0 % of AdamW-HSDP's training loss at 500 steps where Kx = 32 was +12.6 %); MT-DAO appendix E.2 "
-    "Table 3's DES-LOC-ADAM β, beta1 = [0.95], beta2 = 0.99",
+    "Table 3's DES-LOC-ADAM β, beta1 = [0.95], beta2 = 0.99; for a link slower than the compute, from our study "
+    "(docs/benchmarks.md §2, §8.6: cpu_tiny, two seeds): fragments = 4, fragment_layout = \"size\", sync_delay = 7, "
+    "merge = \"lerp\", merge_alpha = 0 (1.17× of the floor at 10 Mbit/s where blocking is 1.53×, −0.3 % held-out loss)",
     "DES-LOC-ADOPT": "DES-LOC §4.1 (ADOPT with its default β2 = 0.9999 is the main optimizer), B.2.1 (β1 = 0.95 "
     "for all experiments; also MT-DAO appendix E.2 Table 3, DES-LOC-ADOPT), B.2 (no weight decay), §5.3 / "
     "Fig. 5 periods Kx = 32, Ku = 3Kx, Kv = 6Kx; ε = 1e-6 is ADOPT's default (Taniguchi et al. 2024). "
