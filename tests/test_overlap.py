@@ -1,7 +1,9 @@
 """The overlap runtime (titan_commopt/overlap.py): the order it issues, waits and resumes in."""
 
 import pytest
+import torch
 
+from titan_commopt import comm
 from titan_commopt.comm import Pending
 from titan_commopt.overlap import Runtime
 
@@ -152,3 +154,67 @@ def test_drop_waits_for_a_collective_without_its_result_and_swallows_its_error()
     outer.drop()
     outer.drop()
     assert finished == [] and outer.wait() is None
+
+
+def _counted(log: list, ledger: comm.CommLedger, name: str) -> Pending:
+    """A collective through comm's own issue path (counted, launched or deferred as comm decides)."""
+    log.append(f"issue {name}")
+
+    def launch(async_op: bool) -> _Work:
+        log.append(f"launch {name}")
+        return _Work(log, name)
+
+    return comm._issue(ledger, "R", "all_reduce_sum", 4, 4, torch.device("cpu"), launch, lambda: name, True)
+
+
+def _counted_task(log: list, ledger: comm.CommLedger, name: str):
+    got = yield _counted(log, ledger, name)
+    log.append(f"got {got}")
+
+
+def test_a_deferred_start_counts_now_and_launches_at_launch_in_issue_order():
+    """``defers_launch``: a parked task's collective is counted in the step that starts it and goes
+    on the wire at ``launch()`` (the container's zero_grad, after torchtitan's log collectives), in
+    the order the tasks were started; a task the step completes itself (``within_step``) at once."""
+    log: list = []
+    ledger = comm.CommLedger()
+    rt = Runtime()
+    rt.defers_launch = True
+    rt.start(_counted_task(log, ledger, "a"), due=2)
+    rt.start(_counted_task(log, ledger, "b"), due=1)
+    assert log == ["issue a", "issue b"] and rt.unlaunched == 2
+    assert ledger.current()["R_sent"] == 8 and ledger.current().get("R_seconds", 0.0) == 0.0
+    log.append("the log step's all-reduce")
+    rt.launch()
+    assert log[3:] == ["launch a", "launch b"] and rt.unlaunched == 0
+    rt.launch()  # nothing twice
+    rt.start(_counted_task(log, ledger, "c"), due=2)
+    rt.start(_counted_task(log, ledger, "now"), due=0, within_step=True)
+    assert log[5:] == ["issue c", "issue now", "launch now"] and rt.unlaunched == 1
+    rt.advance(1)  # b (and the within-step task) land; c, started in this step, stays for launch()
+    assert log[8:] == ["wait b", "got b", "wait now", "got now"] and rt.unlaunched == 1
+    rt.drain()  # launches what is left first, then completes in start order
+    assert log[12:] == ["launch c", "wait a", "got a", "wait c", "got c"] and rt.in_flight == 0
+    assert ledger.current()["R_sent"] == 16
+
+
+def test_a_deferred_collective_completes_or_drops_without_launch_being_called():
+    """Whatever completes a task first launches its collective: a wait (drain), a drop (abandon, a
+    failed sync); none is left unsent, so the ranks' process groups stay in step."""
+    log: list = []
+    ledger = comm.CommLedger()
+    rt = Runtime()
+    rt.defers_launch = True
+    rt.start(_counted_task(log, ledger, "x"), due=5)
+    rt.start(_counted_task(log, ledger, "y"), due=5)
+    rt.abandon()
+    assert log == ["issue x", "issue y", "launch x", "launch y", "wait x", "wait y"] and rt.in_flight == 0
+    log.clear()
+    rt.start(_counted_task(log, ledger, "z"), due=5, record="r")
+    assert rt.fail(epoch="another") == ["r"]
+    assert log == ["issue z", "launch z", "wait z"]
+    with comm.deferred([]):  # a synchronous collective inside a deferred scope is launched at once
+        log.clear()
+        assert comm._issue(ledger, "R", "all_reduce_sum", 4, 4, torch.device("cpu"),
+                           lambda a: log.append("launch sync"), lambda: "done", False) == "done"
+        assert log == ["launch sync"]

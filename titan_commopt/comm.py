@@ -21,8 +21,11 @@ SUM followed by a division.
 
 Overlap: every collective takes ``async_op=True`` and then returns a :class:`Pending` at once;
 ``Pending.wait()`` blocks until the collective has completed and returns its result (the mean
-division, the copy back into fused tensors: whatever the synchronous form would have done). Bytes
-are counted when a collective is issued, in the step that issues it. Seconds are counted when it
+division, the copy back into fused tensors: whatever the synchronous form would have done). Inside
+:func:`deferred` an asynchronous collective is issued but not yet launched on the wire: it is launched
+by ``Pending.launch()`` (the overlap runtime's ``launch``, at the next step's start) or by its first
+wait or drop, so that what the caller sends in between (torchtitan's log collectives) is not queued
+behind it on a slow link. Bytes are counted when a collective is issued, in the step that issues it. Seconds are counted when it
 completes, on the clock of its tensors' device: on CPU the host clock from issue to completion; on
 a GPU a pair of timing events around it, read by ``CommLedger.end_step`` only once the device has
 passed them (``Event.query``), so timing adds no host synchronization; such seconds land in the
@@ -35,8 +38,9 @@ import math
 import threading
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Iterable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Generic, Iterable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -61,6 +65,7 @@ __all__ = [
     "group_ranks",
     "record_estimate",
     "managed_group",
+    "deferred",
     "nbytes",
     "DTYPES",
 ]
@@ -259,17 +264,21 @@ def has_avg(group: dist.ProcessGroup) -> bool:
 T = TypeVar("T")
 _UNSET: Any = object()
 _DROPPING = threading.local()  # set while Pending.drop waits: see managed_group
+_DEFERRING = threading.local()  # .into: the list a deferred() scope collects its collectives in
 
 
 class Pending(Generic[T]):
     """A collective in flight. ``wait()`` blocks until it has completed, then returns its result
     (a second ``wait()`` returns the same result without waiting). ``drop()`` waits for it without
     taking its result. ``parts``: the collectives a composite one (a fused all-reduce, two at once)
-    waits for in its ``finish``, which ``drop()`` reaches without running ``finish``."""
+    waits for in its ``finish``, which ``drop()`` reaches without running ``finish``. ``launcher``:
+    set for a collective issued inside :func:`deferred`, not yet on the wire (:meth:`launch`)."""
 
     def __init__(self, work: Any, finish: Callable[[], T], timer: Optional["_Timer"],
-                 parts: Sequence["Pending[Any]"] = ()) -> None:
+                 parts: Sequence["Pending[Any]"] = (),
+                 launcher: Optional[Callable[[], tuple[Any, "_Timer"]]] = None) -> None:
         self._work, self._finish, self._timer, self._parts = work, finish, timer, tuple(parts)
+        self._launcher = launcher
         self._result = _UNSET
 
     @classmethod
@@ -277,8 +286,21 @@ class Pending(Generic[T]):
         """A collective that needed no communication (a group of one)."""
         return cls(None, lambda: result, None)
 
+    @property
+    def launched(self) -> bool:
+        """Whether the collective is on the wire (always, outside :func:`deferred`)."""
+        return self._launcher is None
+
+    def launch(self) -> None:
+        """Put a collective issued inside :func:`deferred` on the wire now (its clock starts here);
+        nothing for one already launched."""
+        launcher, self._launcher = self._launcher, None
+        if launcher is not None:
+            self._work, self._timer = launcher()
+
     def wait(self) -> T:
         if self._result is _UNSET:
+            self.launch()
             if self._work is not None:
                 self._work.wait()
             if self._timer is not None:
@@ -296,6 +318,7 @@ class Pending(Generic[T]):
         self._result = None
         for part in self._parts:
             part.drop()
+        self.launch()  # every rank drops it at the same point: on the wire, as it would have been anyway
         work = self._work
         if work is None:
             return
@@ -332,12 +355,31 @@ def _issue(
     ledger: Optional[CommLedger], role: str, op: str, sent: int, recv: int, device: torch.device,
     launch: Callable[[bool], Any], finish: Callable[[], T], async_op: bool,
 ) -> "T | Pending[T]":
-    """Count the bytes, start the clock, launch the collective; wait now unless ``async_op``."""
+    """Count the bytes, start the clock, launch the collective; wait now unless ``async_op``; inside
+    :func:`deferred`, an asynchronous one is counted now and launched later (clock included)."""
     target = ledger or _LEDGER
     target.record(role, op, sent, recv)
+    into = getattr(_DEFERRING, "into", None)
+    if async_op and into is not None:
+        pending = Pending(None, finish, None, launcher=lambda: (launch(True), _Timer(target, role, device)))
+        into.append(pending)
+        return pending
     timer = _Timer(target, role, device)
     pending = Pending(launch(async_op), finish, timer)  # a synchronous launch returns no work
     return pending if async_op else pending.wait()
+
+
+@contextmanager
+def deferred(into: list["Pending[Any]"]) -> Iterator[None]:
+    """Within: every asynchronous collective is counted when issued and appended to ``into`` without
+    being launched (``Pending.launch``, or its first wait or drop, launches it). The caller launches
+    them in the order they were issued, at the same point on every rank, as a process group requires.
+    A synchronous collective inside is launched at once, as always."""
+    outer, _DEFERRING.into = getattr(_DEFERRING, "into", None), into
+    try:
+        yield
+    finally:
+        _DEFERRING.into = outer
 
 
 def _finished(result: T, async_op: bool) -> "T | Pending[T]":

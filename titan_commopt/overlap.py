@@ -18,6 +18,13 @@ Which work hides behind which collective is then decided by the runtime, in one 
   due count has been reached. A collective issued at the end of step t then overlaps the next steps'
   forward and backward (DeMo's ``overlap``: due at t + 1; the local-adaptive family's ``sync_delay``:
   due at t + τ).
+- With :attr:`Runtime.defers_launch` set (the torchtitan container sets it), :meth:`Runtime.start`
+  issues a task's collectives inside ``comm.deferred``: counted in this step, launched on the wire by
+  :meth:`Runtime.launch` (the container calls it from ``zero_grad``, the next step's first act) or
+  by whatever completes the task first. torchtitan all-reduces the loss after the optimizer step on a
+  log step; launched at once, a fragment issued in that step would be ahead of it on the link, and
+  the step would wait for the fragment's bytes. Nothing else changes: what is sent is packed when
+  the task starts.
 - :meth:`Runtime.drain` completes every parked task now (before a checkpoint, at the end of training);
   :meth:`Runtime.abandon` drops them: waits for their collectives without reading their results
   (``Pending.drop``) and closes the tasks (their results belong to a state that a load replaces).
@@ -37,7 +44,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Generator, Optional, Sequence, Union
 
-from titan_commopt.comm import Pending
+from titan_commopt.comm import Pending, deferred
 
 __all__ = ["Task", "Runtime"]
 
@@ -87,6 +94,9 @@ class Runtime:
         self._parked: list[_Parked] = []
         # The quorum a task started now belongs to (live fault tolerance sets it at every quorum); None without.
         self.epoch: Any = None
+        # Whether start() leaves its collectives for launch() (module docstring); off where nothing would call it.
+        self.defers_launch = False
+        self._unlaunched: list[Pending] = []
 
     # ---- this step ---------------------------------------------------------------------------
     def run(self, *tasks: Task) -> None:
@@ -103,15 +113,34 @@ class Runtime:
                 queue.append((task, yielded))
 
     # ---- across steps ------------------------------------------------------------------------
-    def start(self, task: Task, due: int, record: Any = None) -> None:
+    def start(self, task: Task, due: int, record: Any = None, *, within_step: bool = False) -> None:
         """Run ``task`` to its first yield and park it until ``advance(n)`` with ``n >= due``, in the
-        current :attr:`epoch`; ``record``: what undoes it without the task (module docstring)."""
-        running, yielded = _resume(task, None)
+        current :attr:`epoch`; ``record``: what undoes it without the task (module docstring). With
+        :attr:`defers_launch`, its collectives wait for :meth:`launch`, unless ``within_step`` (a task
+        the step itself completes, whose collective hides behind the rest of that step)."""
+        if self.defers_launch and not within_step:
+            with deferred(self._unlaunched):
+                running, yielded = _resume(task, None)
+        else:
+            running, yielded = _resume(task, None)
         if running:
             self._parked.append(_Parked(due, task, yielded, record, self.epoch))
 
+    def launch(self) -> None:
+        """Put the collectives that :meth:`start` deferred on the wire, in the order they were issued."""
+        unlaunched, self._unlaunched = self._unlaunched, []
+        for pending in unlaunched:
+            pending.launch()
+
+    @property
+    def unlaunched(self) -> int:
+        """How many collectives :meth:`start` deferred are not on the wire yet."""
+        return sum(not pending.launched for pending in self._unlaunched)
+
     def advance(self, now: int) -> None:
-        """Complete every parked task due at ``now`` or earlier, in the order they were started."""
+        """Complete every parked task due at ``now`` or earlier, in the order they were started (a
+        deferred collective of one of them launched by its wait; one started in this step stays
+        unlaunched: every rank does the same, so each process group still sees one order)."""
         due = [entry for entry in self._parked if entry.due <= now]
         if due:
             self._parked = [entry for entry in self._parked if entry.due > now]
@@ -120,12 +149,14 @@ class Runtime:
 
     def drain(self) -> None:
         """Complete every parked task now, in the order they were started."""
+        self.launch()
         parked, self._parked = self._parked, []
         for entry in parked:
             self._finish(entry)
 
     def abandon(self) -> None:
         """Drop every parked task unfinished: its collectives waited for, their results not read."""
+        self.launch()
         parked, self._parked = self._parked, []
         for entry in parked:
             _drop(entry)
@@ -133,6 +164,7 @@ class Runtime:
     def fail(self, epoch: Any) -> list[Any]:
         """Drop every parked task started in another epoch than ``epoch`` (and every adopted one), as
         :meth:`abandon` does; their records, in start order."""
+        self.launch()
         failed = [entry for entry in self._parked if entry.task is None or entry.epoch != epoch]
         self._parked = [entry for entry in self._parked if not (entry.task is None or entry.epoch != epoch)]
         for entry in failed:

@@ -443,7 +443,7 @@ class Dion(CommOptimizer):
         self._sum_p_over_columns(batches)
         self._orthonormalize_p(batches)
         self.runtime.run(*(self._r_task(b) for b in batches))  # R mean of batch i in flight while i+1 forms R
-        self.runtime.start(self._scalar_task(scalars), due=0)  # in flight during the updates
+        self.runtime.start(self._scalar_task(scalars), due=0, within_step=True)  # in flight during the updates
         self._column_norms(batches)
         for b in batches:
             self._update(b)

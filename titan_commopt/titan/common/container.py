@@ -91,6 +91,10 @@ class CommOptimizersContainer(OptimizersContainer):
             raise ValueError("clip_scope = \"replica\" needs optimizers that step alone (the local-step families)")
         if hasattr(OptimizersContainer, "_validate_length"):  # torchtitan 0.2.2's check (0.3 has none)
             self._validate_length(len(model_parts))
+        # A sync started in a step goes on the wire at the next zero_grad (overlap.py: after torchtitan's log
+        # collectives); fault tolerance turns it off (a collective belongs to the step whose quorum issued it)
+        for optimizer in self._ours():
+            optimizer.runtime.defers_launch = True
         all_params = [p for m in model_parts for p in m.parameters() if p.requires_grad]
         # Optimizer.__init__ gives the container hooks; lr lives in the wrapped optimizers.
         torch.optim.Optimizer.__init__(self, all_params, {"lr": optimizers[0].defaults.get("lr", 0.0)})
@@ -107,6 +111,9 @@ class CommOptimizersContainer(OptimizersContainer):
     @property
     def consecutive_skips(self) -> int:
         return self.guard.consecutive_skips
+
+    def _ours(self) -> list[CommOptimizer]:
+        return [o for o in self.optimizers if isinstance(o, CommOptimizer)]
 
     def _named_params(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for m in self.model_parts for n, p in m.named_parameters() if p.requires_grad]
@@ -233,9 +240,10 @@ class CommOptimizersContainer(OptimizersContainer):
         container's state (parameters, optimizer state, counters, ledger totals) from a peer."""
         self.ft = ft
         ft.register_state("commopt_optimizer", self._heal_state, self._load_heal_state)
-        ours = [o for o in self.optimizers if isinstance(o, CommOptimizer)]
+        ours = self._ours()
         for optimizer in ours:  # a save fails the syncs in flight: landing them would be an R collective
             optimizer.lands_on_save = False  # after a commit (CommOptimizer._settle_for_save)
+            optimizer.runtime.defers_launch = False  # a sync goes on the wire in its step's quorum
         ft.track_syncs(ours)  # a sync in flight across steps follows the quorum (replica_group.py)
         if self.steps_taken:  # resumed from a checkpoint on disk
             ft.resume_at(self.steps_taken)
@@ -365,6 +373,8 @@ class CommOptimizersContainer(OptimizersContainer):
         return comm.eval_scalars(self.eval_ledger)
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        for optimizer in self._ours():  # the syncs the last step started, behind its log collectives
+            optimizer.runtime.launch()
         if self._pending_params:
             self._pending_params.restore(self._named_params())
         if self.ft is not None:  # before the forward: a healing group computes on the healed parameters
