@@ -92,6 +92,7 @@ def test_while_the_quorum_stays_a_committed_run_equals_the_engine_without_fault_
     model, container = _container(config, StandInManager())
     bare = _BareEngine(config)
     (optimizer,) = container.optimizers
+    assert not optimizer.runtime.defers_launch  # a sync goes on the wire in the quorum of its own step
     in_flight = 0
     for t in range(1, 11):
         assert train_step(model, container, t)

@@ -25,11 +25,11 @@ division, the copy back into fused tensors: whatever the synchronous form would 
 :func:`deferred` an asynchronous collective is issued but not yet launched on the wire: it is launched
 by ``Pending.launch()`` (the overlap runtime's ``launch``, at the next step's start) or by its first
 wait or drop, so that what the caller sends in between (torchtitan's log collectives) is not queued
-behind it on a slow link. Bytes are counted when a collective is issued, in the step that issues it. Seconds are counted when it
-completes, on the clock of its tensors' device: on CPU the host clock from issue to completion; on
-a GPU a pair of timing events around it, read by ``CommLedger.end_step`` only once the device has
-passed them (``Event.query``), so timing adds no host synchronization; such seconds land in the
-step that is being closed when they become readable.
+behind it on a slow link. Bytes are counted when a collective is issued, in the step that issues it.
+Seconds are counted from its launch until it completes, on the clock of its tensors' device: on
+CPU the host clock; on a GPU a pair of timing events around it, read by ``CommLedger.end_step`` only
+once the device has passed them (``Event.query``), so timing adds no host synchronization; such
+seconds land in the step that is being closed when they become readable.
 """
 
 from __future__ import annotations

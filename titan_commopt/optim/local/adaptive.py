@@ -297,8 +297,9 @@ PRESET_SOURCES: dict[str, str] = {
     "parameters, 300–500 steps, docs/benchmarks.md §4): Kx = 16, Ku = [48], Kv = 96 with lr_scale = 0.7 "
     "(+6.0 % of AdamW-HSDP's training loss at 500 steps where Kx = 32 was +12.6 %); MT-DAO appendix E.2 "
     "Table 3's DES-LOC-ADAM β, beta1 = [0.95], beta2 = 0.99; for a link slower than the compute, from our study "
-    "(docs/benchmarks.md §2, §8.6: cpu_tiny, two seeds): fragments = 4, fragment_layout = \"size\", sync_delay = 7, "
-    "merge = \"lerp\", merge_alpha = 0 (1.17× of the floor at 10 Mbit/s where blocking is 1.53×, −0.3 % held-out loss)",
+    "(docs/benchmarks.md §2, §8.6: cpu_tiny, two seeds): fragments = 4, fragment_layout = \"size\", sync_delay = 8, "
+    "merge = \"lerp\", merge_alpha = 0 (1.09× of the floor at 10 Mbit/s and 1.12× where the bytes just fit, where "
+    "blocking was 1.53× and 2.13×; −9.2 % held-out loss; sync_delay = 7: 1.14×, 1.16×, −0.3 %)",
     "DES-LOC-ADOPT": "DES-LOC §4.1 (ADOPT with its default β2 = 0.9999 is the main optimizer), B.2.1 (β1 = 0.95 "
     "for all experiments; also MT-DAO appendix E.2 Table 3, DES-LOC-ADOPT), B.2 (no weight decay), §5.3 / "
     "Fig. 5 periods Kx = 32, Ku = 3Kx, Kv = 6Kx; ε = 1e-6 is ADOPT's default (Taniguchi et al. 2024). "
@@ -323,9 +324,10 @@ PRESET_SOURCES: dict[str, str] = {
     "(docs/benchmarks.md §8.6). Its other changes stay options: the FP4 wire (outer_wire_dtype = \"fp4\"), its "
     "outer lr 0.4 (§3.2). Alternatives: blocking DiLoCo as the 2023 paper runs it, fragments = 1, "
     "sync_delay = 0, merge = \"additive\"; for a link slower than the compute, from our study (docs/benchmarks.md "
-    "§2, §8.6: cpu_tiny, two seeds): fragments = 4, fragment_layout = \"size\", sync_delay = 7 (a fragment in "
-    "flight nearly all the period: 1.19× of the floor at 10 Mbit/s where the preset is 1.43×, −3.8 % held-out "
-    "loss against it); from our small-model study (0.2 M parameters, 500 steps, "
+    "§2, §8.6: cpu_tiny, two seeds): fragments = 4, fragment_layout = \"size\", sync_delay = 8 (a fragment in "
+    "flight all the period, the next issued as the last one merges: 1.06× of the floor at 10 Mbit/s and 1.16× "
+    "where the bytes just fit, where the preset is 1.51× and 2.00×; −2.8 % held-out loss against it; "
+    "sync_delay = 7: 1.09×, 1.25×, −3.8 %); from our small-model study (0.2 M parameters, 500 steps, "
     "docs/benchmarks.md §8H.1): outer_momentum = 0.5 (+13 % of AdamW-HSDP's training loss where 0.9 was +33 %)",
     "MuLoCo": "MuLoCo (Thérien et al. 2025, arXiv 2505.23725) at K = 1, the worker count of their tables nearest "
     "our two sites (the other is K = 16): bentherien/muloco-1 33cc333 muloco-1.md L67-69 (outer lr 0.7, outer "
