@@ -172,14 +172,17 @@ def _counted_task(log: list, ledger: comm.CommLedger, name: str):
     log.append(f"got {got}")
 
 
+def _deferring() -> tuple[list, comm.CommLedger, Runtime]:
+    rt = Runtime()
+    rt.defers_launch = True
+    return [], comm.CommLedger(), rt
+
+
 def test_a_deferred_start_counts_now_and_launches_at_launch_in_issue_order():
     """``defers_launch``: a parked task's collective is counted in the step that starts it and goes
     on the wire at ``launch()`` (the container's zero_grad, after torchtitan's log collectives), in
     the order the tasks were started; a task the step completes itself (``within_step``) at once."""
-    log: list = []
-    ledger = comm.CommLedger()
-    rt = Runtime()
-    rt.defers_launch = True
+    log, ledger, rt = _deferring()
     rt.start(_counted_task(log, ledger, "a"), due=2)
     rt.start(_counted_task(log, ledger, "b"), due=1)
     assert log == ["issue a", "issue b"] and rt.unlaunched == 2
@@ -198,13 +201,15 @@ def test_a_deferred_start_counts_now_and_launches_at_launch_in_issue_order():
     assert ledger.current()["R_sent"] == 16
 
 
-def test_a_deferred_collective_completes_or_drops_without_launch_being_called():
-    """Whatever completes a task first launches its collective: a wait (drain), a drop (abandon, a
-    failed sync); none is left unsent, so the ranks' process groups stay in step."""
-    log: list = []
-    ledger = comm.CommLedger()
-    rt = Runtime()
-    rt.defers_launch = True
+def test_whatever_completes_or_drops_a_deferred_task_first_launches_its_collective():
+    """Before ``launch()`` comes: the task's own wait (``advance`` once it is due), ``abandon`` (a load,
+    an undone step), ``fail`` (a sync of another quorum) put it on the wire; none is left unsent, so
+    the ranks' process groups stay in step."""
+    log, ledger, rt = _deferring()
+    rt.start(_counted_task(log, ledger, "w"), due=1)
+    rt.advance(1)
+    assert log == ["issue w", "launch w", "wait w", "got w"] and rt.unlaunched == 0
+    log.clear()
     rt.start(_counted_task(log, ledger, "x"), due=5)
     rt.start(_counted_task(log, ledger, "y"), due=5)
     rt.abandon()
