@@ -41,6 +41,7 @@ itself: every collective is ``comm``'s, and is counted there.
 """
 
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Generator, Optional, Sequence, Union
 
@@ -118,10 +119,7 @@ class Runtime:
         current :attr:`epoch`; ``record``: what undoes it without the task (module docstring). With
         :attr:`defers_launch`, its collectives wait for :meth:`launch`, unless ``within_step`` (a task
         the step itself completes, whose collective hides behind the rest of that step)."""
-        if self.defers_launch and not within_step:
-            with deferred(self._unlaunched):
-                running, yielded = _resume(task, None)
-        else:
+        with deferred(self._unlaunched) if self.defers_launch and not within_step else nullcontext():
             running, yielded = _resume(task, None)
         if running:
             self._parked.append(_Parked(due, task, yielded, record, self.epoch))

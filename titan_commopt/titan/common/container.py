@@ -339,9 +339,8 @@ class CommOptimizersContainer(OptimizersContainer):
         out["commopt/skipped_steps"] = float(self.skipped_steps)
         if self.ft is not None:
             out.update(self.ft.metrics())
-        for optimizer in self.optimizers:
-            if isinstance(optimizer, CommOptimizer):
-                out.update({f"commopt/{k}": float(v) for k, v in optimizer.metrics().items()})
+        for optimizer in self._ours():
+            out.update({f"commopt/{k}": float(v) for k, v in optimizer.metrics().items()})
         return out
 
     # ---- evaluation: the global model ----
